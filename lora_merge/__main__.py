@@ -1,0 +1,5 @@
+import sys
+
+from lora_merge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,228 @@
+"""Layout rules: how one Megatron parameter, split over tensor-parallel ranks, becomes HF tensors.
+
+Each rule is a small declarative object (in the spirit of Megatron-Bridge's parameter mappings): the
+Megatron name, the HF name(s), the global shape in named dimensions, and how the ranks split it. An
+architecture (see `architectures.py`) is a table of these.
+
+The split functions work on any trailing dimensions, so the same rule that un-shards a column-parallel
+weight `[out, in]` also un-shards that layer's bias `[out]` and its LoRA B `[out, r]`: all three have
+their rows laid out alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.model_shape import ModelShape
+
+
+def named_dims(shape: ModelShape) -> dict[str, int]:
+    q, kv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
+    return {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
+            "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab}
+
+
+# --- the un-sharding operations -----------------------------------------------------------------
+
+def unshard_column(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Column-parallel: each rank holds a block of output rows."""
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+
+
+def unshard_row(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Row-parallel: each rank holds a block of input columns."""
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=1)
+
+
+def unshard_replicated(shards: list[torch.Tensor], where: str) -> torch.Tensor:
+    """Replicated: every rank holds the same values; differing copies mean a broken checkpoint."""
+    for rank, other in enumerate(shards[1:], start=1):
+        if not torch.equal(shards[0], other):
+            raise MergeError(f"{where}: replicated tensor differs between TP rank 0 and TP rank {rank}")
+    return shards[0]
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Megatron's fused QKV is interleaved per query group: [q heads of g, k of g, v of g] for each g.
+
+    Ranks hold whole groups in order, so the rank concatenation is already the global layout.
+    """
+    per_group = heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2, head_dim, *rest)
+    q = grouped[:, :per_group].reshape(heads * head_dim, *rest)
+    k = grouped[:, per_group].reshape(groups * head_dim, *rest)
+    v = grouped[:, per_group + 1].reshape(groups * head_dim, *rest)
+    return q, k, v
+
+
+def split_gated(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Swiglu fc1: each rank holds [its gate rows; its up rows], so split per rank before joining."""
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return unshard_column([h[0] for h in halves]), unshard_column([h[1] for h in halves])
+
+
+# --- rules ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    dims: tuple[str, ...]  # global Megatron shape, in named dimensions
+    requires: str | None = None  # a ModelShape feature this parameter exists only with
+    parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)
+
+    def hf_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def global_shape(self, shape: ModelShape, shards_shapes: list[tuple[int, ...]] | None = None) -> tuple[int, ...]:
+        dims = named_dims(shape)
+        return tuple(dims[d] for d in self.dims)
+
+    def hf_shapes(self, shape: ModelShape) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def to_hf(self, shards: list[torch.Tensor], shape: ModelShape, where: str) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def expected_shard_shape(parallel: str, global_shape: tuple[int, ...], tp: int, where: str) -> tuple[int, ...]:
+    split_dim = {"column": 0, "row": 1}.get(parallel)
+    if split_dim is None:
+        return global_shape
+    if global_shape[split_dim] % tp:
+        raise MergeError(f"{where}: dimension {split_dim} of size {global_shape[split_dim]} does not split over TP={tp}")
+    shard = list(global_shape)
+    shard[split_dim] //= tp
+    return tuple(shard)
+
+
+def check_shards(shapes: list[tuple[int, ...]], parallel: str, global_shape: tuple[int, ...], where: str) -> None:
+    expected = expected_shard_shape(parallel, global_shape, len(shapes), where)
+    for rank, got in enumerate(shapes):
+        if tuple(got) != expected:
+            raise MergeError(f"{where}: TP rank {rank} shard has shape {list(got)}, expected {list(expected)} "
+                             f"({parallel} split of global {list(global_shape)} over TP={len(shapes)})")
+
+
+@dataclass(frozen=True)
+class Replicated(Rule):
+    hf: str = ""
+
+    def hf_names(self):
+        return (self.hf,)
+
+    def hf_shapes(self, shape):
+        return {self.hf: self.global_shape(shape)}
+
+    def to_hf(self, shards, shape, where):
+        return {self.hf: unshard_replicated(shards, where)}
+
+
+@dataclass(frozen=True)
+class RowParallel(Rule):
+    hf: str = ""
+    parallel = "row"
+
+    def hf_names(self):
+        return (self.hf,)
+
+    def hf_shapes(self, shape):
+        return {self.hf: self.global_shape(shape)}
+
+    def to_hf(self, shards, shape, where):
+        return {self.hf: unshard_row(shards)}
+
+
+@dataclass(frozen=True)
+class ColumnParallel(Rule):
+    hf: str = ""
+    parallel = "column"
+
+    def hf_names(self):
+        return (self.hf,)
+
+    def hf_shapes(self, shape):
+        return {self.hf: self.global_shape(shape)}
+
+    def to_hf(self, shards, shape, where):
+        return {self.hf: unshard_column(shards)}
+
+
+@dataclass(frozen=True)
+class VocabParallel(ColumnParallel):
+    """Embedding / output layer: vocab rows split over ranks, padded past the tokenizer's vocab."""
+
+    def global_shape(self, shape, shards_shapes=None):
+        # The padded row count is whatever the ranks hold; it only has to cover the real vocab.
+        rows = sum(s[0] for s in shards_shapes) if shards_shapes else shape.vocab
+        if rows < shape.vocab:
+            raise MergeError(f"{self.megatron}: {rows} vocab rows in the checkpoint, fewer than the HF vocab_size {shape.vocab}")
+        return (rows, shape.hidden)
+
+    def hf_shapes(self, shape):
+        return {self.hf: (shape.vocab, shape.hidden)}
+
+    def to_hf(self, shards, shape, where):
+        return {self.hf: unshard_column(shards)[: shape.vocab]}
+
+
+@dataclass(frozen=True)
+class QkvColumn(Rule):
+    q: str = ""
+    k: str = ""
+    v: str = ""
+    parallel = "column"
+
+    def hf_names(self):
+        return (self.q, self.k, self.v)
+
+    def hf_shapes(self, shape):
+        dims = named_dims(shape)
+        rest = self.global_shape(shape)[1:]
+        return {self.q: (dims["q"], *rest), self.k: (dims["kv"], *rest), self.v: (dims["kv"], *rest)}
+
+    def to_hf(self, shards, shape, where):
+        if shape.groups % len(shards):
+            raise MergeError(f"{where}: {shape.groups} query groups do not split over TP={len(shards)}")
+        q, k, v = split_qkv(unshard_column(shards), shape.heads, shape.groups, shape.head_dim)
+        return {self.q: q, self.k: k, self.v: v}
+
+
+@dataclass(frozen=True)
+class GatedColumn(Rule):
+    gate: str = ""
+    up: str = ""
+    parallel = "column"
+
+    def hf_names(self):
+        return (self.gate, self.up)
+
+    def hf_shapes(self, shape):
+        rest = self.global_shape(shape)[1:]
+        return {self.gate: (shape.ffn, *rest), self.up: (shape.ffn, *rest)}
+
+    def to_hf(self, shards, shape, where):
+        gate, up = split_gated(shards)
+        return {self.gate: gate, self.up: up}
+
+
+@dataclass(frozen=True)
+class Skip(Rule):
+    """A tensor that is deliberately not written, with the reason (e.g. the tied copy of the embedding)."""
+
+    reason: str = ""
+
+    def hf_names(self):
+        return ()
+
+    def hf_shapes(self, shape):
+        return {}
+
+    def global_shape(self, shape, shards_shapes=None):
+        return tuple(shards_shapes[0]) if shards_shapes else ()
+
+    def to_hf(self, shards, shape, where):
+        return {}

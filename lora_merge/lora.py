@@ -1,0 +1,87 @@
+"""The LoRA merge: W' = W + (alpha/r)·B·A, in float32, rounded once to the output dtype.
+
+LoRA factors are brought into HF layout first (B's rows regrouped exactly like W's), so the merge is
+independent of how either checkpoint was sharded, and the same factors serve an adapter export.
+PEFT's tensor-parallel layout: column layers (qkv, fc1) replicate A and shard B on dim 0; row layers
+(proj, fc2) shard A on dim 1 and replicate B.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.layout import Rule, check_shards, unshard_replicated, unshard_row
+from lora_merge.model_shape import ModelShape
+from lora_merge.readers.checkpoint import LoraModule
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    alpha: float
+    source: str  # where r and alpha came from, for the summary
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> LoraSettings:
+    """r and alpha from the command line, else from the LoRA checkpoint's args; never a default."""
+    arg_r, arg_alpha = getattr(args, "lora_r", None), getattr(args, "lora_alpha", None)
+    if getattr(args, "lora_use_rslora", False) or getattr(args, "use_rslora", False):
+        raise MergeError(f"{where}: args enable rsLoRA (scale alpha/sqrt(r)), which this tool does not merge")
+    final_r = r if r is not None else arg_r
+    final_alpha = alpha if alpha is not None else arg_alpha
+    if final_r is None or final_alpha is None:
+        lacking = " and ".join(n for n, v in (("lora_r", final_r), ("lora_alpha", final_alpha)) if v is None)
+        raise MergeError(f"{where}: the LoRA checkpoint's args have no {lacking}; pass --lora-r/--lora-alpha "
+                         "with the values used in training")
+    if int(final_r) <= 0 or not math.isfinite(float(final_alpha)):
+        raise MergeError(f"{where}: invalid LoRA settings r={final_r} alpha={final_alpha}")
+    source = "command line" if (r is not None and alpha is not None) else (
+        "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
+    return LoraSettings(r=int(final_r), alpha=float(final_alpha), source=source)
+
+
+def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int, module: str) -> None:
+    out_dim, in_dim = rule.global_shape(shape)
+    a_shapes, b_shapes = [ref.shape for ref in lora.a], [ref.shape for ref in lora.b]
+    if len(a_shapes[0]) != 2 or len(b_shapes[0]) != 2:
+        raise MergeError(f"{lora.a[0].where}: lora_A/lora_B of {module} must be matrices, "
+                         f"found shapes {list(a_shapes[0])} and {list(b_shapes[0])}")
+    if a_shapes[0][0] != r or b_shapes[0][1] != r:
+        raise MergeError(f"{lora.a[0].where}: {module} has LoRA rank {a_shapes[0][0]} (lora_A) / {b_shapes[0][1]} "
+                         f"(lora_B), but r={r}")
+    a_split, b_split = ("replicated", "column") if rule.parallel == "column" else ("row", "replicated")
+    check_shards(a_shapes, a_split, (r, in_dim), f"{module}.lora_A ({lora.a[0].where})")
+    check_shards(b_shapes, b_split, (out_dim, r), f"{module}.lora_B ({lora.b[0].where})")
+
+
+def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(B, A) for each HF tensor the rule produces, with B's rows in that tensor's HF order."""
+    a_shards = [ref.load() for ref in lora.a]
+    b_shards = [ref.load() for ref in lora.b]
+    if rule.parallel == "column":
+        a = unshard_replicated(a_shards, f"{module}.lora_A")
+        return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
+    if rule.parallel == "row":
+        b = unshard_replicated(b_shards, f"{module}.lora_B")
+        (name,) = rule.hf_names()
+        return {name: (b, unshard_row(a_shards))}
+    raise MergeError(f"{module}: LoRA on a {rule.parallel} parameter is not supported")
+
+
+def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,
+                 name: str) -> torch.Tensor:
+    merged = weight.float().addmm_(b.float(), a.float(), alpha=scale) if weight.dtype != torch.float32 else \
+        torch.addmm(weight, b.float(), a.float(), alpha=scale)
+    if not torch.isfinite(merged).all():
+        raise MergeError(f"{name}: merged weight has non-finite values (check the LoRA factors and alpha/r)")
+    return merged.to(dtype)

@@ -1,0 +1,117 @@
+"""The architecture of the model being merged, read from the HF reference config and checked against
+the Megatron args, so that a mismatch stops the merge instead of producing a wrong model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_merge.errors import MergeError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int  # key/value heads (Megatron's query groups)
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype | None  # the reference's dtype, if it names one
+
+    @property
+    def features(self) -> frozenset[str]:
+        """Optional parts of the architecture that some rules depend on."""
+        return frozenset(name for name, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
+                                               ("untied", not self.tied), ("tied", self.tied)) if on)
+
+
+def read_hf_config(hf_dir: Path) -> tuple[ModelShape, dict]:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise MergeError(f"{hf_dir}: no config.json (the --hf-ref directory must hold the HF model's config)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MergeError(f"{path}: not valid JSON ({exc})") from exc
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        raise MergeError(f"{path}: multimodal configs are not supported")
+    model_type = cfg.get("model_type", "")
+
+    def need(key):
+        if key not in cfg:
+            raise MergeError(f"{path}: missing {key!r}")
+        return int(cfg[key])
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+    shape = ModelShape(
+        model_type=model_type,
+        num_layers=need("num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        groups=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        ffn=need("intermediate_size"),
+        vocab=need("vocab_size"),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama-family configs say so with attention_bias.
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        dtype=DTYPES.get(str(dtype_name)) if dtype_name else None,
+    )
+    if shape.heads % shape.groups:
+        raise MergeError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={shape.groups}")
+    return shape, cfg
+
+
+def check_against_args(shape: ModelShape, args, where: str) -> None:
+    """Every architecture fact that the Megatron args also record must agree with the HF config."""
+    def arg(name, default=None):
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    gqa = bool(arg("group_query_attention", False))
+    groups = int(arg("num_query_groups", shape.heads)) if gqa else int(arg("num_attention_heads", shape.heads))
+    heads = int(arg("num_attention_heads", shape.heads))
+    checks = [
+        ("num_layers", arg("num_layers"), shape.num_layers + _noop_count(args), "num_hidden_layers"),
+        ("hidden_size", arg("hidden_size"), shape.hidden, "hidden_size"),
+        ("num_attention_heads", heads, shape.heads, "num_attention_heads"),
+        ("num_query_groups", groups, shape.groups, "num_key_value_heads"),
+        ("kv_channels", arg("kv_channels", shape.hidden // heads if heads else None), shape.head_dim, "head_dim"),
+        ("ffn_hidden_size", arg("ffn_hidden_size"), shape.ffn, "intermediate_size"),
+    ]
+    for arg_name, theirs, ours, hf_name in checks:
+        if theirs is not None and int(theirs) != ours:
+            raise MergeError(f"{where}: args.{arg_name}={theirs} but the HF config's {hf_name} implies {ours}")
+    untie = arg("untie_embeddings_and_output_weights")
+    if untie is not None and bool(untie) == shape.tied:
+        raise MergeError(f"{where}: args.untie_embeddings_and_output_weights={untie} but the HF config has "
+                         f"tie_word_embeddings={shape.tied}")
+    qkv_bias = arg("add_qkv_bias")
+    if qkv_bias is None and arg("add_bias_linear") is not None:
+        qkv_bias = arg("add_bias_linear")
+    if qkv_bias is not None and bool(qkv_bias) != shape.qkv_bias:
+        raise MergeError(f"{where}: args.add_qkv_bias={qkv_bias} but the HF config ({shape.model_type}) "
+                         f"{'has' if shape.qkv_bias else 'has no'} q/k/v biases")
+    padded = arg("padded_vocab_size")
+    if padded is not None and int(padded) < shape.vocab:
+        raise MergeError(f"{where}: args.padded_vocab_size={padded} is smaller than the HF vocab_size={shape.vocab}")
+    if arg("swiglu") is False:
+        raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
+
+
+def _noop_count(args) -> int:
+    return len(getattr(args, "noop_layers", None) or ())

@@ -1,0 +1,63 @@
+"""What every reader produces: a checkpoint's parameters by global Megatron name, still TP-sharded.
+
+Names use HF layer numbers (`decoder.layers.{i}.…`, pipeline stages resolved) and drop PEFT's
+`.base_layer`, so a base checkpoint and an unfiltered LoRA checkpoint name base weights alike. LoRA
+weights are grouped by the module they adapt. Tensors are references: nothing is read until `load()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor in a checkpoint file, not yet read (a memory-mapped tensor, or a loader)."""
+
+    where: str  # file and key, for messages
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+
+Shards = list  # list[TensorRef], one per tensor-parallel rank
+
+
+@dataclass
+class LoraModule:
+    a: Shards
+    b: Shards
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: str
+    iteration: str
+    args: argparse.Namespace
+    tp: int
+    pp: int
+    vpp: int
+    params: dict[str, Shards] = field(default_factory=dict)
+    lora: dict[str, LoraModule] = field(default_factory=dict)
+    skipped: Counter = field(default_factory=Counter)  # reason -> number of entries deliberately not used
+    adapter_name: str | None = None
+    numbering: object = None  # LayerNumbering: how pipeline stages map to layers
+
+    def describe(self) -> str:
+        parts = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")
+        return f"{self.format} checkpoint {self.path} (iteration {self.iteration}, {parts})"

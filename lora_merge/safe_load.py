@@ -1,0 +1,108 @@
+"""Load `.pt` pickles without running any code from them.
+
+Megatron and MindSpeed pickle a few of their own classes into a checkpoint (`args` holds enums such as
+`megatron.core.enums.ModelType`; `rng_state` holds numpy arrays). We never import those classes: each
+global from a trusted namespace is replaced by an inert stand-in that only records its arguments, and
+torch's weights-only unpickler does the rest. Any other global (`os.system`, `builtins.eval`, ...) makes
+the load fail with the offending name. There is no fallback to a full unpickler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import types
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from lora_merge.errors import MergeError
+
+# Namespaces whose classes only ever carry data in a checkpoint. Whatever a name in them is, it gets a
+# stand-in, so trusting a namespace never means running its code.
+STAND_IN_PREFIXES = (
+    "megatron.",
+    "mindspeed.",
+    "mindspeed_llm.",
+    "modellink.",
+    "transformer_engine.",
+    "numpy.",
+    "pathlib.",
+    "io.BytesIO",
+)
+
+# Plain-data classes we let the unpickler build for real (object.__new__ plus a __dict__ update).
+REAL_CLASSES = {
+    "argparse.Namespace": argparse.Namespace,
+    "types.SimpleNamespace": types.SimpleNamespace,
+    "collections.OrderedDict": OrderedDict,
+}
+
+
+class StandIn:
+    """Inert replacement for a pickled class or function: remembers what it was given, does nothing."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self):
+        inner = ", ".join(repr(a) for a in getattr(self, "args", ()))
+        return f"{type(self).__qualname__}({inner})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and getattr(self, "args", ()) == getattr(other, "args", ())
+
+    def __hash__(self):
+        return hash((type(self).__qualname__, repr(getattr(self, "args", ()))))
+
+
+def _stand_in(full_name: str) -> type:
+    module, _, name = full_name.rpartition(".")
+    return type(name, (StandIn,), {"__module__": module, "__qualname__": name})
+
+
+def _allowed_globals(path: Path) -> list:
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except (RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
+        raise MergeError(f"{path}: not a readable torch checkpoint ({_short(exc)})") from exc
+    allowed = []
+    for full_name in names:
+        if full_name in REAL_CLASSES:
+            allowed.append((REAL_CLASSES[full_name], full_name))
+        elif full_name.startswith(STAND_IN_PREFIXES):
+            allowed.append((_stand_in(full_name), full_name))
+        else:
+            raise MergeError(
+                f"{path}: refusing to load: the pickle references {full_name!r}, which is not data a "
+                "Megatron checkpoint holds (only tensors, Megatron/numpy data classes and argparse args are accepted)"
+            )
+    return allowed
+
+
+def load_pt(path: str | Path, mmap: bool = True):
+    """Load a torch `.pt` file with the weights-only unpickler; tensors stay memory-mapped when `mmap`."""
+    path = Path(path)
+    allowed = _allowed_globals(path)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except MergeError:
+        raise
+    except pickle.UnpicklingError as exc:
+        raise MergeError(f"{path}: refusing to load: {_short(exc)}") from exc
+    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
+        raise MergeError(f"{path}: corrupt or truncated torch checkpoint ({_short(exc)})") from exc
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,1 @@
+"""Output writers: they receive finished HuggingFace tensors and files and know nothing of merging."""

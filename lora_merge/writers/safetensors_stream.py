@@ -1,0 +1,132 @@
+"""A streaming, sharded safetensors writer.
+
+safetensors puts every tensor's offset in the header, so a file is normally built in memory first.
+Here all names, shapes and dtypes are known before any data is read (the merge plan), so each shard's
+header is computed up front and tensors are appended one by one as they are produced: memory holds one
+tensor at a time, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count * self.dtype.itemsize
+
+
+def split_into_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Consecutive groups of at most max_shard_bytes (a larger tensor gets a shard of its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def header_bytes(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
+
+
+class ShardedSafetensorsWriter:
+    """Write the planned tensors, in plan order, into HF-style sharded safetensors files."""
+
+    def __init__(self, directory: Path, tensors: list[PlannedTensor], max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None):
+        self.directory = directory
+        self.shards = split_into_shards(tensors, max_shard_bytes)
+        self.file_names = shard_file_names(len(self.shards))
+        self.metadata = metadata or {"format": "pt"}
+        self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
+        self._next = 0
+        self._file = None
+        self._file_index = -1
+        self.bytes_written = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for _, t in self._order)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order):
+            raise RuntimeError(f"writer: {name} is beyond the plan")
+        shard_index, planned = self._order[self._next]
+        if name != planned.name or tuple(tensor.shape) != planned.shape or tensor.dtype != planned.dtype:
+            raise RuntimeError(f"writer: got {name} {list(tensor.shape)} {tensor.dtype}, the plan expects "
+                               f"{planned.name} {list(planned.shape)} {planned.dtype}")
+        if shard_index != self._file_index:
+            self._open(shard_index)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
+        self.bytes_written += planned.nbytes
+        self._next += 1
+
+    def _open(self, shard_index: int) -> None:
+        self._close_file()
+        self._file_index = shard_index
+        self._file = open(self.directory / self.file_names[shard_index], "wb")
+        self._file.write(header_bytes(self.shards[shard_index], self.metadata))
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def finish(self) -> list[str]:
+        """Close the last shard and write the index; returns the files written."""
+        if self._next != len(self._order):
+            raise RuntimeError(f"writer: only {self._next} of {len(self._order)} planned tensors were written")
+        self._close_file()
+        files = list(self.file_names)
+        if len(self.shards) > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {t.name: self.file_names[i] for i, t in self._order}}
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            files.append("model.safetensors.index.json")
+        return files
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,58 @@
+"""Atomic output: everything is written into a hidden sibling directory that is renamed into place only
+once complete and flushed, so an interrupted run never leaves a directory that looks finished."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from lora_merge.errors import MergeError
+
+
+def check_output_target(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise MergeError(f"{out}: already exists (pass --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise MergeError(f"{out}: exists and is not a directory")
+    if not out.parent.is_dir():
+        raise MergeError(f"{out.parent}: parent directory of the output does not exist")
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(out.parent).free
+    if needed > free:
+        raise MergeError(f"{out.parent}: not enough disk space: the output needs {needed / 1e9:.2f} GB, "
+                         f"{free / 1e9:.2f} GB are free")
+
+
+@contextmanager
+def staged_directory(out: Path, force: bool):
+    """Yield a temporary directory next to `out`; on success it becomes `out`, on failure it is removed."""
+    check_output_target(out, force)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield staging
+        _fsync_dir(staging)
+        if out.exists():
+            # Swap the old output aside first so there is never a moment without a complete directory.
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+            os.rename(staging, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(staging, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

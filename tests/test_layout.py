@@ -1,0 +1,173 @@
+"""Layout rules on labelled tensors, built here by loops straight from the documented Megatron layouts.
+
+Each test would fail on the classic mistake named in it (naive q|k|v split, gate/up swapped, rank-0-only
+vocab, wrong concat dim, wrong pipeline numbering).
+"""
+
+import argparse
+
+import pytest
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.layer_numbering import numbering_from_args
+from lora_merge.layout import (GatedColumn, QkvColumn, RowParallel, VocabParallel, check_shards, split_qkv,
+                               unshard_replicated)
+from lora_merge.model_shape import ModelShape
+
+
+def shape_for(heads, groups, head_dim=2, hidden=3, ffn=4, vocab=10):
+    return ModelShape(model_type="qwen2", num_layers=2, hidden=hidden, heads=heads, groups=groups,
+                      head_dim=head_dim, ffn=ffn, vocab=vocab, tied=False, qkv_bias=True, qk_norm=False, dtype=None)
+
+
+def label(kind, head, d, hidden):
+    # one distinct row per (projection, head, dim): values never collide between q, k and v
+    base = {"q": 1000, "k": 2000, "v": 3000}[kind] + 10 * head + d
+    return torch.full((hidden,), float(base))
+
+
+def megatron_qkv_shards(heads, groups, head_dim, hidden, tp):
+    """Rank shards of linear_qkv as Megatron lays them out: per group [its q heads, its k, its v]."""
+    per_group = heads // groups
+    rows = []
+    for g in range(groups):
+        for h in range(g * per_group, (g + 1) * per_group):
+            rows += [label("q", h, d, hidden) for d in range(head_dim)]
+        rows += [label("k", g, d, hidden) for d in range(head_dim)]
+        rows += [label("v", g, d, hidden) for d in range(head_dim)]
+    full = torch.stack(rows)
+    return list(full.chunk(tp, dim=0))
+
+
+def hf_projection(kind, count, head_dim, hidden):
+    return torch.stack([label(kind, h, d, hidden) for h in range(count) for d in range(head_dim)])
+
+
+@pytest.mark.parametrize("heads,groups,tp", [(8, 4, 4), (8, 4, 2), (8, 2, 1), (4, 4, 2), (6, 2, 2)])
+def test_qkv_split_one_and_several_groups_per_rank(heads, groups, tp):
+    shape = shape_for(heads, groups)
+    rule = QkvColumn("linear_qkv.weight", ("qkv", "hidden"), q="q", k="k", v="v")
+    out = rule.to_hf(megatron_qkv_shards(heads, groups, 2, 3, tp), shape, "test")
+    assert torch.equal(out["q"], hf_projection("q", heads, 2, 3))
+    assert torch.equal(out["k"], hf_projection("k", groups, 2, 3))
+    assert torch.equal(out["v"], hf_projection("v", groups, 2, 3))
+
+
+def test_qkv_naive_split_would_be_caught():
+    shards = megatron_qkv_shards(8, 2, 2, 3, 1)
+    naive_q = torch.cat(shards)[: 8 * 2]
+    assert not torch.equal(naive_q, hf_projection("q", 8, 2, 3))
+
+
+def test_qkv_bias_and_lora_b_follow_the_weight_rows():
+    shape = shape_for(8, 4)
+    shards = megatron_qkv_shards(8, 4, 2, 3, 2)
+    rule = QkvColumn("b", ("qkv",), q="q", k="k", v="v")
+    bias = rule.to_hf([s[:, 0] for s in shards], shape, "test")  # 1-D like a bias
+    lora_b = rule.to_hf([s[:, :2] for s in shards], shape, "test")  # [rows, r] like lora_B
+    assert torch.equal(bias["k"], hf_projection("k", 4, 2, 3)[:, 0])
+    assert torch.equal(lora_b["v"], hf_projection("v", 4, 2, 3)[:, :2])
+
+
+def test_qkv_groups_must_split_over_tp():
+    with pytest.raises(MergeError, match="query groups"):
+        QkvColumn("x", ("qkv", "hidden"), q="q", k="k", v="v").to_hf(
+            megatron_qkv_shards(6, 3, 2, 3, 1) * 2, shape_for(6, 3), "x")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gated_fc1_regroups_per_rank(tp):
+    ffn, hidden = 8, 3
+    gate = torch.arange(ffn * hidden, dtype=torch.float32).reshape(ffn, hidden)
+    up = -gate - 1
+    # each rank: [its slice of gate; its slice of up]
+    shards = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+    out = GatedColumn("fc1", ("gated_ffn", "hidden"), gate="gate", up="up").to_hf(shards, shape_for(4, 2, ffn=ffn), "t")
+    assert torch.equal(out["gate"], gate)
+    assert torch.equal(out["up"], up)
+    if tp > 1:  # the mistake: split the concatenation in halves
+        assert not torch.equal(torch.cat(shards)[:ffn], gate)
+
+
+def test_vocab_parallel_concatenates_all_ranks_and_trims_padding():
+    vocab, padded, tp = 10, 16, 4
+    table = torch.arange(padded * 3, dtype=torch.float32).reshape(padded, 3)
+    rule = VocabParallel("emb", ("vocab", "hidden"), hf="emb")
+    shards = list(table.chunk(tp))
+    shape = shape_for(4, 2, vocab=vocab)
+    assert rule.global_shape(shape, [s.shape for s in shards]) == (padded, 3)
+    out = rule.to_hf(shards, shape, "t")["emb"]
+    assert torch.equal(out, table[:vocab])  # a rank-0-only reader would give 4 rows
+
+
+def test_vocab_smaller_than_config_is_an_error():
+    with pytest.raises(MergeError, match="fewer than the HF vocab_size"):
+        VocabParallel("emb", ("vocab", "hidden"), hf="emb").global_shape(shape_for(4, 2, vocab=10), [(4, 3), (4, 3)])
+
+
+def test_row_parallel_concatenates_columns():
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    out = RowParallel("proj", ("hidden", "q"), hf="o").to_hf(list(full.chunk(2, dim=1)), shape_for(4, 2), "t")
+    assert torch.equal(out["o"], full)
+
+
+def test_replicated_copies_must_agree():
+    a = torch.ones(3)
+    assert unshard_replicated([a, a.clone()], "n") is a
+    with pytest.raises(MergeError, match="differs between TP rank 0 and TP rank 1"):
+        unshard_replicated([a, a + 1e-3], "norm")
+
+
+def test_shard_shape_checks_name_the_rank():
+    check_shards([(4, 6), (4, 6)], "column", (8, 6), "w")
+    check_shards([(8, 3), (8, 3)], "row", (8, 6), "w")
+    with pytest.raises(MergeError, match="TP rank 1 shard has shape \\[5, 6\\], expected \\[4, 6\\]"):
+        check_shards([(4, 6), (5, 6)], "column", (8, 6), "w")
+
+
+def test_split_qkv_on_real_numbers_matches_head_view():
+    heads, groups, d, hidden = 8, 2, 4, 5
+    w = torch.randn((heads + 2 * groups) * d, hidden)
+    q, k, v = split_qkv(w, heads, groups, d)
+    per = heads // groups
+    for g in range(groups):
+        block = w[g * (per + 2) * d:(g + 1) * (per + 2) * d]
+        assert torch.equal(q[g * per * d:(g + 1) * per * d], block[: per * d])
+        assert torch.equal(k[g * d:(g + 1) * d], block[per * d:(per + 1) * d])
+        assert torch.equal(v[g * d:(g + 1) * d], block[(per + 1) * d:])
+
+
+def ns(**kw):
+    return argparse.Namespace(**kw)
+
+
+def test_pipeline_numbering_even_split():
+    n = numbering_from_args(ns(num_layers=8), pp=4, vpp=1)
+    assert [n.hf_index(p, 0, 1, "t") for p in range(4)] == [1, 3, 5, 7]
+
+
+def test_pipeline_numbering_virtual_chunks():
+    # chunks run over all stages first: chunk 1 of stage 0 comes after chunk 0 of every stage
+    n = numbering_from_args(ns(num_layers=8), pp=2, vpp=2)
+    assert n.hf_index(0, 0, 0, "t") == 0
+    assert n.hf_index(1, 0, 0, "t") == 2
+    assert n.hf_index(0, 1, 0, "t") == 4
+    assert n.hf_index(1, 1, 1, "t") == 7
+
+
+def test_pipeline_numbering_uneven_and_noop():
+    n = numbering_from_args(ns(num_layers=6, num_layer_list="1,3,2"), pp=3, vpp=1)
+    assert [n.hf_index(2, 0, i, "t") for i in range(2)] == [4, 5]
+    first_last = numbering_from_args(ns(num_layers=7, decoder_first_pipeline_num_layers=1,
+                                        decoder_last_pipeline_num_layers=2), pp=3, vpp=1)
+    assert first_last.counts == ((1, 4, 2),)
+    noop = numbering_from_args(ns(num_layers=6, noop_layers={2}), pp=2, vpp=1)
+    assert noop.hf_index(1, 0, 0, "t") == 2  # global 3, one noop layer before it
+    with pytest.raises(MergeError, match="noop_layers"):
+        noop.hf_index(0, 0, 2, "t")
+
+
+def test_pipeline_local_index_beyond_stage_is_an_error():
+    with pytest.raises(MergeError, match="only 2 layers"):
+        numbering_from_args(ns(num_layers=4), pp=2, vpp=1).hf_index(0, 0, 2, "t")

@@ -1,0 +1,82 @@
+"""Loading pickles from strangers: data classes become inert stand-ins, code is never run."""
+
+import argparse
+import pickle
+
+import pytest
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.safe_load import StandIn, load_pt
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "args": _Evil(marker)}, path)
+    with pytest.raises(MergeError, match="(posix|os)\\.system"):
+        load_pt(path)
+    assert not marker.exists()
+
+
+def test_eval_global_is_refused(tmp_path):
+    class Sneaky:
+        def __reduce__(self):
+            return (eval, ("1+1",))
+
+    path = tmp_path / "x.pt"
+    torch.save({"args": Sneaky()}, path)
+    with pytest.raises(MergeError, match="builtins.eval"):
+        load_pt(path)
+
+
+def test_megatron_like_globals_become_stand_ins(tmp_path):
+    # Classes named like Megatron's, defined here so the test runs without Megatron installed.
+    import enum
+    import sys
+    import types
+
+    mod = types.ModuleType("megatron.core.enums")
+    class ModelType(enum.Enum):
+        encoder_or_decoder = 1
+    ModelType.__module__ = "megatron.core.enums"
+    ModelType.__qualname__ = "ModelType"
+    mod.ModelType = ModelType
+    sys.modules["megatron.core.enums"] = mod
+    try:
+        args = argparse.Namespace(model_type=ModelType.encoder_or_decoder, tensor_model_parallel_size=2)
+        path = tmp_path / "m.pt"
+        torch.save({"args": args, "model": {"w": torch.arange(3.0)}}, path)
+    finally:
+        del sys.modules["megatron.core.enums"]
+    state = load_pt(path)
+    assert state["args"].tensor_model_parallel_size == 2
+    assert isinstance(state["args"].model_type, StandIn)
+    assert type(state["args"].model_type).__module__ == "megatron.core.enums"
+    assert torch.equal(state["model"]["w"], torch.arange(3.0))
+
+
+def test_truncated_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "t.pt"
+    torch.save({"model": {"w": torch.ones(100)}}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(MergeError, match="t.pt"):
+        load_pt(path)
+
+
+def test_not_a_pickle(tmp_path):
+    path = tmp_path / "junk.pt"
+    path.write_bytes(b"hello world" * 10)
+    with pytest.raises(MergeError, match="junk.pt"):
+        load_pt(path)

@@ -1,0 +1,66 @@
+"""The streaming writer's files, read back by the safetensors library and by transformers' conventions."""
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from lora_merge.writers.safetensors_stream import PlannedTensor, ShardedSafetensorsWriter
+
+
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "b.bias": torch.randn(5, generator=g).to(torch.bfloat16),
+        "c.weight": torch.randn(11, 13, generator=g).to(torch.bfloat16),
+        "d.weight": torch.randn(2, 2, generator=g).to(torch.bfloat16),
+    }
+
+
+def write_all(tmp_path, data, max_bytes):
+    plan = [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in data.items()]
+    writer = ShardedSafetensorsWriter(tmp_path, plan, max_bytes)
+    for n, t in data.items():
+        writer.write(n, t)
+    return writer.finish()
+
+
+def test_sharded_output_reads_back_exactly(tmp_path):
+    data = tensors()
+    files = write_all(tmp_path, data, max_bytes=300)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(files) == set(shards) | {"model.safetensors.index.json"}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in data.values())
+    seen = {}
+    for shard in shards:
+        with safe_open(tmp_path / shard, framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for name in f.keys():
+                assert index["weight_map"][name] == shard
+                seen[name] = f.get_tensor(name)
+    assert seen.keys() == data.keys()
+    for name, t in data.items():
+        assert seen[name].dtype == t.dtype and torch.equal(seen[name], t)
+
+
+def test_single_shard_is_model_safetensors(tmp_path):
+    data = {"x": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    assert write_all(tmp_path, data, max_bytes=10**9) == ["model.safetensors"]
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert header_len % 8 == 0  # data section aligned
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("x"), data["x"])
+
+
+def test_writer_refuses_out_of_plan_tensor(tmp_path):
+    import pytest
+
+    writer = ShardedSafetensorsWriter(tmp_path, [PlannedTensor("x", (2,), torch.float32)], 100)
+    with pytest.raises(RuntimeError, match="plan expects x"):
+        writer.write("x", torch.zeros(3))
+    with pytest.raises(RuntimeError, match="only 0 of 1"):
+        writer.finish()
