@@ -33,6 +33,9 @@ def staged_directory(out: Path, force: bool):
     """Yield a temporary directory next to `out`; on success it becomes `out`, on failure it is removed."""
     check_output_target(out, force)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
     try:
         yield staging
         _fsync_dir(staging)

@@ -1,0 +1,37 @@
+import json
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "fixture.json").is_file())
+
+
+def fixture_info(name: str) -> dict:
+    return json.loads((FIXTURES / name / "fixture.json").read_text())
+
+
+def merge_args(name: str, out: Path, with_base: bool | None = None) -> list[str]:
+    """CLI arguments merging fixture `name`; unfiltered LoRA fixtures run without --base by default."""
+    root = FIXTURES / name
+    if with_base is None:
+        with_base = fixture_info(name)["lora"] == "filtered"
+    args = ["--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out), "--no-progress"]
+    return (["--base", str(root / "base")] if with_base else []) + args
+
+
+@pytest.fixture(scope="session")
+def merged_fixture(tmp_path_factory):
+    """Merge each fixture once per test session and hand out the output dir."""
+    from lora_merge.cli import main
+
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp("merged") / name
+            assert main(merge_args(name, out)) == 0
+            cache[name] = out
+        return cache[name]
+
+    return get
