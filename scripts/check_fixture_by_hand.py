@@ -47,13 +47,9 @@ def hf_state_dict(base, lora, args, with_lora: bool, hf_vocab: int) -> dict:
     s = args.lora_alpha / args.lora_r if with_lora else 0.0
     f32 = lambda x: x.detach().to(torch.float32)  # noqa: E731
 
-    def base_w(sd, key):
-        # unfiltered LoRA checkpoints carry the base under .base_layer.; base checkpoints don't
-        return sd[key]
-
-    def merged(t, p, local_prefix, kind):
-        """shard (t, p) of weight at local_prefix (e.g. decoder.layers.0.self_attention.linear_qkv)"""
-        W = f32(base_w(base[(t, p)]["model"], local_prefix + ".weight"))
+    def merged(t, p, local_prefix):
+        """merged shard (t, p) of the weight at local_prefix (e.g. decoder.layers.0.self_attention.linear_qkv)"""
+        W = f32(base[(t, p)]["model"][local_prefix + ".weight"])
         if not with_lora:
             return W
         lsd = lora[(t, p)]["model"]
@@ -76,7 +72,7 @@ def hf_state_dict(base, lora, args, with_lora: bool, hf_vocab: int) -> dict:
             out[hp + "input_layernorm.weight"] = f32(sd0[lp + "input_layernorm.weight"])
             out[hp + "post_attention_layernorm.weight"] = f32(sd0[lp + "pre_mlp_layernorm.weight"])
             # qkv: concat ranks on dim 0 -> group-interleaved global
-            qkv = torch.cat([merged(t, p, lp + "self_attention.linear_qkv", "col") for t in range(tp)], 0)
+            qkv = torch.cat([merged(t, p, lp + "self_attention.linear_qkv") for t in range(tp)], 0)
             qkv = qkv.view(NG, NH // NG + 2, D, H)
             out[hp + "self_attn.q_proj.weight"] = qkv[:, : NH // NG].reshape(NH * D, H)
             out[hp + "self_attn.k_proj.weight"] = qkv[:, NH // NG].reshape(NG * D, H)
@@ -88,12 +84,12 @@ def hf_state_dict(base, lora, args, with_lora: bool, hf_vocab: int) -> dict:
                 out[hp + "self_attn.k_proj.bias"] = b[:, NH // NG].reshape(-1)
                 out[hp + "self_attn.v_proj.bias"] = b[:, NH // NG + 1].reshape(-1)
             out[hp + "self_attn.o_proj.weight"] = torch.cat(
-                [merged(t, p, lp + "self_attention.linear_proj", "row") for t in range(tp)], 1)
-            fc1 = [merged(t, p, lp + "mlp.linear_fc1", "col") for t in range(tp)]
+                [merged(t, p, lp + "self_attention.linear_proj") for t in range(tp)], 1)
+            fc1 = [merged(t, p, lp + "mlp.linear_fc1") for t in range(tp)]
             out[hp + "mlp.gate_proj.weight"] = torch.cat([x.chunk(2, 0)[0] for x in fc1], 0)
             out[hp + "mlp.up_proj.weight"] = torch.cat([x.chunk(2, 0)[1] for x in fc1], 0)
             out[hp + "mlp.down_proj.weight"] = torch.cat(
-                [merged(t, p, lp + "mlp.linear_fc2", "row") for t in range(tp)], 1)
+                [merged(t, p, lp + "mlp.linear_fc2") for t in range(tp)], 1)
     out["model.embed_tokens.weight"] = torch.cat(
         [f32(base[(t, 0)]["model"]["embedding.word_embeddings.weight"]) for t in range(tp)])[:hf_vocab]
     out["model.norm.weight"] = f32(base[(0, pp - 1)]["model"]["decoder.final_layernorm.weight"])
