@@ -1,0 +1,195 @@
+"""Bad input: one clear line on stderr, a non-zero exit, and nothing written."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURES, merge_args
+from lora_merge.cli import main
+from lora_merge.safe_load import StandIn, load_pt
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def rank_files(ckpt_dir: Path) -> list[Path]:
+    it = (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    return sorted((ckpt_dir / f"iter_{int(it):07d}").glob("mp_rank_*/model_optim_rng.pt"))
+
+
+def rewrite(path: Path, edit) -> None:
+    """Load a rank file safely, let `edit` change it, save it back (stand-ins saved as plain strings)."""
+    state = load_pt(path, mmap=False)
+    state.pop("rng_state", None)  # holds numpy stand-ins; not needed by the tool
+    args = state.get("args")
+    if args is not None:
+        for key, value in vars(args).items():
+            if isinstance(value, StandIn):
+                setattr(args, key, repr(value))
+    edit(state)
+    torch.save(state, path)
+
+
+def run_failing(args: list[str], capsys, *expected: str) -> str:
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code != 0, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lora-merge: error: "), err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_missing_lora_alpha_and_r_is_an_error_not_a_default(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    for f in rank_files(root / "lora"):
+        rewrite(f, lambda s: (delattr(s["args"], "lora_alpha"), delattr(s["args"], "lora_r")))
+    out = tmp_path / "out"
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(out), "--no-progress"]
+    run_failing(args, capsys, "no lora_r and lora_alpha", "--lora-r/--lora-alpha")
+    assert_nothing_written(out)
+    assert main(args + ["--lora-r", "4", "--lora-alpha", "12"]) == 0
+
+
+def test_wrong_rank_override_is_caught(tmp_path, capsys):
+    out = tmp_path / "out"
+    run_failing(merge_args("tp2_fp32_filtered", out) + ["--lora-r", "8"], capsys, "LoRA rank 4", "r=8")
+    assert_nothing_written(out)
+
+
+def test_hf_config_disagreeing_with_args(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    config = json.loads((root / "hf_ref" / "config.json").read_text())
+    config["num_key_value_heads"] = 2
+    (root / "hf_ref" / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "num_query_groups=4", "num_key_value_heads")
+    assert_nothing_written(out)
+
+
+def test_filtered_lora_needs_a_base(tmp_path, capsys):
+    out = tmp_path / "out"
+    run_failing(merge_args("tp2_fp32_filtered", out, with_base=False), capsys, "pass --base")
+    assert_nothing_written(out)
+
+
+def test_missing_rank_directory(tmp_path, capsys):
+    root = copy_fixture("tp2pp2_fp32_filtered", tmp_path)
+    shutil.rmtree(rank_files(root / "base")[-1].parent)
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "missing mp_rank_01_001", "TP=2 PP=2")
+    assert_nothing_written(out)
+
+
+def test_existing_output_needs_force(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    run_failing(merge_args("tp2_fp32_filtered", out), capsys, "already exists", "--force")
+    assert (out / "keep").exists()
+    assert main(merge_args("tp2_fp32_filtered", out) + ["--force"]) == 0
+    assert not (out / "keep").exists() and (out / "model.safetensors").exists()
+
+
+def test_malicious_rank_file_is_refused_before_anything_runs(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            import os
+            return (os.system, (f"touch {marker}",))
+
+    target = rank_files(root / "lora")[1]
+    rewrite(target, lambda s: s.__setitem__("rng_state", [Payload()]))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "refusing to load", "system", "mp_rank_01")
+    assert not marker.exists()
+    assert_nothing_written(out)
+
+
+def test_unknown_parameter_is_an_error_not_dropped(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    for f in rank_files(root / "base"):
+        rewrite(f, lambda s: s["model"].__setitem__("decoder.layers.1.mlp.router.weight", torch.zeros(4, 64)))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "does not know", "decoder.layers.1.mlp.router.weight")
+    assert_nothing_written(out)
+
+
+def test_lora_b_missing(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    key = "decoder.layers.2.mlp.linear_fc2.lora_B.default.weight"
+    for f in rank_files(root / "lora"):
+        rewrite(f, lambda s: s["model"].pop(key))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "decoder.layers.2.mlp.linear_fc2 has lora_A but no lora_B")
+    assert_nothing_written(out)
+
+
+def test_replicated_norm_differing_between_ranks(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    key = "decoder.layers.3.input_layernorm.weight"
+    rewrite(rank_files(root / "base")[1], lambda s: s["model"].__setitem__(key, s["model"][key] + 1e-3))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, key, "differs between TP rank 0 and TP rank 1")
+    assert_nothing_written(out)
+
+
+def test_shards_with_wrong_shape(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+    rewrite(rank_files(root / "base")[1], lambda s: s["model"].__setitem__(key, s["model"][key][:-2]))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, key, "TP rank 1 shard has shape [94, 64], expected [96, 64]")
+    assert_nothing_written(out)
+
+
+def test_lora_target_without_weights(tmp_path, capsys):
+    root = copy_fixture("tp2_llama_fp32_partial", tmp_path)
+    for f in rank_files(root / "lora"):
+        rewrite(f, lambda s: s["args"].lora_target_modules.append("linear_proj"))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "lists 'linear_proj'", "no LoRA weights")
+    assert_nothing_written(out)
+
+
+def test_lora_from_another_model_size(tmp_path, capsys):
+    # LoRA trained for the Llama fixture (no qkv bias) applied to the Qwen2 base of another run: the
+    # architectures differ in args, and the tool says so instead of merging.
+    out = tmp_path / "out"
+    run_failing(["--base", str(FIXTURES / "tp2_fp32_filtered" / "base"),
+                 "--lora", str(FIXTURES / "tp2_llama_fp32_partial" / "lora"),
+                 "--hf-ref", str(FIXTURES / "tp2_fp32_filtered" / "hf_ref"), "--out", str(out)], capsys,
+                "add_qkv_bias")
+    assert_nothing_written(out)
+
+
+def test_stale_iteration_is_not_used_and_a_missing_one_is_an_error(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    (root / "lora" / "latest_checkpointed_iteration.txt").write_text("20")
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "iteration 20", "iter_0000020")
+    assert_nothing_written(out)
