@@ -55,6 +55,17 @@ def _preview(names) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def iter_rules(arch: Architecture, shape: ModelShape):
+    """(rule, full Megatron name, HF name prefix) for every parameter of the model, in output order."""
+    for rule in arch.active(arch.before_layers, shape):
+        yield rule, rule.megatron, ""
+    for i in range(shape.num_layers):
+        for rule in arch.active(arch.layer_rules, shape):
+            yield rule, MEGATRON_LAYER.format(i=i) + rule.megatron, HF_LAYER.format(i=i)
+    for rule in arch.active(arch.after_layers, shape):
+        yield rule, rule.megatron, ""
+
+
 def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
@@ -86,13 +97,8 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
         plan.tasks.append(task)
 
-    for rule in arch.active(arch.before_layers, shape):
-        add(rule, rule.megatron, "")
-    for i in range(shape.num_layers):
-        for rule in arch.active(arch.layer_rules, shape):
-            add(rule, MEGATRON_LAYER.format(i=i) + rule.megatron, HF_LAYER.format(i=i))
-    for rule in arch.active(arch.after_layers, shape):
-        add(rule, rule.megatron, "")
+    for rule, megatron, hf_prefix in iter_rules(arch, shape):
+        add(rule, megatron, hf_prefix)
 
     if unclaimed:
         raise MergeError(f"{base.path}: parameters this {shape.model_type} layout does not know: {_preview(unclaimed)}")

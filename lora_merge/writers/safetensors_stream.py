@@ -8,6 +8,7 @@ tensor at a time, whatever the model size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class ShardedSafetensorsWriter:
     """Write the planned tensors, in plan order, into HF-style sharded safetensors files."""
 
     def __init__(self, directory: Path, tensors: list[PlannedTensor], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, hash_files: bool = False):
         self.directory = directory
         self.shards = split_into_shards(tensors, max_shard_bytes)
         self.file_names = shard_file_names(len(self.shards))
@@ -81,6 +82,9 @@ class ShardedSafetensorsWriter:
         self._file = None
         self._file_index = -1
         self.bytes_written = 0
+        self.sha256: dict[str, str] = {}  # file name -> digest, hashed as written (no second read)
+        self._hash = None
+        self.hash_files = hash_files
 
     @property
     def total_bytes(self) -> int:
@@ -95,8 +99,10 @@ class ShardedSafetensorsWriter:
                                f"{planned.name} {list(planned.shape)} {planned.dtype}")
         if shard_index != self._file_index:
             self._open(shard_index)
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._file.write(memoryview(data))
+        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        self._file.write(data)
+        if self._hash is not None:
+            self._hash.update(data)
         self.bytes_written += planned.nbytes
         self._next += 1
 
@@ -104,7 +110,9 @@ class ShardedSafetensorsWriter:
         self._close_file()
         self._file_index = shard_index
         self._file = open(self.directory / self.file_names[shard_index], "wb")
-        self._file.write(header_bytes(self.shards[shard_index], self.metadata))
+        header = header_bytes(self.shards[shard_index], self.metadata)
+        self._file.write(header)
+        self._hash = hashlib.sha256(header) if self.hash_files else None
 
     def _close_file(self) -> None:
         if self._file is not None:
@@ -112,6 +120,11 @@ class ShardedSafetensorsWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+            if self._hash is not None:
+                self.sha256[self.file_names[self._file_index]] = self._hash.hexdigest()
+
+    def file_of(self) -> dict[str, str]:
+        return {t.name: self.file_names[i] for i, t in self._order}
 
     def finish(self) -> list[str]:
         """Close the last shard and write the index; returns the files written."""
@@ -121,7 +134,7 @@ class ShardedSafetensorsWriter:
         files = list(self.file_names)
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {t.name: self.file_names[i] for i, t in self._order}}
+                     "weight_map": self.file_of()}
             (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             files.append("model.safetensors.index.json")
         return files
