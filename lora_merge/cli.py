@@ -1,22 +1,34 @@
-"""Command line: `lora-merge --base BASE --lora LORA --hf-ref HF --out OUT`."""
+"""Command line.
+
+    lora-merge [merge] --base BASE --lora LORA --hf-ref HF --out OUT   merge into an HF model
+    lora-merge verify OUT --lora LORA [--base BASE] [--hf-ref HF]      check a merged output
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import re
+import shutil
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lora_merge import __version__
-from lora_merge.architectures import architecture_for
+from lora_merge.architectures import Architecture, architecture_for
 from lora_merge.errors import MergeError
-from lora_merge.lora import resolve_settings
-from lora_merge.merge import build_plan, check_lora_targets, execute
-from lora_merge.model_shape import DTYPES, check_against_args, read_hf_config
+from lora_merge.lora import LoraSettings, resolve_settings
+from lora_merge.merge import MergePlan, build_plan, check_lora_targets, execute
+from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
 from lora_merge.readers import open_checkpoint
+from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.verify import VerifyReport, verify_output
 from lora_merge.writers.hf_files import copy_reference_files
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.writers.staged_dir import check_free_space, check_output_target, staged_directory
@@ -24,6 +36,7 @@ from lora_merge.writers.staged_dir import check_free_space, check_output_target,
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SUBCOMMANDS = ("merge", "verify")
 
 
 def parse_size(text: str) -> int:
@@ -33,11 +46,20 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
 
 
+def _lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-r", type=int, help="LoRA rank; overrides args.lora_r of the LoRA checkpoint")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha; overrides args.lora_alpha of the LoRA checkpoint")
+    p.add_argument("--report", type=Path, metavar="FILE", help="write a JSON report: inputs, LoRA settings, "
+                   "per-tensor status, sha256 of every output file")
+    p.add_argument("--debug", action="store_true", help="show a traceback on errors")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-merge",
         description="Merge a MindSpeed-LLM / Megatron-Core LoRA checkpoint into a HuggingFace model "
-                    "(sharded safetensors + config + tokenizer), on CPU, without Megatron.",
+                    "(sharded safetensors + config + tokenizer), on CPU, without Megatron. "
+                    "`lora-merge verify --help` for checking an output.",
     )
     p.add_argument("--base", type=Path, help="base Megatron checkpoint dir (with latest_checkpointed_iteration.txt, "
                    "or an iter_*/release dir); may be omitted when --lora is an unfiltered LoRA checkpoint")
@@ -51,16 +73,61 @@ def build_parser() -> argparse.ArgumentParser:
                    "config's dtype, else the checkpoint's training dtype (default: auto)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
-    p.add_argument("--lora-r", type=int, help="LoRA rank; overrides args.lora_r of the LoRA checkpoint")
-    p.add_argument("--lora-alpha", type=float, help="LoRA alpha; overrides args.lora_alpha of the LoRA checkpoint")
+    p.add_argument("--verify", action="store_true", help="read the output back and verify it (see `lora-merge "
+                   "verify`) before it is moved into place; doubles the I/O")
+    p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new output is complete)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="show a traceback on errors")
+    _lora_options(p)
     p.add_argument("--version", action="version", version=f"lora-merge {__version__}")
     return p
 
 
-def output_dtype(choice: str, shape, args) -> torch.dtype:
+def build_verify_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-merge verify",
+        description="Check a merged output: tensor names, shapes and dtypes against its config; finiteness; "
+                    "untouched tensors bit-identical to the baseline; LoRA-touched tensors equal to "
+                    "baseline + (alpha/r)·B·A within one rounding. The baseline is the reference model's weights "
+                    "when --hf-ref holds *.safetensors, else the Megatron --base.",
+    )
+    p.add_argument("out", type=Path, help="the merged HF model dir")
+    p.add_argument("--lora", type=Path, help="the LoRA checkpoint that was merged (needed for the value checks)")
+    p.add_argument("--base", type=Path, help="base Megatron checkpoint (baseline when --hf-ref has no weights)")
+    p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline")
+    _lora_options(p)
+    return p
+
+
+@dataclass
+class Inputs:
+    shape: ModelShape
+    hf_config: dict
+    arch: Architecture
+    base: Checkpoint | None
+    lora: Checkpoint | None
+    settings: LoraSettings | None
+
+
+def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts, need_base: bool) -> Inputs:
+    shape, hf_config = read_hf_config(hf_dir)
+    arch = architecture_for(shape)
+    lora = open_checkpoint(lora_dir) if lora_dir else None
+    base = open_checkpoint(base_dir) if base_dir else lora
+    if need_base and base is lora and lora is not None and not lora.params:
+        raise MergeError(f"{lora_dir}: holds only LoRA weights (a filtered checkpoint); pass --base with the base model")
+    if base is not None and not base.params:
+        base = None
+    for ckpt in {id(c): c for c in (base, lora) if c is not None}.values():
+        check_against_args(shape, ckpt.args, str(ckpt.path))
+    settings = None
+    if lora is not None:
+        check_lora_targets(lora)
+        settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
+    return Inputs(shape, hf_config, arch, base, lora, settings)
+
+
+def output_dtype(choice: str, shape: ModelShape, args) -> torch.dtype:
     if choice != "auto":
         return DTYPES[choice]
     if shape.dtype is not None:
@@ -72,26 +139,25 @@ def output_dtype(choice: str, shape, args) -> torch.dtype:
     return torch.float32
 
 
+def has_weights(hf_dir: Path | None) -> bool:
+    return hf_dir is not None and any(hf_dir.glob("*.safetensors"))
+
+
 def run_merge(opts) -> dict:
     started = time.monotonic()
-    check_output_target(opts.out, opts.force)
-    shape, hf_config = read_hf_config(opts.hf_ref)
-    arch = architecture_for(shape)
+    if not opts.dry_run:
+        check_output_target(opts.out, opts.force)
+    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
+    dtype = output_dtype(opts.dtype, inp.shape, inp.base.args)
+    plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+    writer_plan = plan.tensors
+    if opts.dry_run:
+        print_plan(opts, inp, plan)
+        return {}
 
-    lora = open_checkpoint(opts.lora)
-    base = open_checkpoint(opts.base) if opts.base else lora
-    if base is lora and not lora.params:
-        raise MergeError(f"{opts.lora}: holds only LoRA weights (a filtered checkpoint); pass --base with the base model")
-    for ckpt in {id(base): base, id(lora): lora}.values():
-        check_against_args(shape, ckpt.args, str(ckpt.path))
-    check_lora_targets(lora)
-    settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(opts.lora))
-    dtype = output_dtype(opts.dtype, shape, base.args)
-
-    plan = build_plan(base, lora, shape, arch, settings, dtype)
-    writer_tensors = plan.tensors
+    verify_report = None
     with staged_directory(opts.out, opts.force) as staging:
-        writer = ShardedSafetensorsWriter(staging, writer_tensors, opts.max_shard_size)
+        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=bool(opts.report))
         check_free_space(opts.out, writer.total_bytes + (64 << 20))
         progress = _progress_bar(writer.total_bytes, disabled=opts.no_progress)
         try:
@@ -100,15 +166,110 @@ def run_merge(opts) -> dict:
         finally:
             writer.abort()
             progress.close()
-        files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
+        files += copy_reference_files(opts.hf_ref, staging, inp.hf_config, dtype)
+        if opts.verify:
+            verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
+                                          reference=opts.hf_ref if has_weights(opts.hf_ref) else None, base=inp.base)
+            if not verify_report.ok:
+                _write_report(opts, inp, plan, writer.file_of(), _hash_files(staging, files), verify_report)
+                raise MergeError(f"{opts.out}: verification failed, output not published: "
+                                 f"{verify_report.problems[0]} ({len(verify_report.problems)} problem(s))")
+        hashes = writer.sha256 | (_hash_files(staging, [f for f in files if f not in writer.sha256])
+                                  if opts.report else {})
+    if opts.report:
+        _write_report(opts, inp, plan, writer.file_of(), hashes, verify_report)
 
     return {
-        "out": str(opts.out), "base": base.describe(), "lora": lora.describe(),
-        "tensors": len(writer_tensors), "bytes": writer.total_bytes, "files": files,
+        "out": str(opts.out), "base": inp.base.describe(), "lora": inp.lora.describe(),
+        "tensors": len(writer_plan), "bytes": writer.total_bytes, "files": files,
         "dtype": str(dtype).removeprefix("torch."), "lora_modules": plan.merged_modules,
-        "r": settings.r, "alpha": settings.alpha, "scale": settings.scale, "settings_source": settings.source,
-        "skipped": dict(plan.skipped), "seconds": time.monotonic() - started,
+        "r": inp.settings.r, "alpha": inp.settings.alpha, "scale": inp.settings.scale,
+        "settings_source": inp.settings.source, "skipped": dict(plan.skipped),
+        "seconds": time.monotonic() - started, "verified": verify_report is not None,
     }
+
+
+def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
+    s = inp.shape
+    targets = sorted({t.megatron.rsplit(".", 2)[-2] for t in plan.tasks if t.lora is not None})
+    total = sum(t.nbytes for t in plan.tensors)
+    shards = -(-total // opts.max_shard_size)
+    free = shutil.disk_usage(opts.out.parent if opts.out.parent.is_dir() else Path.cwd()).free
+    print("plan (dry run: nothing is written)")
+    print(f"  base:   {inp.base.describe()}")
+    if inp.lora is not inp.base:
+        print(f"  lora:   {inp.lora.describe()}")
+    print(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {s.heads} heads / {s.groups} kv heads "
+          f"x {s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, {'tied' if s.tied else 'untied'} embeddings"
+          f"{', qkv bias' if s.qkv_bias else ''}")
+    print(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
+          f"{inp.settings.source}) on {', '.join(targets)}: {plan.merged_modules} modules")
+    print(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "
+          f"in about {shards} shard(s) -> {opts.out}")
+    print(f"  disk:   needs {total / 1e9:.3f} GB, {free / 1e9:.1f} GB free")
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(plan.skipped.items())) or "nothing"
+    print(f"  skipped on purpose: {skipped}")
+
+
+def run_verify(opts) -> VerifyReport:
+    out = opts.out
+    if not (out / "config.json").is_file():
+        raise MergeError(f"{out}: no config.json; not a merged model directory")
+    inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
+    dtype = inp.shape.dtype or torch.float32
+    reference = opts.hf_ref if has_weights(opts.hf_ref) else None
+    report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
+                           base=inp.base)
+    if opts.report:
+        files = sorted(p.name for p in out.iterdir() if p.is_file())
+        _write_report(opts, inp, None, {}, _hash_files(out, files), report)
+    return report
+
+
+def _hash_files(directory: Path, names) -> dict[str, str]:
+    hashes = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(directory / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        hashes[name] = h.hexdigest()
+    return hashes
+
+
+def _describe(ckpt: Checkpoint | None) -> dict | None:
+    if ckpt is None:
+        return None
+    return {"path": str(ckpt.path), "format": ckpt.format, "iteration": ckpt.iteration, "tp": ckpt.tp,
+            "pp": ckpt.pp, "vpp": ckpt.vpp, "adapter": ckpt.adapter_name}
+
+
+def _write_report(opts, inp: Inputs, plan: MergePlan | None, file_of: dict, hashes: dict,
+                  verify: VerifyReport | None) -> None:
+    tensors = {}
+    if plan is not None:
+        for task in plan.tasks:
+            for t in task.outputs:
+                tensors[t.name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                   "file": file_of.get(t.name), "source": task.megatron,
+                                   "status": "merged with LoRA" if task.lora is not None else "converted"}
+    if verify is not None:
+        for name, status in verify.statuses.items():
+            tensors.setdefault(name, {})["verify"] = status
+    report = {
+        "tool": f"lora-merge {__version__}",
+        "inputs": {"base": _describe(inp.base), "lora": _describe(inp.lora), "hf_ref": str(getattr(opts, "hf_ref", "") or "")},
+        "lora_settings": None if inp.settings is None else {"r": inp.settings.r, "alpha": inp.settings.alpha,
+                                                            "scale": inp.settings.scale, "source": inp.settings.source},
+        "skipped": dict(plan.skipped) if plan is not None else {},
+        "tensors": tensors,
+        "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+        "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
+                                               "problems": verify.problems},
+    }
+    tmp = opts.report.with_name(opts.report.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, opts.report)
 
 
 def _progress_bar(total: int, disabled: bool):
@@ -127,13 +288,32 @@ def print_summary(s: dict) -> None:
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(s["skipped"].items())) or "nothing"
     print(f"skipped on purpose: {skipped}")
     print(f"wrote {s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB as {s['dtype']} in "
-          f"{sum(f.endswith('.safetensors') for f in s['files'])} shard(s) to {s['out']} in {s['seconds']:.1f} s")
+          f"{sum(f.endswith('.safetensors') for f in s['files'])} shard(s) to {s['out']} in {s['seconds']:.1f} s"
+          + (" (verified)" if s["verified"] else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
+    opts = (build_verify_parser() if command == "verify" else build_parser()).parse_args(argv)
     try:
-        print_summary(run_merge(opts))
+        if command == "verify":
+            report = run_verify(opts)
+            counts = Counter(report.statuses.values())
+            print(f"baseline: {report.baseline}")
+            for status, n in sorted(counts.items()):
+                print(f"  {n:5d} {status}")
+            if not report.ok:
+                for problem in report.problems[:20]:
+                    print(f"  problem: {problem}")
+                print(f"lora-merge: error: {opts.out}: verification failed ({len(report.problems)} problem(s))",
+                      file=sys.stderr)
+                return 1
+            print(f"verify: OK, {len(report.statuses)} tensors checked")
+            return 0
+        summary = run_merge(opts)
+        if summary:
+            print_summary(summary)
         return 0
     except MergeError as exc:
         if opts.debug:
