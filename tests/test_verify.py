@@ -1,0 +1,117 @@
+"""`lora-merge verify` passes on a good output and catches a flipped value, swapped projections and a
+missing tensor. The baseline is an HF reference directory holding real weights."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import FIXTURES, merge_args
+from lora_merge.cli import main
+
+NAME = "tp2_fp32_filtered"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(reference HF dir with the base weights, good merged output)."""
+    root = tmp_path_factory.mktemp("verify")
+    reference = root / "reference"
+    # The base as an HF model: LoRA scaled by 0. The e2e and PEFT tests check this equals Megatron's base.
+    assert main(merge_args(NAME, reference) + ["--lora-alpha", "0"]) == 0
+    good = root / "good"
+    assert main(merge_args(NAME, good)) == 0
+    return reference, good
+
+
+def verify(out, reference, capsys, *extra):
+    code = main(["verify", str(out), "--lora", str(FIXTURES / NAME / "lora"), "--hf-ref", str(reference), *extra])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def corrupt(good, tmp_path, edit):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    tensors = load_file(bad / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    return bad
+
+
+def test_good_output_passes(setup, capsys, tmp_path):
+    reference, good = setup
+    report = tmp_path / "report.json"
+    code, text = verify(good, reference, capsys, "--report", str(report))
+    assert code == 0, text
+    assert "23 identical to baseline" in text and "28 merged" in text
+    data = json.loads(report.read_text())
+    assert data["verify"]["ok"] and data["verify"]["baseline"].startswith("reference weights")
+    assert len(data["files"]["model.safetensors"]["sha256"]) == 64
+
+
+def test_merge_with_verify_and_report(setup, tmp_path, capsys):
+    reference, _ = setup
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    assert main(merge_args(NAME, out) + ["--verify", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["verify"]["ok"]
+    assert data["inputs"]["lora"]["iteration"] == "10" and data["inputs"]["base"]["tp"] == 2
+    assert data["lora_settings"] == {"r": 4, "alpha": 12.0, "scale": 3.0, "source": "checkpoint args"}
+    assert data["tensors"]["model.layers.0.self_attn.q_proj.weight"]["status"] == "merged with LoRA"
+    assert data["tensors"]["model.norm.weight"]["status"] == "converted"
+    import hashlib
+    digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert data["files"]["model.safetensors"]["sha256"] == digest
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.1.input_layernorm.weight",  # untouched: must be bit-identical
+                                    "model.layers.2.mlp.down_proj.weight"])  # touched: base + delta
+def test_single_flipped_value_fails(setup, tmp_path, capsys, tensor):
+    reference, good = setup
+
+    def flip(tensors):
+        bits = tensors[tensor].view(torch.int32).clone()
+        bits.view(-1)[7] ^= 1 << 20  # one mantissa bit of one element
+        tensors[tensor] = bits.view(torch.float32)
+
+    code, text = verify(corrupt(good, tmp_path, flip), reference, capsys)
+    assert code == 1 and tensor in text, text
+
+
+def test_swapped_q_and_k_fails(setup, tmp_path, capsys):
+    reference, good = setup
+
+    def swap(tensors):
+        p = "model.layers.0.self_attn."
+        tensors[p + "q_proj.weight"], tensors[p + "k_proj.weight"] = tensors[p + "k_proj.weight"], tensors[p + "q_proj.weight"]
+
+    code, text = verify(corrupt(good, tmp_path, swap), reference, capsys)
+    assert code == 1 and "q_proj.weight: shape [32, 64]" in text, text
+
+
+def test_swapped_k_and_v_of_the_same_shape_fails(setup, tmp_path, capsys):
+    reference, good = setup
+
+    def swap(tensors):
+        p = "model.layers.3.self_attn."
+        tensors[p + "k_proj.bias"], tensors[p + "v_proj.bias"] = tensors[p + "v_proj.bias"], tensors[p + "k_proj.bias"]
+
+    code, text = verify(corrupt(good, tmp_path, swap), reference, capsys)
+    assert code == 1 and "k_proj.bias" in text and "differs from the baseline" in text, text
+
+
+def test_missing_tensor_fails(setup, tmp_path, capsys):
+    reference, good = setup
+    code, text = verify(corrupt(good, tmp_path, lambda t: t.pop("lm_head.weight")), reference, capsys)
+    assert code == 1 and "lm_head.weight: missing from the output" in text, text
+
+
+def test_verify_against_megatron_base_without_reference_weights(setup, capsys):
+    _, good = setup
+    code = main(["verify", str(good), "--lora", str(FIXTURES / NAME / "lora"),
+                 "--base", str(FIXTURES / NAME / "base")])
+    text = capsys.readouterr().out
+    assert code == 0 and "baseline: Megatron base" in text and "28 merged" in text, text
