@@ -156,9 +156,9 @@ def run_merge(opts) -> dict:
         return {}
 
     verify_report = None
+    check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
     with staged_directory(opts.out, opts.force) as staging:
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=bool(opts.report))
-        check_free_space(opts.out, writer.total_bytes + (64 << 20))
         progress = _progress_bar(writer.total_bytes, disabled=opts.no_progress)
         try:
             execute(plan, writer.write, progress.update)

@@ -193,3 +193,23 @@ def test_stale_iteration_is_not_used_and_a_missing_one_is_an_error(tmp_path, cap
     run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
                  "--out", str(out)], capsys, "iteration 20", "iter_0000020")
     assert_nothing_written(out)
+
+
+def test_not_enough_disk_space_stops_before_writing(tmp_path, capsys, monkeypatch):
+    import collections
+
+    from lora_merge.writers import staged_dir
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(staged_dir.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    out = tmp_path / "out"
+    run_failing(merge_args("tp2_fp32_filtered", out), capsys, "not enough disk space", "GB are free")
+    assert_nothing_written(out)
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(merge_args("tp2pp2_fp32_filtered", out) + ["--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "TP=2 PP=2" in text and "r=4 alpha=12" in text and "51 tensors" in text and "16 modules" in text
+    assert_nothing_written(out)

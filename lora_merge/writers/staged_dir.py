@@ -32,7 +32,8 @@ def check_free_space(out: Path, needed: int) -> None:
 def staged_directory(out: Path, force: bool):
     """Yield a temporary directory next to `out`; on success it becomes `out`, on failure it is removed."""
     check_output_target(out, force)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    remove_abandoned_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
@@ -51,6 +52,24 @@ def staged_directory(out: Path, force: bool):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def remove_abandoned_staging(out: Path) -> None:
+    """Delete staging dirs of earlier runs for the same output that were killed (their process is gone)."""
+    for path in out.parent.glob(f".{out.name}.partial-*-*"):
+        pid = path.name.removeprefix(f".{out.name}.partial-").split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
