@@ -29,6 +29,7 @@ from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.verify import VerifyReport, verify_output
+from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.hf_files import copy_reference_files
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.writers.staged_dir import check_free_space, check_output_target, staged_directory
@@ -160,8 +161,12 @@ def run_merge(opts) -> dict:
     with staged_directory(opts.out, opts.force) as staging:
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=bool(opts.report))
         progress = _progress_bar(writer.total_bytes, disabled=opts.no_progress)
+        background = BackgroundWriter(writer.write)
         try:
-            execute(plan, writer.write, progress.update)
+            try:
+                execute(plan, background.write, progress.update)
+            finally:
+                background.close()
             files = writer.finish()
         finally:
             writer.abort()

@@ -50,19 +50,52 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tupl
 
     Ranks hold whole groups in order, so the rank concatenation is already the global layout.
     """
+    return tuple(torch.cat(parts) for parts in split_qkv_groups(qkv, heads, groups, head_dim))
+
+
+def split_qkv_groups(qkv: torch.Tensor, heads: int, groups: int, head_dim: int):
+    """Like split_qkv, but as per-group row views (q of each group, k of each, v of each), no copies."""
     per_group = heads // groups
     rest = qkv.shape[1:]
     grouped = qkv.reshape(groups, per_group + 2, head_dim, *rest)
-    q = grouped[:, :per_group].reshape(heads * head_dim, *rest)
-    k = grouped[:, per_group].reshape(groups * head_dim, *rest)
-    v = grouped[:, per_group + 1].reshape(groups * head_dim, *rest)
+    q = [grouped[g, :per_group].reshape(per_group * head_dim, *rest) for g in range(groups)]
+    k = [grouped[g, per_group] for g in range(groups)]
+    v = [grouped[g, per_group + 1] for g in range(groups)]
     return q, k, v
 
 
-def split_gated(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Swiglu fc1: each rank holds [its gate rows; its up rows], so split per rank before joining."""
-    halves = [s.chunk(2, dim=0) for s in shards]
-    return unshard_column([h[0] for h in halves]), unshard_column([h[1] for h in halves])
+# --- row blocks: an HF tensor as views into the checkpoint, materialized a chunk of rows at a time ---
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Consecutive rows of an HF tensor, still in the checkpoint's (memory-mapped) tensors: one tensor, or
+    the rank shards of a row-parallel tensor, joined along dim 1 only for the rows taken."""
+
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.parts[0].shape[0]
+
+    @property
+    def row_numel(self) -> int:
+        return sum(p[0].numel() if p.dim() > 1 else 1 for p in self.parts)
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0][start:stop]
+        return torch.cat([p[start:stop] for p in self.parts], dim=1)
+
+    def whole(self) -> torch.Tensor:
+        return self.take(0, self.rows)
+
+
+def join_blocks(blocks: list[RowBlock]) -> torch.Tensor:
+    return unshard_column([b.whole() for b in blocks])
+
+
+def single(t: torch.Tensor) -> list[RowBlock]:
+    return [RowBlock((t,))]
 
 
 # --- rules ----------------------------------------------------------------------------------------
@@ -84,8 +117,13 @@ class Rule:
     def hf_shapes(self, shape: ModelShape) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
 
-    def to_hf(self, shards: list[torch.Tensor], shape: ModelShape, where: str) -> dict[str, torch.Tensor]:
+    def hf_blocks(self, shards: list[torch.Tensor], shape: ModelShape, where: str) -> dict[str, list[RowBlock]]:
+        """Each HF tensor this parameter becomes, as row blocks that are views of the shards (no copies)."""
         raise NotImplementedError
+
+    def to_hf(self, shards: list[torch.Tensor], shape: ModelShape, where: str) -> dict[str, torch.Tensor]:
+        """The HF tensors, materialized."""
+        return {name: join_blocks(blocks) for name, blocks in self.hf_blocks(shards, shape, where).items()}
 
 
 def expected_shard_shape(parallel: str, global_shape: tuple[int, ...], tp: int, where: str) -> tuple[int, ...]:
@@ -117,8 +155,8 @@ class Replicated(Rule):
     def hf_shapes(self, shape):
         return {self.hf: self.global_shape(shape)}
 
-    def to_hf(self, shards, shape, where):
-        return {self.hf: unshard_replicated(shards, where)}
+    def hf_blocks(self, shards, shape, where):
+        return {self.hf: single(unshard_replicated(shards, where))}
 
 
 @dataclass(frozen=True)
@@ -132,8 +170,8 @@ class RowParallel(Rule):
     def hf_shapes(self, shape):
         return {self.hf: self.global_shape(shape)}
 
-    def to_hf(self, shards, shape, where):
-        return {self.hf: unshard_row(shards)}
+    def hf_blocks(self, shards, shape, where):
+        return {self.hf: [RowBlock(tuple(shards))]}
 
 
 @dataclass(frozen=True)
@@ -147,8 +185,8 @@ class ColumnParallel(Rule):
     def hf_shapes(self, shape):
         return {self.hf: self.global_shape(shape)}
 
-    def to_hf(self, shards, shape, where):
-        return {self.hf: unshard_column(shards)}
+    def hf_blocks(self, shards, shape, where):
+        return {self.hf: [RowBlock((s,)) for s in shards]}
 
 
 @dataclass(frozen=True)
@@ -165,8 +203,13 @@ class VocabParallel(ColumnParallel):
     def hf_shapes(self, shape):
         return {self.hf: (shape.vocab, shape.hidden)}
 
-    def to_hf(self, shards, shape, where):
-        return {self.hf: unshard_column(shards)[: shape.vocab]}
+    def hf_blocks(self, shards, shape, where):
+        blocks, left = [], shape.vocab  # drop the padding rows past the real vocab
+        for s in shards:
+            if left > 0:
+                blocks.append(RowBlock((s[:left],)))
+                left -= min(left, s.shape[0])
+        return {self.hf: blocks}
 
 
 @dataclass(frozen=True)
@@ -184,11 +227,15 @@ class QkvColumn(Rule):
         rest = self.global_shape(shape)[1:]
         return {self.q: (dims["q"], *rest), self.k: (dims["kv"], *rest), self.v: (dims["kv"], *rest)}
 
-    def to_hf(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where):
         if shape.groups % len(shards):
             raise MergeError(f"{where}: {shape.groups} query groups do not split over TP={len(shards)}")
-        q, k, v = split_qkv(unshard_column(shards), shape.heads, shape.groups, shape.head_dim)
-        return {self.q: q, self.k: k, self.v: v}
+        out = {self.q: [], self.k: [], self.v: []}
+        for shard in shards:  # each rank holds whole groups; split_qkv on it gives views of its rows
+            per_rank = split_qkv_groups(shard, shape.heads // len(shards), shape.groups // len(shards), shape.head_dim)
+            for name, parts in zip((self.q, self.k, self.v), per_rank):
+                out[name] += [RowBlock((p,)) for p in parts]
+        return out
 
 
 @dataclass(frozen=True)
@@ -204,9 +251,9 @@ class GatedColumn(Rule):
         rest = self.global_shape(shape)[1:]
         return {self.gate: (shape.ffn, *rest), self.up: (shape.ffn, *rest)}
 
-    def to_hf(self, shards, shape, where):
-        gate, up = split_gated(shards)
-        return {self.gate: gate, self.up: up}
+    def hf_blocks(self, shards, shape, where):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {self.gate: [RowBlock((h[0],)) for h in halves], self.up: [RowBlock((h[1],)) for h in halves]}
 
 
 @dataclass(frozen=True)
@@ -224,5 +271,5 @@ class Skip(Rule):
     def global_shape(self, shape, shards_shapes=None):
         return tuple(shards_shapes[0]) if shards_shapes else ()
 
-    def to_hf(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where):
         return {}

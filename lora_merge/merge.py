@@ -13,7 +13,7 @@ from lora_merge.errors import MergeError
 from lora_merge.layout import Rule, Skip, check_shards
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
 from lora_merge.model_shape import ModelShape
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef, release_pages
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
 
@@ -118,17 +118,62 @@ def check_lora_targets(lora: Checkpoint) -> None:
                              f"LoRA weights for it")
 
 
+# Rows are merged and written in chunks of about this many float32 bytes, so memory stays bounded
+# however large a tensor is (a 671B model's embedding is 1.9 GB).
+CHUNK_BYTES = 64 << 20
+
+
 def execute(plan: MergePlan, write, progress=None) -> None:
-    """Run the plan, handing each finished HF tensor to `write(name, tensor)` in plan order."""
-    shape, dtype = plan.shape, plan.dtype
+    """Run the plan, calling `write(name, rows, then)` for each HF tensor in plan order, in row pieces;
+    `then` (or None) is to be called once those rows are written."""
+    shape = plan.shape
     for task in plan.tasks:
         where = f"{task.megatron} ({task.shards[0].where})"
-        tensors = task.rule.to_hf([ref.load() for ref in task.shards], shape, where)
-        if task.lora is not None:
-            for name, (b, a) in hf_factors(task.rule, task.lora, shape, task.lora_module).items():
-                tensors[name] = merge_weight(tensors[name], b, a, plan.settings.scale, dtype, task.hf_prefix + name)
+        mapped = all(ref.mapped for ref in task.shards)
+        blocks = task.rule.hf_blocks([ref.load() for ref in task.shards], shape, where)
+        factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
         for planned in task.outputs:
-            tensor = tensors[planned.name[len(task.hf_prefix):]].to(dtype)
-            write(planned.name, tensor)
-            if progress is not None:
-                progress(planned.nbytes)
+            name = planned.name[len(task.hf_prefix):]
+            for piece, then in _pieces(blocks[name], factors.get(name), plan, planned.name, mapped):
+                write(planned.name, piece, then)
+                if progress is not None:
+                    progress(piece.nbytes)
+        del blocks
+        for ref in task.shards:  # replicated copies on other ranks, and the LoRA factors' pages
+            ref.release()
+        if task.lora is not None:
+            for ref in task.lora.a + task.lora.b:
+                ref.release()
+
+
+def _release_all(views) -> None:
+    for view in views:
+        release_pages(view)
+
+
+def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
+    """(rows, then) pieces of one HF tensor in output dtype, merged with its LoRA factors if it has them.
+
+    Each piece covers at most CHUNK_BYTES of float32, and the checkpoint pages it came from are released
+    as soon as they are no longer needed, so resident memory stays at a few chunks.
+    """
+    offset = 0
+    for block in blocks:
+        step = max(1, CHUNK_BYTES // (4 * block.row_numel))
+        for start in range(0, block.rows, step):
+            stop = min(start + step, block.rows)
+            sources = [part[start:stop] for part in block.parts]
+            if factors is None and len(sources) == 1 and sources[0].dtype == plan.dtype:
+                # unchanged bytes: straight from the mapped checkpoint to the file, released once written
+                yield sources[0], (lambda views=sources: _release_all(views)) if mapped else None
+                continue
+            rows = block.take(start, stop)
+            if factors is None:
+                piece = rows.to(plan.dtype)
+            else:
+                b, a = factors
+                piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, plan.dtype, name)
+            if mapped:
+                _release_all(sources)
+            yield piece, None
+        offset += block.rows

@@ -8,6 +8,8 @@ weights are grouped by the module they adapt. Tensors are references: nothing is
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ class TensorRef:
 
     where: str  # file and key, for messages
     tensor: torch.Tensor
+    mapped: bool = False  # the tensor's memory is a private read-only mapping of the checkpoint file
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -32,6 +35,32 @@ class TensorRef:
 
     def load(self) -> torch.Tensor:
         return self.tensor
+
+    def release(self) -> None:
+        if self.mapped:
+            release_pages(self.tensor)
+
+
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+except (OSError, AttributeError):  # not on Linux: nothing to release
+    def _madvise(*_):
+        return 0
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Give the pages of a view into a memory-mapped checkpoint back to the OS (they stay in the page cache).
+
+    Pages of a file mapping count in the process's RSS once read; without this, RSS would grow to the size
+    of the checkpoint. Dropping clean private file pages is safe: a later read faults them in again. Only
+    for tensors whose memory is such a mapping (`TensorRef.mapped`): on ordinary memory it would zero it.
+    """
+    if tensor.numel():
+        start = tensor.data_ptr() & ~(PAGE - 1)
+        end = tensor.data_ptr() + tensor.nbytes
+        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 Shards = list  # list[TensorRef], one per tensor-parallel rank

@@ -78,7 +78,8 @@ class ShardedSafetensorsWriter:
         self.file_names = shard_file_names(len(self.shards))
         self.metadata = metadata or {"format": "pt"}
         self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
-        self._next = 0
+        self._next = 0  # index in _order of the tensor being written
+        self._done_bytes = 0  # bytes of it written so far
         self._file = None
         self._file_index = -1
         self.bytes_written = 0
@@ -90,21 +91,28 @@ class ShardedSafetensorsWriter:
     def total_bytes(self) -> int:
         return sum(t.nbytes for _, t in self._order)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self._next >= len(self._order):
-            raise RuntimeError(f"writer: {name} is beyond the plan")
+    def write(self, name: str, piece: torch.Tensor) -> None:
+        """Append `piece`: a whole planned tensor, or its next rows (a tensor may come in several pieces)."""
+        if self._done_bytes == 0 or self._done_bytes == self._order[self._next][1].nbytes:
+            if self._done_bytes:
+                self._next += 1
+                self._done_bytes = 0
+            if self._next >= len(self._order):
+                raise RuntimeError(f"writer: {name} is beyond the plan")
         shard_index, planned = self._order[self._next]
-        if name != planned.name or tuple(tensor.shape) != planned.shape or tensor.dtype != planned.dtype:
-            raise RuntimeError(f"writer: got {name} {list(tensor.shape)} {tensor.dtype}, the plan expects "
-                               f"{planned.name} {list(planned.shape)} {planned.dtype}")
+        rows_fit = tuple(piece.shape[1:]) == planned.shape[1:] and piece.dim() == len(planned.shape)
+        if name != planned.name or piece.dtype != planned.dtype or not rows_fit or \
+                self._done_bytes + piece.nbytes > planned.nbytes:
+            raise RuntimeError(f"writer: got {name} {list(piece.shape)} {piece.dtype}, the plan expects "
+                               f"{'rows of ' if self._done_bytes else ''}{planned.name} {list(planned.shape)} {planned.dtype}")
         if shard_index != self._file_index:
             self._open(shard_index)
-        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         self._file.write(data)
         if self._hash is not None:
             self._hash.update(data)
-        self.bytes_written += planned.nbytes
-        self._next += 1
+        self._done_bytes += piece.nbytes
+        self.bytes_written += piece.nbytes
 
     def _open(self, shard_index: int) -> None:
         self._close_file()
@@ -128,8 +136,9 @@ class ShardedSafetensorsWriter:
 
     def finish(self) -> list[str]:
         """Close the last shard and write the index; returns the files written."""
-        if self._next != len(self._order):
-            raise RuntimeError(f"writer: only {self._next} of {len(self._order)} planned tensors were written")
+        complete = self._next + (1 if self._order and self._done_bytes == self._order[self._next][1].nbytes else 0)
+        if complete != len(self._order):
+            raise RuntimeError(f"writer: only {complete} of {len(self._order)} planned tensors were written")
         self._close_file()
         files = list(self.file_names)
         if len(self.shards) > 1:
