@@ -325,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lora-merge: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions, a file vanishing mid-run: the output was not published
+        if opts.debug:
+            raise
+        print(f"lora-merge: error: {exc.filename or 'I/O'}: {exc.strerror or exc}; no output was written",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("lora-merge: interrupted; no output was written", file=sys.stderr)
         return 130

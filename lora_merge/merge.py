@@ -76,6 +76,8 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
         plan.skipped.update(lora.skipped)
         if lora.params:
             plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
+        if base.lora:
+            plan.skipped["LoRA modules in the --base checkpoint (--lora is used instead)"] += len(base.lora)
 
     def add(rule: Rule, megatron: str, hf_prefix: str) -> None:
         if isinstance(rule, Skip):

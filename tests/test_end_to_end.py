@@ -88,3 +88,15 @@ def test_lora_scale_override_changes_the_model(tmp_path):
     assert main(merge_args("tp2_fp32_filtered", out) + ["--lora-alpha", "0"]) == 0
     ref = torch.load(FIXTURES / "tp2_fp32_filtered" / "logits.pt", weights_only=True)
     assert (hf_logits(out, ref["input_ids"]) - ref["logits_base"]).abs().max() <= 1e-4
+
+
+def test_lora_and_base_with_different_parallel_layouts(tmp_path):
+    # The Qwen2 fixtures share one base model and one LoRA. Take the base from the TP=1 x PP=2 run
+    # (unfiltered: base weights under .base_layer) and the LoRA from the TP=2 run: the merge must
+    # still be the model Megatron computed.
+    out = tmp_path / "cross"
+    assert main(["--base", str(FIXTURES / "pp2_fp32_unfiltered" / "lora"),
+                 "--lora", str(FIXTURES / "tp2_fp32_filtered" / "lora"),
+                 "--hf-ref", str(FIXTURES / "tp2_fp32_filtered" / "hf_ref"), "--out", str(out), "--no-progress"]) == 0
+    ref = torch.load(FIXTURES / "tp2_fp32_filtered" / "logits.pt", weights_only=True)
+    assert (hf_logits(out, ref["input_ids"]) - ref["logits_lora"]).abs().max() <= 1e-4

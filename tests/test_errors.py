@@ -213,3 +213,47 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "TP=2 PP=2" in text and "r=4 alpha=12" in text and "51 tensors" in text and "16 modules" in text
     assert_nothing_written(out)
+
+
+def test_truncated_rank_file(tmp_path, capsys):
+    root = copy_fixture("tp2pp2_fp32_filtered", tmp_path)
+    victim = rank_files(root / "base")[2]
+    victim.write_bytes(victim.read_bytes()[:5000])
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, str(victim))
+    assert_nothing_written(out)
+
+
+def test_non_finite_merge_result(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    key = "decoder.layers.1.self_attention.linear_proj.lora_B.default.weight"
+
+    def poison(state):
+        state["model"][key] = state["model"][key].clone()
+        state["model"][key][3, 1] = float("inf")
+
+    for f in rank_files(root / "lora"):  # lora_B of a row layer is replicated: poison every copy
+        rewrite(f, poison)
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "model.layers.1.self_attn.o_proj.weight", "non-finite")
+    assert_nothing_written(out)
+
+
+def test_write_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
+    from lora_merge.writers import safetensors_stream
+
+    calls = {"n": 0}
+    real_write = safetensors_stream.ShardedSafetensorsWriter.write
+
+    def failing(self, name, piece):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise OSError(28, "No space left on device", str(self.directory / self.file_names[0]))
+        return real_write(self, name, piece)
+
+    monkeypatch.setattr(safetensors_stream.ShardedSafetensorsWriter, "write", failing)
+    out = tmp_path / "out"
+    run_failing(merge_args("tp2_fp32_filtered", out), capsys, "No space left on device", "no output was written")
+    assert_nothing_written(out)
