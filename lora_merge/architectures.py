@@ -24,21 +24,26 @@ class Architecture:
         return [r for r in rules if r.requires is None or r.requires in shape.features]
 
 
-# Llama, Mistral and Qwen2 (and so the DeepSeek-R1-Distill models) share one dense decoder layout with
-# Megatron's local-spec names; q/k/v biases exist when the config says so (always for Qwen2).
+# Llama, Mistral, Qwen2 and Qwen3 (and so the DeepSeek-R1-Distill models) share one dense decoder
+# layout; q/k/v biases exist when the config says so (always for Qwen2), q/k norms for Qwen3.
 DENSE_DECODER = Architecture(
     name="dense-decoder",
     before_layers=(
         VocabParallel("embedding.word_embeddings.weight", ("vocab", "hidden"), hf="model.embed_tokens.weight"),
     ),
     layer_rules=(
-        Replicated("input_layernorm.weight", ("hidden",), hf="input_layernorm.weight"),
+        # TransformerEngine fuses the norms into the next linear; torch_dist always uses those names.
+        Replicated("input_layernorm.weight", ("hidden",), hf="input_layernorm.weight",
+                   aliases=("self_attention.linear_qkv.layer_norm_weight",)),
         QkvColumn("self_attention.linear_qkv.weight", ("qkv", "hidden"),
                   q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"),
         QkvColumn("self_attention.linear_qkv.bias", ("qkv",), requires="qkv_bias",
                   q="self_attn.q_proj.bias", k="self_attn.k_proj.bias", v="self_attn.v_proj.bias"),
+        Replicated("self_attention.q_layernorm.weight", ("head_dim",), requires="qk_norm", hf="self_attn.q_norm.weight"),
+        Replicated("self_attention.k_layernorm.weight", ("head_dim",), requires="qk_norm", hf="self_attn.k_norm.weight"),
         RowParallel("self_attention.linear_proj.weight", ("hidden", "q"), hf="self_attn.o_proj.weight"),
-        Replicated("pre_mlp_layernorm.weight", ("hidden",), hf="post_attention_layernorm.weight"),
+        Replicated("pre_mlp_layernorm.weight", ("hidden",), hf="post_attention_layernorm.weight",
+                   aliases=("mlp.linear_fc1.layer_norm_weight",)),
         GatedColumn("mlp.linear_fc1.weight", ("gated_ffn", "hidden"),
                     gate="mlp.gate_proj.weight", up="mlp.up_proj.weight"),
         RowParallel("mlp.linear_fc2.weight", ("hidden", "ffn"), hf="mlp.down_proj.weight"),
@@ -55,6 +60,7 @@ ARCHITECTURES = {
     "llama": DENSE_DECODER,
     "mistral": DENSE_DECODER,
     "qwen2": DENSE_DECODER,
+    "qwen3": DENSE_DECODER,
 }
 
 

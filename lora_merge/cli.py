@@ -2,6 +2,8 @@
 
     lora-merge [merge] --base BASE --lora LORA --hf-ref HF --out OUT   merge into an HF model
     lora-merge verify OUT --lora LORA [--base BASE] [--hf-ref HF]      check a merged output
+    lora-merge inspect DIR                                            what a checkpoint is
+    lora-merge export-adapter --lora LORA --hf-ref HF --out DIR        unmerged PEFT adapter
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from pathlib import Path
 import torch
 
 from lora_merge import __version__
+from lora_merge.describe import describe
+from lora_merge.export_adapter import (VLLM_DEFAULT_MAX_LORA_RANK, adapter_config, adapter_tensors,
+                                       check_every_layer_adapted, target_modules, write_adapter)
 from lora_merge.architectures import Architecture, architecture_for
 from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings, resolve_settings
@@ -37,7 +42,7 @@ from lora_merge.writers.staged_dir import check_free_space, check_output_target,
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-SUBCOMMANDS = ("merge", "verify")
+SUBCOMMANDS = ("merge", "verify", "inspect", "export-adapter")
 
 
 def parse_size(text: str) -> int:
@@ -60,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lora-merge",
         description="Merge a MindSpeed-LLM / Megatron-Core LoRA checkpoint into a HuggingFace model "
                     "(sharded safetensors + config + tokenizer), on CPU, without Megatron. "
-                    "`lora-merge verify --help` for checking an output.",
+                    "Also: `lora-merge verify --help` (check an output), `lora-merge inspect --help` (describe a "
+                    "checkpoint).",
     )
     p.add_argument("--base", type=Path, help="base Megatron checkpoint dir (with latest_checkpointed_iteration.txt, "
                    "or an iter_*/release dir); may be omitted when --lora is an unfiltered LoRA checkpoint")
@@ -98,6 +104,37 @@ def build_verify_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline")
     _lora_options(p)
     return p
+
+
+def build_inspect_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-merge inspect",
+        description="Print what a Megatron checkpoint is: format, iteration, TP/PP/VPP, architecture from its "
+                    "args, tensors per rank file, LoRA targets with r/alpha, dtype, total size.")
+    p.add_argument("checkpoint", type=Path, help="checkpoint dir (with latest_checkpointed_iteration.txt, or iter_*)")
+    p.add_argument("--debug", action="store_true", help="show a traceback on errors")
+    return p
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-merge export-adapter",
+        description="Write the LoRA as an unmerged PEFT adapter (adapter_model.safetensors + adapter_config.json, "
+                    "HF module names) that PEFT and vLLM load on top of the HF base model.")
+    p.add_argument("--lora", type=Path, required=True, help="LoRA checkpoint dir written by MindSpeed-LLM")
+    p.add_argument("--hf-ref", type=Path, required=True, help="HF model dir of the base model (its config.json "
+                   "defines the architecture)")
+    p.add_argument("--out", type=Path, required=True, help="adapter output dir (must not exist unless --force)")
+    p.add_argument("--base", type=Path, help="optional base Megatron checkpoint, only cross-checked against the config")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    _lora_options(p)
+    return p
+
+
+PARSERS = {"merge": build_parser, "verify": build_verify_parser, "inspect": build_inspect_parser,
+           "export-adapter": build_export_parser}
 
 
 @dataclass
@@ -216,6 +253,21 @@ def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
     print(f"  skipped on purpose: {skipped}")
 
 
+def run_export(opts) -> dict:
+    check_output_target(opts.out, opts.force)
+    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
+    dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
+    tensors = adapter_tensors(inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+    check_every_layer_adapted(tensors, inp.shape, str(opts.lora))
+    targets = target_modules(tensors)
+    with staged_directory(opts.out, opts.force) as staging:
+        files = write_adapter(staging, tensors, adapter_config(inp.settings, targets, inp.hf_config, opts.hf_ref))
+    if opts.report:
+        _write_report(opts, inp, None, {}, _hash_files(opts.out, files), None)
+    return {"targets": targets, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),
+            "settings": inp.settings, "lora": inp.lora.describe()}
+
+
 def run_verify(opts) -> VerifyReport:
     out = opts.out
     if not (out / "config.json").is_file():
@@ -300,8 +352,21 @@ def print_summary(s: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
-    opts = (build_verify_parser() if command == "verify" else build_parser()).parse_args(argv)
+    opts = PARSERS[command]().parse_args(argv)
     try:
+        if command == "export-adapter":
+            s = run_export(opts)
+            settings = s["settings"]
+            print(f"lora:   {s['lora']}")
+            print(f"wrote a PEFT adapter to {opts.out}: {s['tensors']} tensors ({s['bytes'] / 1e6:.1f} MB), "
+                  f"r={settings.r} alpha={settings.alpha:g}, target_modules={s['targets']}")
+            if settings.r > VLLM_DEFAULT_MAX_LORA_RANK:
+                print(f"note: r={settings.r} exceeds vLLM's default --max-lora-rank ({VLLM_DEFAULT_MAX_LORA_RANK}); "
+                      f"start vLLM with --max-lora-rank {settings.r} or more")
+            return 0
+        if command == "inspect":
+            print("\n".join(describe(open_checkpoint(opts.checkpoint))))
+            return 0
         if command == "verify":
             report = run_verify(opts)
             counts = Counter(report.statuses.values())
@@ -325,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lora-merge: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head`
+        return 0
     except OSError as exc:  # disk full, permissions, a file vanishing mid-run: the output was not published
         if opts.debug:
             raise

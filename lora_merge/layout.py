@@ -105,6 +105,7 @@ class Rule:
     megatron: str
     dims: tuple[str, ...]  # global Megatron shape, in named dimensions
     requires: str | None = None  # a ModelShape feature this parameter exists only with
+    aliases: tuple[str, ...] = ()  # other names of the same parameter (TransformerEngine spec, torch_dist)
     parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)
 
     def hf_names(self) -> tuple[str, ...]:

@@ -56,14 +56,23 @@ def _preview(names) -> str:
 
 
 def iter_rules(arch: Architecture, shape: ModelShape):
-    """(rule, full Megatron name, HF name prefix) for every parameter of the model, in output order."""
+    """(rule, full Megatron names it may have, HF name prefix) for every parameter, in output order."""
     for rule in arch.active(arch.before_layers, shape):
-        yield rule, rule.megatron, ""
+        yield rule, (rule.megatron, *rule.aliases), ""
     for i in range(shape.num_layers):
+        prefix = MEGATRON_LAYER.format(i=i)
         for rule in arch.active(arch.layer_rules, shape):
-            yield rule, MEGATRON_LAYER.format(i=i) + rule.megatron, HF_LAYER.format(i=i)
+            yield rule, tuple(prefix + n for n in (rule.megatron, *rule.aliases)), HF_LAYER.format(i=i)
     for rule in arch.active(arch.after_layers, shape):
-        yield rule, rule.megatron, ""
+        yield rule, (rule.megatron, *rule.aliases), ""
+
+
+def pick_name(names: tuple[str, ...], available, where) -> str | None:
+    """The one of a parameter's names that the checkpoint uses (None if none; an error if several)."""
+    present = [n for n in names if n in available]
+    if len(present) > 1:
+        raise MergeError(f"{where}: holds the same parameter twice, as {' and '.join(present)}")
+    return present[0] if present else None
 
 
 def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
@@ -79,14 +88,15 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
         if base.lora:
             plan.skipped["LoRA modules in the --base checkpoint (--lora is used instead)"] += len(base.lora)
 
-    def add(rule: Rule, megatron: str, hf_prefix: str) -> None:
+    def add(rule: Rule, names: tuple[str, ...], hf_prefix: str) -> None:
+        megatron = pick_name(names, base.params, base.path)
         if isinstance(rule, Skip):
-            if megatron in unclaimed:
+            if megatron is not None:
                 unclaimed.discard(megatron)
                 plan.skipped[rule.reason] += 1
             return
-        if megatron not in base.params:
-            raise MergeError(f"{base.path}: missing {megatron}, which a {shape.model_type} model with this "
+        if megatron is None:
+            raise MergeError(f"{base.path}: missing {names[0]}, which a {shape.model_type} model with this "
                              "config needs")
         unclaimed.discard(megatron)
         shards = base.params[megatron]
@@ -99,8 +109,8 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
         plan.tasks.append(task)
 
-    for rule, megatron, hf_prefix in iter_rules(arch, shape):
-        add(rule, megatron, hf_prefix)
+    for rule, names, hf_prefix in iter_rules(arch, shape):
+        add(rule, names, hf_prefix)
 
     if unclaimed:
         raise MergeError(f"{base.path}: parameters this {shape.model_type} layout does not know: {_preview(unclaimed)}")

@@ -106,6 +106,10 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     if qkv_bias is not None and bool(qkv_bias) != shape.qkv_bias:
         raise MergeError(f"{where}: args.add_qkv_bias={qkv_bias} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qkv_bias else 'has no'} q/k/v biases")
+    qk_norm = arg("qk_layernorm")
+    if qk_norm is not None and bool(qk_norm) != shape.qk_norm:
+        raise MergeError(f"{where}: args.qk_layernorm={qk_norm} but the HF config ({shape.model_type}) "
+                         f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     padded = arg("padded_vocab_size")
     if padded is not None and int(padded) < shape.vocab:
         raise MergeError(f"{where}: args.padded_vocab_size={padded} is smaller than the HF vocab_size={shape.vocab}")

@@ -22,7 +22,7 @@ from lora_merge.architectures import Architecture
 from lora_merge.errors import MergeError
 from lora_merge.layout import Skip
 from lora_merge.lora import LoraSettings, hf_factors
-from lora_merge.merge import iter_rules
+from lora_merge.merge import iter_rules, pick_name
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
@@ -99,9 +99,10 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
 
     expected_names = set()
     want_dtype = SAFETENSORS_DTYPES[dtype]
-    for rule, megatron, prefix in iter_rules(arch, shape):
+    for rule, names, prefix in iter_rules(arch, shape):
         if isinstance(rule, Skip):
             continue
+        megatron = (pick_name(names, base.params, base.path) if base is not None else None) or names[0]
         factors = {}
         module = megatron.removesuffix(".weight")
         if lora is not None and megatron.endswith(".weight") and module in lora.lora:

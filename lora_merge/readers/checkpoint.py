@@ -86,6 +86,7 @@ class Checkpoint:
     skipped: Counter = field(default_factory=Counter)  # reason -> number of entries deliberately not used
     adapter_name: str | None = None
     numbering: object = None  # LayerNumbering: how pipeline stages map to layers
+    files: list = field(default_factory=list)  # (file, tensors, bytes) for each file read
 
     def describe(self) -> str:
         parts = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")

@@ -155,6 +155,8 @@ def read_legacy(path: Path) -> Checkpoint:
         for entry in state:
             if str(entry) not in NON_MODEL_ENTRIES and not MODEL_CHUNK_KEY.match(str(entry)):
                 ckpt.skipped[f"top-level entry '{entry}'"] += 1
+        ckpt.files.append((str(file), sum(isinstance(v, torch.Tensor) for sd in chunks.values() for v in sd.values()),
+                           sum(v.nbytes for sd in chunks.values() for v in sd.values() if isinstance(v, torch.Tensor))))
         for chunk, sd in chunks.items():
             for raw_key, value in sd.items():
                 where = f"{file}:{'model' if vpp == 1 else f'model{chunk}'}[{raw_key}]"
