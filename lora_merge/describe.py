@@ -29,14 +29,14 @@ def describe(ckpt: Checkpoint) -> list[str]:
         counts = ckpt.numbering.counts
         layout += "; layers per " + ("stage: " + ",".join(map(str, counts[0])) if len(counts) == 1 else
                                      "chunk x stage: " + " | ".join(",".join(map(str, row)) for row in counts))
-    lines.append(f"  parallel: {layout}")
+    lines.append(f"  parallel: {layout}" + (f" ({ckpt.note})" if ckpt.note else ""))
     arch = [f"{k}={getattr(args, k)}" for k in ARCH_ARGS if getattr(args, k, None) not in (None, [], "")]
     lines.append(f"  architecture (args): {', '.join(arch)}")
     dtype = getattr(args, "params_dtype", None)
     lines.append(f"  training dtype (args): {dtype}, bf16={getattr(args, 'bf16', None)}, fp16={getattr(args, 'fp16', None)}")
 
     dtypes = Counter(str(refs[0].dtype).removeprefix("torch.") for refs in ckpt.params.values())
-    size = sum(r.tensor.nbytes for refs in ckpt.params.values() for r in refs)
+    size = sum(r.nbytes for refs in ckpt.params.values() for r in refs)
     lines.append(f"  base parameters: {len(ckpt.params)} ({', '.join(f'{n} {d}' for d, n in dtypes.items()) or 'none'}),"
                  f" {_gb(size)} over all ranks")
     if ckpt.lora:

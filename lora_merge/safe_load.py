@@ -10,6 +10,7 @@ the load fail with the offending name. There is no fallback to a full unpickler.
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
 import types
 import zipfile
@@ -64,43 +65,49 @@ class StandIn:
         return hash((type(self).__qualname__, repr(getattr(self, "args", ()))))
 
 
-def _stand_in(full_name: str) -> type:
+def stand_in_class(full_name: str) -> type:
+    """An inert class carrying the pickled name `full_name` (e.g. megatron.core.enums.ModelType)."""
     module, _, name = full_name.rpartition(".")
     return type(name, (StandIn,), {"__module__": module, "__qualname__": name})
 
 
-def _allowed_globals(path: Path) -> list:
+def _allowed_globals(path, where) -> list:
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path if isinstance(path, io.BytesIO) else str(path))
     except (RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
-        raise MergeError(f"{path}: not a readable torch checkpoint ({_short(exc)})") from exc
+        raise MergeError(f"{where}: not a readable torch checkpoint ({_short(exc)})") from exc
     allowed = []
     for full_name in names:
         if full_name in REAL_CLASSES:
             allowed.append((REAL_CLASSES[full_name], full_name))
         elif full_name.startswith(STAND_IN_PREFIXES):
-            allowed.append((_stand_in(full_name), full_name))
+            allowed.append((stand_in_class(full_name), full_name))
         else:
             raise MergeError(
-                f"{path}: refusing to load: the pickle references {full_name!r}, which is not data a "
+                f"{where}: refusing to load: the pickle references {full_name!r}, which is not data a "
                 "Megatron checkpoint holds (only tensors, Megatron/numpy data classes and argparse args are accepted)"
             )
     return allowed
 
 
-def load_pt(path: str | Path, mmap: bool = True):
-    """Load a torch `.pt` file with the weights-only unpickler; tensors stay memory-mapped when `mmap`."""
-    path = Path(path)
-    allowed = _allowed_globals(path)
+def load_pt(path: str | Path | io.BytesIO, mmap: bool = True, where: str | None = None):
+    """Load a torch `.pt` file (or in-memory bytes) with the weights-only unpickler; tensors stay
+    memory-mapped when `mmap` (files only)."""
+    if not isinstance(path, io.BytesIO):
+        path = Path(path)
+    where = where or str(path)
+    allowed = _allowed_globals(path, where)
     try:
+        if isinstance(path, io.BytesIO):
+            path.seek(0)
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not isinstance(path, io.BytesIO))
     except MergeError:
         raise
     except pickle.UnpicklingError as exc:
-        raise MergeError(f"{path}: refusing to load: {_short(exc)}") from exc
+        raise MergeError(f"{where}: refusing to load: {_short(exc)}") from exc
     except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
-        raise MergeError(f"{path}: corrupt or truncated torch checkpoint ({_short(exc)})") from exc
+        raise MergeError(f"{where}: corrupt or truncated torch checkpoint ({_short(exc)})") from exc
 
 
 def _short(exc: BaseException) -> str:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.readers.legacy import is_legacy_checkpoint, read_legacy
+from lora_merge.readers.iteration import find_iteration_dir
+from lora_merge.readers.legacy import is_legacy_iteration, read_legacy
+from lora_merge.readers.torch_dist import is_torch_dist_iteration, read_torch_dist
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -14,10 +16,10 @@ def open_checkpoint(path: Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise MergeError(f"{path}: does not exist")
-    if (path / ".metadata").is_file() or (path / "metadata.json").is_file():
-        raise MergeError(f"{path}: torch_dist (distributed) checkpoints are not supported yet; "
-                         "convert to the legacy format or use the per-rank model_optim_rng.pt layout")
-    if is_legacy_checkpoint(path):
+    it_dir = find_iteration_dir(path)
+    if is_torch_dist_iteration(it_dir):
+        return read_torch_dist(path)
+    if is_legacy_iteration(it_dir):
         return read_legacy(path)
     raise MergeError(f"{path}: not a Megatron checkpoint (expected latest_checkpointed_iteration.txt, "
-                     "iter_*/release dirs, or mp_rank_* dirs)")
+                     "an iter_*/release dir, mp_rank_* dirs or a torch_dist .metadata)")

@@ -9,36 +9,40 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 
 @dataclass(frozen=True)
 class TensorRef:
-    """One tensor in a checkpoint file, not yet read (a memory-mapped tensor, or a loader)."""
+    """One tensor of a checkpoint, not yet read: its shape and dtype, and how to get it."""
 
     where: str  # file and key, for messages
-    tensor: torch.Tensor
-    mapped: bool = False  # the tensor's memory is a private read-only mapping of the checkpoint file
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    loader: Callable[[], torch.Tensor]
+    mapped: bool = False  # load() returns a view of a private read-only mapping of the checkpoint file
+
+    @classmethod
+    def of(cls, where: str, tensor: torch.Tensor, mapped: bool) -> "TensorRef":
+        return cls(where, tuple(tensor.shape), tensor.dtype, lambda: tensor, mapped)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def load(self) -> torch.Tensor:
-        return self.tensor
+        return self.loader()
 
     def release(self) -> None:
         if self.mapped:
-            release_pages(self.tensor)
+            release_pages(self.loader())
 
 
 PAGE = mmap.PAGESIZE
@@ -87,6 +91,7 @@ class Checkpoint:
     adapter_name: str | None = None
     numbering: object = None  # LayerNumbering: how pipeline stages map to layers
     files: list = field(default_factory=list)  # (file, tensors, bytes) for each file read
+    note: str = ""  # anything else a user should know about the layout
 
     def describe(self) -> str:
         parts = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")

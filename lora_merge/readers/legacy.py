@@ -16,9 +16,9 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef
+from lora_merge.readers.iteration import resolve_iteration_dir
 from lora_merge.safe_load import load_pt
 
-TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -29,36 +29,8 @@ NON_MODEL_ENTRIES = {"args", "checkpoint_version", "iteration", "optimizer", "op
                      "rerun_state_machine", "num_floating_point_operations_so_far", "tokens_so_far"}
 
 
-def is_legacy_checkpoint(path: Path) -> bool:
-    return (path / TRACKER).is_file() or any(RANK_DIR.match(p.name) for p in _children(path))
-
-
-def _children(path: Path):
-    return path.iterdir() if path.is_dir() else ()
-
-
-def resolve_iteration_dir(path: Path) -> tuple[Path, str]:
-    """The directory holding the rank dirs, and its iteration, following the tracker file when present."""
-    if not path.is_dir():
-        raise MergeError(f"{path}: no such checkpoint directory")
-    tracker = path / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text == "release":
-            it_dir, iteration = path / "release", "release"
-        elif text.isdigit():
-            it_dir, iteration = path / f"iter_{int(text):07d}", str(int(text))
-        else:
-            raise MergeError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
-        if not it_dir.is_dir():
-            raise MergeError(f"{tracker} names iteration {text} but {it_dir} does not exist")
-        return it_dir, iteration
-    if any(RANK_DIR.match(p.name) for p in path.iterdir()):
-        m = re.match(r"^iter_(\d+)$", path.name)
-        return path, (str(int(m.group(1))) if m else path.name)
-    raise MergeError(
-        f"{path}: not a Megatron checkpoint: expected {TRACKER}, or an iter_*/release directory holding mp_rank_* dirs"
-    )
+def is_legacy_iteration(path: Path) -> bool:
+    return path.is_dir() and any(RANK_DIR.match(p.name) for p in path.iterdir())
 
 
 def _rank_dirs(it_dir: Path) -> dict[tuple[int, ...], Path]:
@@ -110,7 +82,7 @@ def _arg_int(args, name: str, default: int = 1) -> int:
 
 
 def read_legacy(path: Path) -> Checkpoint:
-    it_dir, iteration = resolve_iteration_dir(path)
+    it_dir, iteration = resolve_iteration_dir(path, is_legacy_iteration)
     dirs = _rank_dirs(it_dir)
     first = dirs[min(dirs)]
     first_state = _load_rank(first)
@@ -170,7 +142,7 @@ def read_legacy(path: Path) -> Checkpoint:
                 if m:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
-                ref = TensorRef(where=where, tensor=value, mapped=mapped)
+                ref = TensorRef.of(where, value, mapped)
                 lm = LORA_KEY.match(name)
                 if lm:
                     adapters.add(lm.group(3))

@@ -1,0 +1,357 @@
+"""Reader for Megatron's distributed checkpoint (`--ckpt-format torch_dist`), without Megatron and
+without a process group.
+
+The iteration dir holds `.metadata` (a pickled torch.distributed.checkpoint Metadata: every tensor's
+global shape and the chunks it was saved in), `__R_K.distcp` files (each chunk a small `torch.save`
+archive at some offset) and `common.pt` (args etc.; from Megatron-Core 0.19 a `common_state` bytes
+entry instead). Tensors are global, so this reader presents them as TP=1 shards: the un-sharding
+rules then see the TP=1 layout, which is exactly the torch_dist global layout (QKV group-interleaved,
+fc1 `[all gate; all up]`).
+
+Safety: torch's own reader unpickles `.metadata` with plain `pickle.load`; here it goes through an
+allow-list unpickler that builds only inert stand-ins, and chunk archives through torch's weights-only
+unpickler. Memory: each .distcp file is memory-mapped once and chunks are views into it, so a stacked
+`[layers, …]` tensor is never read whole: one layer's slice is taken at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import re
+import struct
+import zipfile
+from collections import OrderedDict, defaultdict
+from pathlib import Path
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.layer_numbering import numbering_from_args
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef, release_pages
+from lora_merge.readers.iteration import resolve_iteration_dir
+from lora_merge.safe_load import StandIn, load_pt, stand_in_class
+
+METADATA = ".metadata"
+SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
+LORA_KEY = re.compile(r"^(.+)\.lora_([AB])\.([^.]+)\.weight$")
+SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+STACKED_LAYER = "decoder.layers."
+
+
+def is_torch_dist_iteration(path: Path) -> bool:
+    return (path / METADATA).is_file()
+
+
+# --- .metadata: allow-list unpickler ---------------------------------------------------------------
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds torch dtypes/sizes for real and everything from torch.distributed.checkpoint or Megatron as
+    inert stand-ins; refuses any other global."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        full = f"{module}.{name}"
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if full == "collections.OrderedDict":
+            return OrderedDict
+        if module.startswith(("torch.distributed.checkpoint", "megatron.")):
+            return stand_in_class(full)
+        raise MergeError(f"{self.where}: refusing to load: the pickle references {full!r}, which is not "
+                         "checkpoint metadata")
+
+    def persistent_load(self, pid):
+        raise MergeError(f"{self.where}: unexpected persistent reference in checkpoint metadata")
+
+
+def _state(obj, where: str) -> dict:
+    if not isinstance(obj, StandIn) or not isinstance(getattr(obj, "state", None), (dict, tuple)):
+        raise MergeError(f"{where}: unexpected object in checkpoint metadata: {obj!r}")
+    state = obj.state
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+        state = state[0]  # (dict, slots) form
+    return state
+
+
+def read_metadata(path: Path) -> tuple[dict, dict]:
+    """(key -> global tensor info or 'bytes', (key, chunk offsets) -> (file, offset, length))."""
+    where = str(path)
+    try:
+        with open(path, "rb") as f:
+            meta = _MetadataUnpickler(f, where).load()
+    except MergeError:
+        raise
+    except Exception as exc:  # a truncated or foreign pickle
+        raise MergeError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from exc
+    state = _state(meta, where)
+    entries = {}
+    for key, md in state.get("state_dict_metadata", {}).items():
+        md_state = _state(md, where)
+        if "chunks" not in md_state:
+            entries[key] = "bytes"
+            continue
+        props = md_state["properties"]
+        props_state = props.state if isinstance(props, StandIn) else None
+        dtype = props_state[0] if isinstance(props_state, tuple) else _state(props, where).get("dtype")
+        chunks = [(tuple(_state(c, where)["offsets"]), tuple(_state(c, where)["sizes"])) for c in md_state["chunks"]]
+        entries[key] = {"shape": tuple(md_state["size"]), "dtype": dtype, "chunks": chunks}
+    storage = {}
+    for index, info in (state.get("storage_data") or {}).items():
+        i, s = _state(index, where), _state(info, where)
+        if s.get("transform_descriptors"):
+            raise MergeError(f"{path}: {i['fqn']} is stored with transforms {s['transform_descriptors']}, "
+                             "which this tool does not read")
+        storage[(i["fqn"], tuple(i["offset"]) if i.get("offset") is not None else None)] = (
+            s["relative_path"], int(s["offset"]), int(s["length"]))
+    return entries, storage
+
+
+# --- chunks: torch.save archives inside .distcp files, mapped not read --------------------------------
+
+class _FileSlice(io.RawIOBase):
+    """A read-only file view of [start, start + length) of a file, for zipfile."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        self.f.seek(self.start + self.pos)
+        n = min(len(b), max(0, self.length - self.pos))
+        data = self.f.read(n)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class DistcpFile:
+    """One .distcp file, mapped once; chunks come out as tensors viewing the mapping."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.size = path.stat().st_size
+        self._storage = None
+
+    def storage(self) -> torch.UntypedStorage:
+        if self._storage is None:
+            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.size)
+        return self._storage
+
+    def chunk(self, offset: int, length: int, where: str) -> torch.Tensor:
+        if offset + length > self.size:
+            raise MergeError(f"{self.path}: {where} lies past the end of the file (truncated checkpoint?)")
+        with open(self.path, "rb") as f:
+            try:
+                archive = zipfile.ZipFile(_FileSlice(f, offset, length))
+                pkl_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                records = {info.filename: info for info in archive.infolist()}
+                pickled = archive.read(pkl_name)
+            except (zipfile.BadZipFile, StopIteration, OSError, EOFError) as exc:
+                raise MergeError(f"{self.path}: {where} is not a readable tensor record ({exc})") from exc
+            prefix = pkl_name[: -len("data.pkl")]
+
+            def persistent_load(saved_id):
+                _, storage_type, key, _, numel = saved_id
+                info = records.get(f"{prefix}data/{key}")
+                if info is None or info.compress_type != zipfile.ZIP_STORED:
+                    raise MergeError(f"{self.path}: {where}: storage {key} missing or compressed")
+                f.seek(offset + info.header_offset + 26)
+                name_len, extra_len = struct.unpack("<HH", f.read(4))
+                start = offset + info.header_offset + 30 + name_len + extra_len
+                dtype = storage_type.dtype
+                nbytes = numel * dtype.itemsize
+                if start + nbytes > offset + length:
+                    raise MergeError(f"{self.path}: {where}: storage runs past its record")
+                return torch.storage.TypedStorage(wrap_storage=self.storage()[start: start + nbytes],
+                                                  dtype=dtype, _internal=True)
+
+            unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+            unpickler.persistent_load = persistent_load
+            try:
+                tensor = unpickler.load()
+            except MergeError:
+                raise
+            except Exception as exc:
+                raise MergeError(f"{self.path}: {where}: refusing or unable to load tensor record ({exc})") from exc
+        if not isinstance(tensor, torch.Tensor):
+            raise MergeError(f"{self.path}: {where}: record holds a {type(tensor).__name__}, expected a tensor")
+        return tensor
+
+
+# --- the reader ---------------------------------------------------------------------------------------
+
+def _slice_loader(pieces, shape, dtype):
+    """Load one global (sub)tensor from chunk views: a view if one chunk covers it, else a copy."""
+    def load():
+        views = [(get(), region) for get, region in pieces]
+        if len(views) == 1 and all(r.start == 0 and r.stop == n for r, n in zip(views[0][1], shape)):
+            return views[0][0]
+        out = torch.empty(shape, dtype=dtype)
+        for view, region in views:
+            out[tuple(region)] = view
+            release_pages(view)
+        return out
+    return load
+
+
+def read_torch_dist(path: Path) -> Checkpoint:
+    it_dir, iteration = resolve_iteration_dir(path, is_torch_dist_iteration)
+    entries, storage = read_metadata(it_dir / METADATA)
+    args, common_where = _common_args(it_dir, entries, storage)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
+    ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
+    ckpt.numbering = numbering_from_args(args, pp, vpp)
+    files: dict[str, DistcpFile] = {}
+    lora_seen: dict[tuple[str, str], TensorRef] = {}
+    adapters = set()
+    per_file = defaultdict(lambda: [0, 0])
+
+    def chunk_getter(key, offsets):
+        loc = storage.get((key, offsets)) or storage.get((key, None))
+        if loc is None:
+            raise MergeError(f"{it_dir / METADATA}: no storage recorded for {key} chunk at {list(offsets)}")
+        rel, off, length = loc
+        file = files.setdefault(rel, DistcpFile(it_dir / rel))
+        if not file.path.is_file():
+            raise MergeError(f"{it_dir}: missing {rel}, which holds {key}")
+        per_file[rel][1] += length
+        cache = {}
+
+        def get():
+            if "t" not in cache:
+                cache["t"] = file.chunk(off, length, f"{key}{list(offsets)}")
+            return cache["t"]
+        return get
+
+    def add(name: str, ref: TensorRef):
+        lm = LORA_KEY.match(name)
+        if lm:
+            adapters.add(lm.group(3))
+            lora_seen[(lm.group(1), lm.group(2))] = ref
+        else:
+            name = name.replace(".base_layer.", ".")
+            if name in ckpt.params:
+                raise MergeError(f"{ref.where}: parameter stored twice")
+            ckpt.params[name] = [ref]
+
+    for key, info in sorted(entries.items()):
+        if key.startswith(SKIPPED_PREFIXES) or key.endswith("_extra_state") or "._extra_state" in key:
+            ckpt.skipped[f"{key.split('.')[0] if key.startswith(SKIPPED_PREFIXES) else '_extra_state'} entries"] += 1
+            continue
+        if info == "bytes":
+            raise MergeError(f"{it_dir}: {key} is a bytes entry where a tensor was expected")
+        if info["dtype"] is None or not isinstance(info["dtype"], torch.dtype):
+            raise MergeError(f"{it_dir}: {key} has no readable dtype")
+        name = key[len("module."):] if key.startswith("module.") else key
+        chunks = [(chunk_getter(key, off), off, size) for off, size in info["chunks"]]
+        for rel in {storage.get((key, off), storage.get((key, None)))[0] for off, _ in info["chunks"]}:
+            per_file[rel][0] += 1
+        where = f"{it_dir.name}/{METADATA}[{key}]"
+        _check_cover(info, key, where)
+        stacked = name.startswith(STACKED_LAYER) and not SINGLETON_LAYER.match(name)
+        if stacked:
+            rest = name[len(STACKED_LAYER):]
+            for layer in range(info["shape"][0]):
+                shape = info["shape"][1:]
+                pieces = [(_layer_view(get, off, layer), _region(off[1:], size[1:]))
+                          for get, off, size in chunks if off[0] <= layer < off[0] + size[0]]
+                add(f"{STACKED_LAYER}{layer}.{rest}", _ref(f"{where}[{layer}]", shape, info["dtype"], pieces))
+        else:
+            pieces = [(get, _region(off, size)) for get, off, size in chunks]
+            add(name, _ref(where, info["shape"], info["dtype"], pieces))
+
+    _join_singleton_fc1(ckpt)
+    if len(adapters) > 1:
+        raise MergeError(f"{it_dir}: several LoRA adapters ({', '.join(sorted(adapters))}); expected one")
+    ckpt.adapter_name = next(iter(adapters), None)
+    for module in sorted({m for m, _ in lora_seen}):
+        a, b = lora_seen.get((module, "A")), lora_seen.get((module, "B"))
+        if a is None or b is None:
+            raise MergeError(f"{it_dir}: {module} has {'lora_A' if a else 'lora_B'} but no {'lora_B' if a else 'lora_A'}")
+        ckpt.lora[module] = LoraModule(a=[a], b=[b])
+    ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
+    if common_where:
+        ckpt.files.insert(0, (common_where, 0, 0))
+    return ckpt
+
+
+def _region(offsets, sizes):
+    return [slice(o, o + s) for o, s in zip(offsets, sizes)]
+
+
+def _layer_view(get, offsets, layer):
+    return lambda: get()[layer - offsets[0]]
+
+
+def _ref(where, shape, dtype, pieces) -> TensorRef:
+    whole = len(pieces) == 1 and all(r.start == 0 and r.stop == n for r, n in zip(pieces[0][1], shape))
+    return TensorRef(where=where, shape=tuple(shape), dtype=dtype, loader=_slice_loader(pieces, tuple(shape), dtype),
+                     mapped=whole)
+
+
+def _check_cover(info, key, where):
+    """The chunks must tile the global tensor exactly: a gap would be silently uninitialized memory."""
+    total = sum(math.prod(size) for _, size in info["chunks"])
+    if total != math.prod(info["shape"]):
+        raise MergeError(f"{where}: saved chunks cover {total} elements of {key}, global shape "
+                         f"{list(info['shape'])} has {math.prod(info['shape'])}")
+
+
+def _join_singleton_fc1(ckpt: Checkpoint) -> None:
+    """`singleton_local_shards` saves swiglu fc1 as weight_w (gate) and weight_v (up): join them back."""
+    for name in [n for n in ckpt.params if n.endswith(".weight_w")]:
+        base = name[: -len("_w")]
+        other = base + "_v"
+        if other not in ckpt.params:
+            raise MergeError(f"{ckpt.params[name][0].where}: {name} without its {other}")
+        w, v = ckpt.params.pop(name)[0], ckpt.params.pop(other)[0]
+        if base in ckpt.params:
+            raise MergeError(f"{w.where}: {base} stored both whole and as weight_w/weight_v")
+        shape = (w.shape[0] + v.shape[0], *w.shape[1:])
+        ckpt.params[base] = [TensorRef(where=f"{w.where} + weight_v", shape=shape, dtype=w.dtype,
+                                       loader=lambda w=w, v=v: torch.cat([w.load(), v.load()]))]
+
+
+def _common_args(it_dir: Path, entries: dict, storage: dict):
+    """args from common.pt (Megatron-Core ≤ 0.18) or the common_state bytes entry (0.19+)."""
+    common = it_dir / "common.pt"
+    if common.is_file():
+        state = load_pt(common, mmap=False)
+        where = str(common)
+    else:
+        keys = [k for k, v in entries.items() if k.startswith("common_state") and v == "bytes"]
+        if not keys:
+            raise MergeError(f"{it_dir}: torch_dist checkpoint without common.pt or a common_state entry; "
+                             "cannot read its args")
+        rel, off, length = storage.get((keys[0], None)) or next(v for k, v in storage.items() if k[0] == keys[0])
+        with open(it_dir / rel, "rb") as f:
+            f.seek(off)
+            data = f.read(length)
+        state = load_pt(io.BytesIO(data), mmap=False, where=f"{it_dir / rel}[{keys[0]}]")
+        where = f"{it_dir / rel}[{keys[0]}]"
+    args = state.get("args") if isinstance(state, dict) else None
+    if args is None:
+        raise MergeError(f"{where}: no 'args'; cannot tell the model's architecture")
+    return args, where
