@@ -62,13 +62,22 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if full == "collections.OrderedDict":
             return OrderedDict
-        if module.startswith(("torch.distributed.checkpoint", "megatron.")):
+        if full == "torch.serialization._get_layout":  # how torch.strided pickles
+            return _layout
+        if module.startswith(("torch.distributed.checkpoint", "megatron.", "pathlib")):
             return stand_in_class(full)
         raise MergeError(f"{self.where}: refusing to load: the pickle references {full!r}, which is not "
                          "checkpoint metadata")
 
     def persistent_load(self, pid):
         raise MergeError(f"{self.where}: unexpected persistent reference in checkpoint metadata")
+
+
+def _layout(name: str) -> torch.layout:
+    layout = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(layout, torch.layout):
+        raise MergeError(f"checkpoint metadata names an unknown tensor layout {name!r}")
+    return layout
 
 
 def _state(obj, where: str) -> dict:
@@ -148,7 +157,7 @@ class DistcpFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.size = path.stat().st_size
+        self.size = path.stat().st_size if path.is_file() else 0
         self._storage = None
 
     def storage(self) -> torch.UntypedStorage:
@@ -236,6 +245,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
         file = files.setdefault(rel, DistcpFile(it_dir / rel))
         if not file.path.is_file():
             raise MergeError(f"{it_dir}: missing {rel}, which holds {key}")
+        if off + length > file.size:
+            raise MergeError(f"{file.path}: {key} lies past the end of the file (truncated checkpoint?)")
         per_file[rel][1] += length
         cache = {}
 
