@@ -147,7 +147,9 @@ def check_shards(shapes: list[tuple[int, ...]], parallel: str, global_shape: tup
 
 
 @dataclass(frozen=True)
-class Replicated(Rule):
+class OneToOne(Rule):
+    """A Megatron parameter that becomes exactly one HF tensor of the same global shape."""
+
     hf: str = ""
 
     def hf_names(self):
@@ -156,35 +158,24 @@ class Replicated(Rule):
     def hf_shapes(self, shape):
         return {self.hf: self.global_shape(shape)}
 
+
+@dataclass(frozen=True)
+class Replicated(OneToOne):
     def hf_blocks(self, shards, shape, where):
         return {self.hf: single(unshard_replicated(shards, where))}
 
 
 @dataclass(frozen=True)
-class RowParallel(Rule):
-    hf: str = ""
+class RowParallel(OneToOne):
     parallel = "row"
-
-    def hf_names(self):
-        return (self.hf,)
-
-    def hf_shapes(self, shape):
-        return {self.hf: self.global_shape(shape)}
 
     def hf_blocks(self, shards, shape, where):
         return {self.hf: [RowBlock(tuple(shards))]}
 
 
 @dataclass(frozen=True)
-class ColumnParallel(Rule):
-    hf: str = ""
+class ColumnParallel(OneToOne):
     parallel = "column"
-
-    def hf_names(self):
-        return (self.hf,)
-
-    def hf_shapes(self, shape):
-        return {self.hf: self.global_shape(shape)}
 
     def hf_blocks(self, shards, shape, where):
         return {self.hf: [RowBlock((s,)) for s in shards]}
