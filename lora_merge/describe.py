@@ -24,12 +24,12 @@ def describe(ckpt: Checkpoint) -> list[str]:
         f"{int(ckpt.iteration):07d}" if ckpt.iteration.isdigit() else ckpt.iteration))
     if others:
         lines.append(f"  other iterations present (not used; the tracker file names the one above): {', '.join(others)}")
-    layout = f"TP={ckpt.tp} PP={ckpt.pp} VPP={ckpt.vpp}"
+    layout = ckpt.note or f"TP={ckpt.tp} PP={ckpt.pp} VPP={ckpt.vpp}"
     if ckpt.numbering is not None:
         counts = ckpt.numbering.counts
         layout += "; layers per " + ("stage: " + ",".join(map(str, counts[0])) if len(counts) == 1 else
                                      "chunk x stage: " + " | ".join(",".join(map(str, row)) for row in counts))
-    lines.append(f"  parallel: {layout}" + (f" ({ckpt.note})" if ckpt.note else ""))
+    lines.append(f"  parallel: {layout}")
     arch = [f"{k}={getattr(args, k)}" for k in ARCH_ARGS if getattr(args, k, None) not in (None, [], "")]
     lines.append(f"  architecture (args): {', '.join(arch)}")
     dtype = getattr(args, "params_dtype", None)

@@ -81,9 +81,9 @@ def _layout(name: str) -> torch.layout:
 
 
 def _state(obj, where: str) -> dict:
-    if not isinstance(obj, StandIn) or not isinstance(getattr(obj, "state", None), (dict, tuple)):
+    if not isinstance(obj, StandIn) or not isinstance(getattr(obj, "state", {}), (dict, tuple)):
         raise MergeError(f"{where}: unexpected object in checkpoint metadata: {obj!r}")
-    state = obj.state
+    state = getattr(obj, "state", {})  # a dataclass without fields pickles without state
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
         state = state[0]  # (dict, slots) form
     return state
@@ -269,7 +269,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
 
     for key, info in sorted(entries.items()):
         if key.startswith(SKIPPED_PREFIXES) or key.endswith("_extra_state") or "._extra_state" in key:
-            ckpt.skipped[f"{key.split('.')[0] if key.startswith(SKIPPED_PREFIXES) else '_extra_state'} entries"] += 1
+            ckpt.skipped[re.split(r"[./]", key)[0] if key.startswith(SKIPPED_PREFIXES) else "_extra_state"] += 1
             continue
         if info == "bytes":
             raise MergeError(f"{it_dir}: {key} is a bytes entry where a tensor was expected")
