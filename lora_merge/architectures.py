@@ -52,7 +52,8 @@ DENSE_DECODER = Architecture(
         Replicated("decoder.final_layernorm.weight", ("hidden",), hf="model.norm.weight"),
         VocabParallel("output_layer.weight", ("vocab", "hidden"), requires="untied", hf="lm_head.weight"),
         # With tied embeddings and PP>1 the last stage keeps its own copy of the embedding as output_layer.
-        Skip("output_layer.weight", (), requires="tied", reason="copy of the tied embedding"),
+        Skip("output_layer.weight", (), requires="tied", reason="copy of the tied embedding",
+             same_as="embedding.word_embeddings.weight"),
     ),
 )
 
@@ -70,3 +71,25 @@ def architecture_for(shape: ModelShape) -> Architecture:
     except KeyError:
         raise MergeError(f"HF config model_type {shape.model_type!r} is not supported "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})") from None
+
+
+def iter_rules(arch: Architecture, shape: ModelShape):
+    """(rule, full Megatron names it may have, HF name prefix) for every parameter, in output order."""
+    for rule in arch.active(arch.before_layers, shape):
+        yield rule, (rule.megatron, *rule.aliases), ""
+    for i in range(shape.num_layers):
+        prefix = MEGATRON_LAYER.format(i=i)
+        for rule in arch.active(arch.layer_rules, shape):
+            yield rule, tuple(prefix + n for n in (rule.megatron, *rule.aliases)), HF_LAYER.format(i=i)
+    for rule in arch.active(arch.after_layers, shape):
+        yield rule, (rule.megatron, *rule.aliases), ""
+
+
+def pick_name(names: tuple[str, ...], available, where) -> str | None:
+    """The one of a parameter's names that the checkpoint uses (None if none; an error if several)."""
+    present = [n for n in names if n in available]
+    if len(present) > 1:
+        raise MergeError(f"{where}: holds the same parameter twice, as {' and '.join(present)}")
+    return present[0] if present else None
+
+

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="read the output back and verify it (see `lora-merge "
                    "verify`) before it is moved into place; doubles the I/O")
     p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
+    p.add_argument("--allow-partial-lora", action="store_true", help="merge even though some layers lack LoRA "
+                   "weights for a target (by default that stops the merge: the checkpoint looks incomplete)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new output is complete)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _lora_options(p)
@@ -152,6 +154,8 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     arch = architecture_for(shape)
     lora = open_checkpoint(lora_dir) if lora_dir else None
     base = open_checkpoint(base_dir) if base_dir else lora
+    if base_dir and not base.params:
+        raise MergeError(f"{base_dir}: holds no base weights (is it a filtered LoRA checkpoint?)")
     if need_base and base is lora and lora is not None and not lora.params:
         raise MergeError(f"{lora_dir}: holds only LoRA weights (a filtered checkpoint); pass --base with the base model")
     if base is not None and not base.params:
@@ -160,7 +164,7 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         check_against_args(shape, ckpt.args, str(ckpt.path))
     settings = None
     if lora is not None:
-        check_lora_targets(lora)
+        check_lora_targets(lora, shape.num_layers, getattr(opts, "allow_partial_lora", False))
         settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
     return Inputs(shape, hf_config, arch, base, lora, settings)
 
@@ -183,8 +187,10 @@ def has_weights(hf_dir: Path | None) -> bool:
 
 def run_merge(opts) -> dict:
     started = time.monotonic()
+    inputs = (opts.base, opts.lora, opts.hf_ref)
     if not opts.dry_run:
-        check_output_target(opts.out, opts.force)
+        check_output_target(opts.out, opts.force, inputs)
+        _check_report_target(opts)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
     dtype = output_dtype(opts.dtype, inp.shape, inp.base.args)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
@@ -195,7 +201,7 @@ def run_merge(opts) -> dict:
 
     verify_report = None
     check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
-    with staged_directory(opts.out, opts.force) as staging:
+    with staged_directory(opts.out, opts.force, inputs) as staging:
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=bool(opts.report))
         progress = _progress_bar(writer.total_bytes, disabled=opts.no_progress)
         background = BackgroundWriter(writer.write)
@@ -254,13 +260,15 @@ def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
 
 
 def run_export(opts) -> dict:
-    check_output_target(opts.out, opts.force)
+    inputs = (opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, opts.force, inputs)
+    _check_report_target(opts)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
     tensors = adapter_tensors(inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     check_every_layer_adapted(tensors, inp.shape, str(opts.lora))
     targets = target_modules(tensors)
-    with staged_directory(opts.out, opts.force) as staging:
+    with staged_directory(opts.out, opts.force, inputs) as staging:
         files = write_adapter(staging, tensors, adapter_config(inp.settings, targets, inp.hf_config, opts.hf_ref))
     if opts.report:
         _write_report(opts, inp, None, {}, _hash_files(opts.out, files), None)
@@ -270,6 +278,7 @@ def run_export(opts) -> dict:
 
 def run_verify(opts) -> VerifyReport:
     out = opts.out
+    _check_report_target(opts)
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
@@ -281,6 +290,13 @@ def run_verify(opts) -> VerifyReport:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
         _write_report(opts, inp, None, {}, _hash_files(out, files), report)
     return report
+
+
+def _check_report_target(opts) -> None:
+    """Fail before any work, not after the output is published, when the report cannot be written."""
+    report = getattr(opts, "report", None)
+    if report is not None and not report.resolve().parent.is_dir():
+        raise MergeError(f"{report}: the report's directory does not exist")
 
 
 def _hash_files(directory: Path, names) -> dict[str, str]:

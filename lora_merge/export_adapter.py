@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from lora_merge.architectures import Architecture
 from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
-from lora_merge.merge import iter_rules
+from lora_merge.architectures import iter_rules
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
 

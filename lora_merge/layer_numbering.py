@@ -50,9 +50,22 @@ def _int_or_none(value):
     return None if value in (None, "", 0) else int(value)
 
 
+def noop_layers(args) -> frozenset[int]:
+    """MindSpeed's noop_layers: a set, list or comma-separated string of global layer indices."""
+    value = getattr(args, "noop_layers", None) or ()
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    try:
+        return frozenset(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise MergeError(f"args: noop_layers {value!r} is not a list of layer numbers") from None
+
+
 def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
-    num_layers = int(getattr(args, "num_layers"))
-    noop = frozenset(int(n) for n in (getattr(args, "noop_layers", None) or ()))
+    if not isinstance(getattr(args, "num_layers", None), int):
+        raise MergeError(f"args: num_layers is {getattr(args, 'num_layers', None)!r}; cannot number the layers")
+    num_layers = args.num_layers
+    noop = noop_layers(args)
     layer_list = getattr(args, "num_layer_list", None)
     first = _int_or_none(getattr(args, "decoder_first_pipeline_num_layers", None)
                          or getattr(args, "num_layers_in_first_pipeline_stage", None))

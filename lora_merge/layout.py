@@ -253,6 +253,7 @@ class Skip(Rule):
     """A tensor that is deliberately not written, with the reason (e.g. the tied copy of the embedding)."""
 
     reason: str = ""
+    same_as: str | None = None  # it must be a copy of this parameter (checked on its first and last rows)
 
     def hf_names(self):
         return ()

@@ -82,6 +82,8 @@ def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: 
                  name: str) -> torch.Tensor:
     merged = weight.float().addmm_(b.float(), a.float(), alpha=scale) if weight.dtype != torch.float32 else \
         torch.addmm(weight, b.float(), a.float(), alpha=scale)
-    if not torch.isfinite(merged).all():
-        raise MergeError(f"{name}: merged weight has non-finite values (check the LoRA factors and alpha/r)")
-    return merged.to(dtype)
+    result = merged.to(dtype)
+    if not torch.isfinite(result).all():
+        raise MergeError(f"{name}: merged weight has non-finite values in {str(dtype).removeprefix('torch.')} "
+                         "(check the LoRA factors and alpha/r, or the output dtype's range)")
+    return result

@@ -3,12 +3,13 @@ data is read), then stream: read shards → un-shard → apply LoRA → HF names
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from lora_merge.architectures import HF_LAYER, MEGATRON_LAYER, Architecture
+from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.layout import Rule, Skip, check_shards
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
@@ -55,26 +56,6 @@ def _preview(names) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def iter_rules(arch: Architecture, shape: ModelShape):
-    """(rule, full Megatron names it may have, HF name prefix) for every parameter, in output order."""
-    for rule in arch.active(arch.before_layers, shape):
-        yield rule, (rule.megatron, *rule.aliases), ""
-    for i in range(shape.num_layers):
-        prefix = MEGATRON_LAYER.format(i=i)
-        for rule in arch.active(arch.layer_rules, shape):
-            yield rule, tuple(prefix + n for n in (rule.megatron, *rule.aliases)), HF_LAYER.format(i=i)
-    for rule in arch.active(arch.after_layers, shape):
-        yield rule, (rule.megatron, *rule.aliases), ""
-
-
-def pick_name(names: tuple[str, ...], available, where) -> str | None:
-    """The one of a parameter's names that the checkpoint uses (None if none; an error if several)."""
-    present = [n for n in names if n in available]
-    if len(present) > 1:
-        raise MergeError(f"{where}: holds the same parameter twice, as {' and '.join(present)}")
-    return present[0] if present else None
-
-
 def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
@@ -84,6 +65,11 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
     if lora is not None and lora is not base:
         plan.skipped.update(lora.skipped)
         if lora.params:
+            known = {name for _, names, _ in iter_rules(arch, shape) for name in names}
+            strays = set(lora.params) - known
+            if strays:
+                raise MergeError(f"{lora.path}: holds tensors that are neither LoRA weights nor base weights of this "
+                                 f"{shape.model_type} model: {_preview(strays)}")
             plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
         if base.lora:
             plan.skipped["LoRA modules in the --base checkpoint (--lora is used instead)"] += len(base.lora)
@@ -92,6 +78,8 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
         megatron = pick_name(names, base.params, base.path)
         if isinstance(rule, Skip):
             if megatron is not None:
+                if rule.same_as:
+                    check_copy(base.params[megatron], base.params.get(rule.same_as), megatron, rule.same_as)
                 unclaimed.discard(megatron)
                 plan.skipped[rule.reason] += 1
             return
@@ -119,15 +107,36 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
     return plan
 
 
-def check_lora_targets(lora: Checkpoint) -> None:
-    """Every target the training run named must have adapters, or the checkpoint lost some on the way."""
+def check_copy(copy, original, name: str, original_name: str) -> None:
+    """A tensor skipped as a copy of another must look like one (same shards, same first and last rows)."""
+    if original is None or [r.shape for r in copy] != [r.shape for r in original]:
+        raise MergeError(f"{copy[0].where}: {name} should be a copy of {original_name}, but their shapes differ")
+    for mine, theirs in zip(copy, original):
+        a, b = mine.load(), theirs.load()
+        if not (torch.equal(a[:1], b[:1]) and torch.equal(a[-1:], b[-1:])):
+            raise MergeError(f"{mine.where}: {name} differs from {original_name}; the embeddings are not tied "
+                             "as the HF config says")
+
+
+LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\..*?([^.]+)$")
+
+
+def check_lora_targets(lora: Checkpoint, num_layers: int, allow_partial: bool = False) -> None:
+    """Every target the training run named must have adapters in every layer (PEFT adapts all matching
+    modules), or the checkpoint lost some on the way."""
     if not lora.lora:
         raise MergeError(f"{lora.path}: no LoRA weights (no *.lora_A.*/*.lora_B.* keys) in this checkpoint")
-    targets = getattr(lora.args, "lora_target_modules", None) or []
+    found = {(int(m.group(1)), m.group(2)) for m in map(LAYER_MODULE.match, lora.lora) if m}
+    targets = list(getattr(lora.args, "lora_target_modules", None) or []) or sorted({t for _, t in found})
     for target in targets:
-        if not any(module.endswith("." + target) for module in lora.lora):
+        if not any(t == target for _, t in found):
             raise MergeError(f"{lora.path}: args.lora_target_modules lists {target!r} but the checkpoint has no "
                              f"LoRA weights for it")
+    missing = [(i, t) for t in targets for i in range(num_layers) if (i, t) not in found]
+    if missing and not allow_partial:
+        shown = ", ".join(f"layer {i} {t}" for i, t in missing[:4]) + (" …" if len(missing) > 4 else "")
+        raise MergeError(f"{lora.path}: LoRA weights missing for {len(missing)} (layer, target) pairs ({shown}); "
+                         "the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
 
 
 # Rows are merged and written in chunks of about this many float32 bytes, so memory stays bounded
@@ -182,6 +191,8 @@ def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
             rows = block.take(start, stop)
             if factors is None:
                 piece = rows.to(plan.dtype)
+                if plan.dtype == torch.float16 and rows.dtype != torch.float16 and not torch.isfinite(piece).all():
+                    raise MergeError(f"{name}: values overflow float16; choose --dtype bfloat16 or float32")
             else:
                 b, a = factors
                 piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, plan.dtype, name)

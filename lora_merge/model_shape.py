@@ -4,12 +4,14 @@ the Megatron args, so that a mismatch stops the merge instead of producing a wro
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.layer_numbering import noop_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +30,8 @@ class ModelShape:
     qkv_bias: bool
     qk_norm: bool
     dtype: torch.dtype | None  # the reference's dtype, if it names one
+    rope_theta: float | None = None
+    norm_eps: float | None = None
 
     @property
     def features(self) -> frozenset[str]:
@@ -49,9 +53,17 @@ def read_hf_config(hf_dir: Path) -> tuple[ModelShape, dict]:
     model_type = cfg.get("model_type", "")
 
     def need(key):
-        if key not in cfg:
-            raise MergeError(f"{path}: missing {key!r}")
-        return int(cfg[key])
+        if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+            raise MergeError(f"{path}: {key!r} must be a positive integer, found {cfg.get(key)!r}")
+        return cfg[key]
+
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        # In HF Llama/Mistral/Qwen3 attention_bias also gives o_proj a bias, which Megatron's
+        # add_qkv_bias does not have: writing one would be inventing weights.
+        raise MergeError(f"{path}: attention_bias=true for {model_type} (q/k/v *and* o_proj biases) is not supported")
+    if cfg.get("mlp_bias"):
+        raise MergeError(f"{path}: mlp_bias=true is not supported")
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
 
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
@@ -70,6 +82,8 @@ def read_hf_config(hf_dir: Path) -> tuple[ModelShape, dict]:
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",
         dtype=DTYPES.get(str(dtype_name)) if dtype_name else None,
+        rope_theta=_float(cfg.get("rope_theta", rope.get("rope_theta"))),
+        norm_eps=_float(cfg.get("rms_norm_eps")),
     )
     if shape.heads % shape.groups:
         raise MergeError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={shape.groups}")
@@ -110,6 +124,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     if qk_norm is not None and bool(qk_norm) != shape.qk_norm:
         raise MergeError(f"{where}: args.qk_layernorm={qk_norm} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
+    _check_function_args(shape, arg, where)
     padded = arg("padded_vocab_size")
     if padded is not None and int(padded) < shape.vocab:
         raise MergeError(f"{where}: args.padded_vocab_size={padded} is smaller than the HF vocab_size={shape.vocab}")
@@ -117,5 +132,25 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
 
 
+def _check_function_args(shape: ModelShape, arg, where: str) -> None:
+    """Args that change what the trained model computes without changing any tensor shape: the HF config
+    must describe the same function, or the merged model is not the trained one."""
+    fixed = [("rotary_interleaved", False), ("apply_layernorm_1p", False), ("add_bias_linear", False),
+             ("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("rotary_percent", 1.0)]
+    for name, expected in fixed:
+        value = arg(name)
+        if value is not None and value != expected:
+            raise MergeError(f"{where}: args.{name}={value!r}; only {expected!r} maps onto a HF {shape.model_type} model")
+    for name, theirs, ours, hf_name in (("rotary_base", arg("rotary_base"), shape.rope_theta, "rope_theta"),
+                                        ("norm_epsilon", arg("norm_epsilon"), shape.norm_eps, "rms_norm_eps")):
+        if theirs is not None and ours is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6):
+            raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf_name} is {ours}: the merged "
+                             "model would not compute what was trained")
+
+
+def _float(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _noop_count(args) -> int:
-    return len(getattr(args, "noop_layers", None) or ())
+    return len(noop_layers(args))

@@ -22,7 +22,7 @@ from lora_merge.architectures import Architecture
 from lora_merge.errors import MergeError
 from lora_merge.layout import Skip
 from lora_merge.lora import LoraSettings, hf_factors
-from lora_merge.merge import iter_rules, pick_name
+from lora_merge.architectures import iter_rules, pick_name
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES

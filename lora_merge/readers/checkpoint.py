@@ -11,12 +11,15 @@ import argparse
 import ctypes
 import math
 import mmap
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from lora_merge.errors import MergeError
 
 
 @dataclass(frozen=True)
@@ -96,3 +99,56 @@ class Checkpoint:
     def describe(self) -> str:
         parts = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")
         return f"{self.format} checkpoint {self.path} (iteration {self.iteration}, {parts})"
+
+
+# --- LoRA keys, shared by all readers --------------------------------------------------------------
+
+LORA_KEY = re.compile(r"^(.+)\.lora_([AB])\.([^.]+)\.weight$")
+# PEFT state that changes what the adapter computes beyond W + (alpha/r)·B·A: refused, never dropped.
+UNSUPPORTED_PEFT = {".lora_magnitude_vector.": "DoRA (lora_magnitude_vector)",
+                    ".modules_to_save.": "modules_to_save (fully trained copies of modules)",
+                    ".original_module.": "modules_to_save (fully trained copies of modules)",
+                    ".lora_embedding_A.": "LoRA on embeddings", ".lora_embedding_B.": "LoRA on embeddings"}
+
+
+class LoraCollector:
+    """Gathers lora_A/lora_B shards by module and TP rank, and checks that they pair up."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.seen: dict[tuple[str, str], dict[int, TensorRef]] = {}
+        self.adapters: set[str] = set()
+
+    def add(self, name: str, rank: int, ref: TensorRef) -> bool:
+        """Take `name` if it is a LoRA weight (True); refuse PEFT state this tool cannot merge."""
+        for marker, what in UNSUPPORTED_PEFT.items():
+            if marker in name:
+                raise MergeError(f"{ref.where}: {what} is not supported; only plain LoRA can be merged")
+        m = LORA_KEY.match(name)
+        if not m:
+            return False
+        self.adapters.add(m.group(3))
+        slot = self.seen.setdefault((m.group(1), m.group(2)), {})
+        if rank in slot:
+            raise MergeError(f"{ref.where}: LoRA weight stored twice for TP rank {rank} ({slot[rank].where})")
+        slot[rank] = ref
+        return True
+
+    def finish(self, ckpt: "Checkpoint", tp: int) -> None:
+        if len(self.adapters) > 1:
+            raise MergeError(f"{self.where}: several LoRA adapters ({', '.join(sorted(self.adapters))}); expected one")
+        ckpt.adapter_name = next(iter(self.adapters), None)
+        for module in sorted({module for module, _ in self.seen}):
+            a, b = self.seen.get((module, "A")), self.seen.get((module, "B"))
+            if not a or not b:
+                have, lack = ("lora_A", "lora_B") if a else ("lora_B", "lora_A")
+                raise MergeError(f"{self.where}: {module} has {have} but no {lack}")
+            ckpt.lora[module] = LoraModule(a=all_ranks(f"{module}.lora_A", a, tp, self.where),
+                                           b=all_ranks(f"{module}.lora_B", b, tp, self.where))
+
+
+def all_ranks(name: str, by_rank: dict[int, TensorRef], tp: int, where) -> list[TensorRef]:
+    missing = [t for t in range(tp) if t not in by_rank]
+    if missing:
+        raise MergeError(f"{where}: {name} is missing on TP rank(s) {missing} (present on {sorted(by_rank)})")
+    return [by_rank[t] for t in range(tp)]

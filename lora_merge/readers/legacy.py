@@ -15,14 +15,13 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef
+from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, all_ranks
 from lora_merge.readers.iteration import resolve_iteration_dir
 from lora_merge.safe_load import load_pt
 
 RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-LORA_KEY = re.compile(r"^(.+)\.lora_([AB])\.([^.]+)\.weight$")
 MODEL_CHUNK_KEY = re.compile(r"^model(\d*)$")
 # Top-level entries of a rank file that are not model weights and are never needed for a merge.
 NON_MODEL_ENTRIES = {"args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler", "rng_state",
@@ -106,8 +105,7 @@ def read_legacy(path: Path) -> Checkpoint:
     numbering = None
     ckpt = Checkpoint(path=path, format="legacy", iteration=iteration, args=args, tp=tp, pp=pp, vpp=1)
     seen_ranks: dict[str, dict[int, TensorRef]] = defaultdict(dict)
-    lora_seen: dict[tuple[str, str], dict[int, TensorRef]] = defaultdict(dict)
-    adapters = set()
+    lora = LoraCollector(str(it_dir))
 
     for key, rank_dir in sorted(dirs.items(), key=lambda kv: (kv[0][1:] or (0,), kv[0][0])):
         t, p = key[0], (key[1] if pp > 1 else 0)
@@ -143,39 +141,18 @@ def read_legacy(path: Path) -> Checkpoint:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
                 ref = TensorRef.of(where, value, mapped)
-                lm = LORA_KEY.match(name)
-                if lm:
-                    adapters.add(lm.group(3))
-                    slot = lora_seen[(lm.group(1), lm.group(2))]
-                else:
-                    name = name.replace(".base_layer.", ".")
-                    slot = seen_ranks[name]
+                if lora.add(name, t, ref):
+                    continue
+                slot = seen_ranks[name.replace(".base_layer.", ".")]
                 if t in slot:
                     raise MergeError(f"{where}: tensor appears twice for TP rank {t} ({slot[t].where})")
                 slot[t] = ref
 
-    if len(adapters) > 1:
-        raise MergeError(f"{it_dir}: several LoRA adapters ({', '.join(sorted(adapters))}); expected one")
-    ckpt.adapter_name = next(iter(adapters), None)
     ckpt.vpp = vpp
-    ckpt.params = {name: _all_ranks(name, by_rank, tp, it_dir) for name, by_rank in seen_ranks.items()}
-    modules = sorted({module for module, _ in lora_seen})
-    for module in modules:
-        a, b = lora_seen.get((module, "A")), lora_seen.get((module, "B"))
-        if not a or not b:
-            have, lack = ("lora_A", "lora_B") if a else ("lora_B", "lora_A")
-            raise MergeError(f"{it_dir}: {module} has {have} but no {lack}")
-        ckpt.lora[module] = LoraModule(a=_all_ranks(f"{module}.lora_A", a, tp, it_dir),
-                                       b=_all_ranks(f"{module}.lora_B", b, tp, it_dir))
+    ckpt.params = {name: all_ranks(name, by_rank, tp, it_dir) for name, by_rank in seen_ranks.items()}
+    lora.finish(ckpt, tp)
     ckpt.numbering = numbering
     return ckpt
-
-
-def _all_ranks(name: str, by_rank: dict[int, TensorRef], tp: int, it_dir: Path) -> list[TensorRef]:
-    missing = [t for t in range(tp) if t not in by_rank]
-    if missing:
-        raise MergeError(f"{it_dir}: {name} is missing on TP rank(s) {missing} (present on {sorted(by_rank)})")
-    return [by_rank[t] for t in range(tp)]
 
 
 def _check_same_layout(state: dict, file: Path, tp: int, pp: int, iteration: str) -> None:

@@ -29,13 +29,12 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef, release_pages
+from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, release_pages
 from lora_merge.readers.iteration import resolve_iteration_dir
 from lora_merge.safe_load import StandIn, load_pt, stand_in_class
 
 METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
-LORA_KEY = re.compile(r"^(.+)\.lora_([AB])\.([^.]+)\.weight$")
 SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
 
@@ -95,10 +94,15 @@ def read_metadata(path: Path) -> tuple[dict, dict]:
     try:
         with open(path, "rb") as f:
             meta = _MetadataUnpickler(f, where).load()
+        return _parse_metadata(meta, path)
     except MergeError:
         raise
-    except Exception as exc:  # a truncated or foreign pickle
+    except Exception as exc:  # a truncated, foreign or incomplete pickle
         raise MergeError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from exc
+
+
+def _parse_metadata(meta, path: Path) -> tuple[dict, dict]:
+    where = str(path)
     state = _state(meta, where)
     entries = {}
     for key, md in state.get("state_dict_metadata", {}).items():
@@ -226,6 +230,9 @@ def read_torch_dist(path: Path) -> Checkpoint:
     it_dir, iteration = resolve_iteration_dir(path, is_torch_dist_iteration)
     entries, storage = read_metadata(it_dir / METADATA)
     args, common_where = _common_args(it_dir, entries, storage)
+    if getattr(args, "noop_layers", None):
+        raise MergeError(f"{it_dir}: noop_layers in a torch_dist checkpoint are not supported (their stacked layer "
+                         "numbering is not documented); convert it to the legacy format")
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
@@ -233,8 +240,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
     ckpt.numbering = numbering_from_args(args, pp, vpp)
     files: dict[str, DistcpFile] = {}
-    lora_seen: dict[tuple[str, str], TensorRef] = {}
-    adapters = set()
+    lora = LoraCollector(str(it_dir))
     per_file = defaultdict(lambda: [0, 0])
 
     def chunk_getter(key, offsets):
@@ -257,15 +263,12 @@ def read_torch_dist(path: Path) -> Checkpoint:
         return get
 
     def add(name: str, ref: TensorRef):
-        lm = LORA_KEY.match(name)
-        if lm:
-            adapters.add(lm.group(3))
-            lora_seen[(lm.group(1), lm.group(2))] = ref
-        else:
-            name = name.replace(".base_layer.", ".")
-            if name in ckpt.params:
-                raise MergeError(f"{ref.where}: parameter stored twice")
-            ckpt.params[name] = [ref]
+        if lora.add(name, 0, ref):
+            return
+        name = name.replace(".base_layer.", ".")
+        if name in ckpt.params:
+            raise MergeError(f"{ref.where}: parameter stored twice")
+        ckpt.params[name] = [ref]
 
     for key, info in sorted(entries.items()):
         if key.startswith(SKIPPED_PREFIXES) or key.endswith("_extra_state") or "._extra_state" in key:
@@ -294,14 +297,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
             add(name, _ref(where, info["shape"], info["dtype"], pieces))
 
     _join_singleton_fc1(ckpt)
-    if len(adapters) > 1:
-        raise MergeError(f"{it_dir}: several LoRA adapters ({', '.join(sorted(adapters))}); expected one")
-    ckpt.adapter_name = next(iter(adapters), None)
-    for module in sorted({m for m, _ in lora_seen}):
-        a, b = lora_seen.get((module, "A")), lora_seen.get((module, "B"))
-        if a is None or b is None:
-            raise MergeError(f"{it_dir}: {module} has {'lora_A' if a else 'lora_B'} but no {'lora_B' if a else 'lora_A'}")
-        ckpt.lora[module] = LoraModule(a=[a], b=[b])
+    lora.finish(ckpt, 1)
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
     if common_where:
         ckpt.files.insert(0, (common_where, 0, 0))
@@ -323,11 +319,21 @@ def _ref(where, shape, dtype, pieces) -> TensorRef:
 
 
 def _check_cover(info, key, where):
-    """The chunks must tile the global tensor exactly: a gap would be silently uninitialized memory."""
-    total = sum(math.prod(size) for _, size in info["chunks"])
-    if total != math.prod(info["shape"]):
+    """The chunks must tile the global tensor exactly (inside it, disjoint, nothing missing): a gap would be
+    uninitialized memory in the output."""
+    shape, chunks = info["shape"], info["chunks"]
+    for off, size in chunks:
+        if len(off) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(off, size, shape)):
+            raise MergeError(f"{where}: chunk at {list(off)} of size {list(size)} lies outside {key}'s global shape "
+                             f"{list(shape)}")
+    for i, (off_a, size_a) in enumerate(chunks):
+        for off_b, size_b in chunks[i + 1:]:
+            if all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(off_a, size_a, off_b, size_b)):
+                raise MergeError(f"{where}: chunks at {list(off_a)} and {list(off_b)} of {key} overlap")
+    total = sum(math.prod(size) for _, size in chunks)
+    if total != math.prod(shape):
         raise MergeError(f"{where}: saved chunks cover {total} elements of {key}, global shape "
-                         f"{list(info['shape'])} has {math.prod(info['shape'])}")
+                         f"{list(shape)} has {math.prod(shape)}")
 
 
 def _join_singleton_fc1(ckpt: Checkpoint) -> None:

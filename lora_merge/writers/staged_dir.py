@@ -12,7 +12,16 @@ from pathlib import Path
 from lora_merge.errors import MergeError
 
 
-def check_output_target(out: Path, force: bool) -> None:
+def check_output_target(out: Path, force: bool, inputs=()) -> None:
+    """The output must not overlap any input (with --force that would delete the inputs), and must not
+    exist unless --force."""
+    target = out.resolve()
+    for inp in inputs:
+        if inp is None:
+            continue
+        source = Path(inp).resolve()
+        if target == source or target in source.parents or source in target.parents:
+            raise MergeError(f"{out}: the output directory overlaps the input {inp}; choose a separate directory")
     if out.exists() and not force:
         raise MergeError(f"{out}: already exists (pass --force to replace it)")
     if out.exists() and not out.is_dir():
@@ -29,9 +38,9 @@ def check_free_space(out: Path, needed: int) -> None:
 
 
 @contextmanager
-def staged_directory(out: Path, force: bool):
+def staged_directory(out: Path, force: bool, inputs=()):
     """Yield a temporary directory next to `out`; on success it becomes `out`, on failure it is removed."""
-    check_output_target(out, force)
+    check_output_target(out, force, inputs)
     remove_abandoned_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
@@ -39,7 +48,7 @@ def staged_directory(out: Path, force: bool):
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
     try:
         yield staging
-        _fsync_dir(staging)
+        _fsync_tree(staging)
         if out.exists():
             # Swap the old output aside first so there is never a moment without a complete directory.
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -70,6 +79,15 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file written into the staging dir (the shards are already flushed by their writer)."""
+    for child in path.iterdir():
+        if child.is_file() and child.suffix != ".safetensors":
+            with open(child, "rb+") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:
