@@ -257,3 +257,80 @@ def test_write_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     run_failing(merge_args("tp2_fp32_filtered", out), capsys, "No space left on device", "no output was written")
     assert_nothing_written(out)
+
+
+def test_output_overlapping_an_input_is_refused_even_with_force(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--force"]
+    run_failing(args + ["--out", str(root)], capsys, "overlaps the input")
+    run_failing(args + ["--out", str(root / "lora")], capsys, "overlaps the input")
+    assert (root / "base").is_dir() and (root / "lora").is_dir() and (root / "hf_ref" / "config.json").is_file()
+
+
+def test_dora_or_stray_tensors_in_the_lora_checkpoint_are_errors_with_a_base(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    files = rank_files(root / "lora")
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "out")]
+    key = "decoder.layers.0.self_attention.linear_qkv.lora_magnitude_vector.default.weight"
+    for f in files:
+        rewrite(f, lambda s: s["model"].__setitem__(key, torch.ones(64)))
+    run_failing(args, capsys, "DoRA", "not supported")
+    for f in files:
+        rewrite(f, lambda s: (s["model"].pop(key), s["model"].__setitem__("decoder.layers.0.mlp.router.weight",
+                                                                         torch.zeros(2, 64))))
+    run_failing(args, capsys, "neither LoRA weights nor base weights", "decoder.layers.0.mlp.router.weight")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_lora_missing_in_some_layers(tmp_path, capsys):
+    root = copy_fixture("tp2pp2_fp32_filtered", tmp_path)
+    for f in rank_files(root / "lora"):
+        if f.parent.name.endswith("_001"):  # drop every adapter of the second pipeline stage
+            rewrite(f, lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items() if "lora" not in k}))
+    out = tmp_path / "out"
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(out)]
+    run_failing(args, capsys, "missing for 8 (layer, target) pairs", "layer 2 linear_qkv", "--allow-partial-lora")
+    assert_nothing_written(out)
+    assert main(args + ["--allow-partial-lora", "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize("arg,value,expected", [("rotary_interleaved", True, "rotary_interleaved=True"),
+                                                ("rotary_base", 1000000, "rope_theta"),
+                                                ("norm_epsilon", 1e-5, "rms_norm_eps"),
+                                                ("normalization", "LayerNorm", "'RMSNorm'")])
+def test_args_that_change_the_function_must_match_the_config(tmp_path, capsys, arg, value, expected):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    for f in rank_files(root / "base"):
+        rewrite(f, lambda s: setattr(s["args"], arg, value))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, f"args.{arg}", expected)
+    assert_nothing_written(out)
+
+
+def test_tied_copy_that_differs_is_an_error(tmp_path, capsys):
+    root = copy_fixture("tied_pp2_llama_fp32", tmp_path)
+    last = [f for f in rank_files(root / "lora") if f.parent.name.endswith("_001")]
+
+    def untie(state):
+        state["model"]["output_layer.weight"] = state["model"]["output_layer.weight"] + 1
+
+    for f in last:
+        rewrite(f, untie)
+    out = tmp_path / "out"
+    run_failing(["--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out)], capsys,
+                "output_layer.weight differs from embedding.word_embeddings.weight")
+    assert_nothing_written(out)
+
+
+def test_llama_attention_bias_is_refused(tmp_path, capsys):
+    root = copy_fixture("tp2_llama_fp32_partial", tmp_path)
+    config = json.loads((root / "hf_ref" / "config.json").read_text())
+    config["attention_bias"] = True
+    (root / "hf_ref" / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out)], capsys, "attention_bias=true for llama")
+    assert_nothing_written(out)
