@@ -2,30 +2,36 @@
 
 - every tensor the HF config implies is there, with its shape and dtype, and nothing else;
 - every value is finite;
-- with a baseline (the reference model's own weights when --hf-ref holds them, else the Megatron base):
-  tensors LoRA did not touch are bit-identical to it, and LoRA-touched tensors equal
+- with a baseline: tensors LoRA did not touch are bit-identical to it, and LoRA-touched tensors equal
   baseline + (alpha/r)·B·A to within one rounding to the output dtype.
-A layout mistake anywhere (swapped q/k, shifted vocab, wrong layer) shows up here at full scale
-without running the model.
+The strongest baseline is the reference model's own weights (when --hf-ref holds them): they share no
+code with the merge, so a layout mistake anywhere (swapped q/k, shifted vocab, a layer off by one) shows
+up at full scale without running the model. Without them the Megatron base is un-sharded again with the
+same layout rules, which checks the written files and the merge arithmetic, not the rules.
+
+Everything is compared a chunk of rows at a time, with file handles held one tensor at a time, so
+memory stays bounded whatever the model size.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from lora_merge.architectures import Architecture
+from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
-from lora_merge.layout import Skip
+from lora_merge.layout import RowBlock, Skip
 from lora_merge.lora import LoraSettings, hf_factors
-from lora_merge.architectures import iter_rules, pick_name
 from lora_merge.model_shape import ModelShape
-from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
+
+CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -40,38 +46,47 @@ class VerifyReport:
 
 
 class SafetensorsDir:
-    """The tensors of an HF model directory (sharded or not), opened lazily by name."""
+    """The tensors of an HF model directory (sharded or not), read by name and row range."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            self.file_of = json.loads(index.read_text())["weight_map"]
-        else:
-            self.file_of = {}
-            for path in sorted(directory.glob("*.safetensors")):
-                with safe_open(path, framework="pt") as f:
-                    self.file_of.update({name: path.name for name in f.keys()})
-        self._open = {}
+        try:
+            if index.is_file():
+                self.file_of = dict(json.loads(index.read_text())["weight_map"])
+            else:
+                self.file_of = {}
+                for path in sorted(directory.glob("*.safetensors")):
+                    with safe_open(path, framework="pt") as f:
+                        self.file_of.update({name: path.name for name in f.keys()})
+        except (KeyError, TypeError, ValueError, SafetensorError, OSError) as exc:
+            raise MergeError(f"{directory}: unreadable safetensors index or file ({exc})") from exc
 
     def __bool__(self) -> bool:
         return bool(self.file_of)
 
-    def _handle(self, name: str):
-        file = self.file_of[name]
-        if file not in self._open:
-            path = self.directory / file
-            if not path.is_file():
-                raise MergeError(f"{path}: listed in the index but missing")
-            self._open[file] = safe_open(path, framework="pt")
-        return self._open[file]
+    def _open(self, name: str):
+        path = self.directory / self.file_of[name]
+        if not path.is_file():
+            raise MergeError(f"{path}: listed in the index but missing")
+        try:
+            return safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise MergeError(f"{path}: unreadable safetensors file ({exc})") from exc
 
     def meta(self, name: str) -> tuple[tuple[int, ...], str]:
-        s = self._handle(name).get_slice(name)
-        return tuple(s.get_shape()), s.get_dtype()
+        with self._open(name) as f:
+            s = f.get_slice(name)
+            return tuple(s.get_shape()), s.get_dtype()
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        # A handle per read: safetensors maps the file, and a handle kept open would keep every page
+        # read so far resident.
+        with self._open(name) as f:
+            try:
+                return f.get_slice(name)[start:stop]
+            except SafetensorError as exc:
+                raise MergeError(f"{self.directory / self.file_of[name]}: {name} unreadable ({exc})") from exc
 
 
 def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, noise: torch.Tensor) -> bool:
@@ -79,6 +94,25 @@ def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, noise: torch.
     eps = torch.finfo(out.dtype).eps
     tol = eps * expected.abs() + 16 * torch.finfo(torch.float32).eps * noise
     return bool(((out.float() - expected).abs() <= tol).all())
+
+
+class _BlockRows:
+    """Row ranges across a list of RowBlocks (the Megatron baseline of one HF tensor)."""
+
+    def __init__(self, blocks: list[RowBlock], mapped: bool):
+        self.blocks, self.mapped = blocks, mapped
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        pieces, offset = [], 0
+        for block in self.blocks:
+            lo, hi = max(start, offset), min(stop, offset + block.rows)
+            if lo < hi:
+                pieces.append(block.take(lo - offset, hi - offset).clone())
+                if self.mapped:
+                    for part in block.parts:
+                        release_pages(part[lo - offset: hi - offset])
+            offset += block.rows
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: torch.dtype,
@@ -107,9 +141,11 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
         module = megatron.removesuffix(".weight")
         if lora is not None and megatron.endswith(".weight") and module in lora.lora:
             factors = hf_factors(rule, lora.lora[module], shape, module)
-        base_hf = None
+        megatron_blocks = None
         if not ref and base is not None and megatron in base.params:
-            base_hf = rule.to_hf([r.load() for r in base.params[megatron]], shape, megatron)
+            refs = base.params[megatron]
+            blocks = rule.hf_blocks([r.load() for r in refs], shape, megatron)
+            megatron_blocks = {n: _BlockRows(b, all(r.mapped for r in refs)) for n, b in blocks.items()}
         for name, dims in rule.hf_shapes(shape).items():
             full = prefix + name
             expected_names.add(full)
@@ -121,35 +157,55 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 report.problems.append(f"{full}: shape {list(got_shape)} {got_dtype}, the config implies "
                                        f"{list(dims)} {want_dtype}")
                 continue
-            tensor = out.get(full)
-            if not torch.isfinite(tensor).all():
-                report.problems.append(f"{full}: non-finite values")
-                continue
-            baseline_t = ref.get(full) if (ref and full in ref.file_of) else (base_hf[name] if base_hf else None)
-            report.statuses[full] = _check_value(full, tensor, baseline_t, factors.get(name), settings, report)
+            if ref and full in ref.file_of:
+                ref_shape, _ = ref.meta(full)
+                if ref_shape != dims:
+                    report.problems.append(f"{full}: the reference has shape {list(ref_shape)}, expected {list(dims)}")
+                    continue
+                source = lambda a, b, n=full: ref.rows(n, a, b)  # noqa: E731
+            elif megatron_blocks is not None:
+                source = megatron_blocks[name].rows
+            else:
+                source = None
+            report.statuses[full] = _check_tensor(full, dims, out, source, factors.get(name), settings, report)
 
     for extra in sorted(set(out.file_of) - expected_names):
         report.problems.append(f"{extra}: in the output but not part of a {shape.model_type} model with this config")
     return report
 
 
-def _check_value(name, tensor, baseline, factors, settings, report) -> str:
+def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, settings, report) -> str:
+    """Compare one output tensor with its baseline, a chunk of rows at a time."""
+    row_numel = math.prod(dims[1:]) if len(dims) > 1 else 1
+    step = max(1, CHUNK_BYTES // (4 * row_numel))
+    worst = 0.0
+    for start in range(0, dims[0], step):
+        stop = min(start + step, dims[0])
+        tensor = out.rows(name, start, stop)
+        if not torch.isfinite(tensor).all():
+            report.problems.append(f"{name}: non-finite values")
+            return "non-finite"
+        if baseline is None:
+            continue
+        base = baseline(start, stop)
+        if factors is None:
+            if not torch.equal(tensor, base.to(tensor.dtype)):
+                diff = (tensor.float() - base.float()).abs().max().item()
+                report.problems.append(f"{name}: LoRA does not touch it, but it differs from the baseline "
+                                       f"(max abs diff {diff:.3g} in rows {start}..{stop - 1})")
+                return "differs from baseline"
+            continue
+        b, a = factors
+        b_rows = b[start:stop].float()
+        expected = torch.addmm(base.float(), b_rows, a.float(), alpha=settings.scale)
+        noise = base.float().abs() + settings.scale * (b_rows.abs() @ a.float().abs())
+        if not within_one_rounding(tensor, expected, noise):
+            worst = max(worst, (tensor.float() - expected).abs().max().item())
     if baseline is None:
         return "merged (no baseline to compare)" if factors is not None else "present (no baseline to compare)"
-    if tuple(baseline.shape) != tuple(tensor.shape):
-        report.problems.append(f"{name}: baseline has shape {list(baseline.shape)}, output {list(tensor.shape)}")
-        return "shape differs from baseline"
     if factors is None:
-        if torch.equal(tensor, baseline.to(tensor.dtype)):
-            return "identical to baseline"
-        report.problems.append(f"{name}: LoRA does not touch it, but it differs from the baseline "
-                               f"(max abs diff {(tensor.float() - baseline.float()).abs().max().item():.3g})")
-        return "differs from baseline"
-    b, a = factors
-    expected = torch.addmm(baseline.float(), b.float(), a.float(), alpha=settings.scale)
-    noise = baseline.float().abs() + settings.scale * (b.float().abs() @ a.float().abs())
-    if within_one_rounding(tensor, expected, noise):
-        return "merged: baseline + (alpha/r)·B·A within one rounding"
-    report.problems.append(f"{name}: differs from baseline + (alpha/r)·B·A by up to "
-                           f"{(tensor.float() - expected).abs().max().item():.3g}")
-    return "merged value wrong"
+        return "identical to baseline"
+    if worst:
+        report.problems.append(f"{name}: differs from baseline + (alpha/r)·B·A by up to {worst:.3g}")
+        return "merged value wrong"
+    return "merged: baseline + (alpha/r)·B·A within one rounding"
