@@ -314,7 +314,7 @@ def _describe(ckpt: Checkpoint | None) -> dict | None:
     if ckpt is None:
         return None
     return {"path": str(ckpt.path), "format": ckpt.format, "iteration": ckpt.iteration, "tp": ckpt.tp,
-            "pp": ckpt.pp, "vpp": ckpt.vpp, "adapter": ckpt.adapter_name}
+            "pp": ckpt.pp, "vpp": ckpt.vpp, "layout_note": ckpt.note or None, "adapter": ckpt.adapter_name}
 
 
 def _write_report(opts, inp: Inputs, plan: MergePlan | None, file_of: dict, hashes: dict,

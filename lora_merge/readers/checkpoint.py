@@ -97,7 +97,7 @@ class Checkpoint:
     note: str = ""  # anything else a user should know about the layout
 
     def describe(self) -> str:
-        parts = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")
+        parts = self.note or (f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else ""))
         return f"{self.format} checkpoint {self.path} (iteration {self.iteration}, {parts})"
 
 

@@ -7,7 +7,6 @@ only the pickles; tensor bytes are paged in when a rule asks for them.
 from __future__ import annotations
 
 import re
-import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -53,8 +52,7 @@ def _load_rank(rank_dir: Path) -> dict:
     path = rank_dir / RANK_FILE
     if not path.is_file():
         raise MergeError(f"{rank_dir}: missing {RANK_FILE}")
-    # Zip-format files (torch >= 1.6) are memory-mapped; older ones can only be read whole.
-    state = load_pt(path, mmap=zipfile.is_zipfile(path))
+    state = load_pt(path)  # memory-mapped: only the pickle is read now
     if not isinstance(state, dict):
         raise MergeError(f"{path}: expected a dict with 'model' and 'args', found {type(state).__name__}")
     return state
@@ -111,7 +109,6 @@ def read_legacy(path: Path) -> Checkpoint:
         t, p = key[0], (key[1] if pp > 1 else 0)
         file = rank_dir / RANK_FILE
         state = first_state if rank_dir == first else _load_rank(rank_dir)
-        mapped = zipfile.is_zipfile(file)
         _check_same_layout(state, file, tp, pp, iteration)
         chunks = _model_chunks(state, file)
         if vpp is None:
@@ -140,7 +137,7 @@ def read_legacy(path: Path) -> Checkpoint:
                 if m:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
-                ref = TensorRef.of(where, value, mapped)
+                ref = TensorRef.of(where, value, mapped=True)
                 if lora.add(name, t, ref):
                     continue
                 slot = seen_ranks[name.replace(".base_layer.", ".")]

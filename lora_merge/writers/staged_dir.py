@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,7 +43,7 @@ def staged_directory(out: Path, force: bool, inputs=()):
     """Yield a temporary directory next to `out`; on success it becomes `out`, on failure it is removed."""
     check_output_target(out, force, inputs)
     remove_abandoned_staging(out)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{_host()}-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
@@ -63,10 +64,15 @@ def staged_directory(out: Path, force: bool, inputs=()):
         raise
 
 
+def _host() -> str:
+    return socket.gethostname().replace("-", "_") or "host"
+
+
 def remove_abandoned_staging(out: Path) -> None:
-    """Delete staging dirs of earlier runs for the same output that were killed (their process is gone)."""
-    for path in out.parent.glob(f".{out.name}.partial-*-*"):
-        pid = path.name.removeprefix(f".{out.name}.partial-").split("-", 1)[0]
+    """Delete staging dirs of earlier runs on this host for the same output that were killed (their
+    process is gone). Other hosts' dirs are left alone: on shared storage their runs may be alive."""
+    for path in out.parent.glob(f".{out.name}.partial-{_host()}-*-*"):
+        pid = path.name.removeprefix(f".{out.name}.partial-{_host()}-").split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
