@@ -118,13 +118,19 @@ class Rule:
     def hf_shapes(self, shape: ModelShape) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
 
-    def hf_blocks(self, shards: list[torch.Tensor], shape: ModelShape, where: str) -> dict[str, list[RowBlock]]:
-        """Each HF tensor this parameter becomes, as row blocks that are views of the shards (no copies)."""
+    def hf_blocks(self, shards: list[torch.Tensor], shape: ModelShape, where: str,
+                  global_pieces: bool = False) -> dict[str, list[RowBlock]]:
+        """Each HF tensor this parameter becomes, as row blocks that are views of the shards (no copies).
+
+        `shards` are the TP ranks' shards; with `global_pieces` they are instead consecutive pieces of the
+        global (TP=1) tensor, as torch_dist stores it. The two agree for every layout but swiglu fc1.
+        """
         raise NotImplementedError
 
-    def to_hf(self, shards: list[torch.Tensor], shape: ModelShape, where: str) -> dict[str, torch.Tensor]:
+    def to_hf(self, shards: list[torch.Tensor], shape: ModelShape, where: str,
+              global_pieces: bool = False) -> dict[str, torch.Tensor]:
         """The HF tensors, materialized."""
-        return {name: join_blocks(blocks) for name, blocks in self.hf_blocks(shards, shape, where).items()}
+        return {name: join_blocks(blocks) for name, blocks in self.hf_blocks(shards, shape, where, global_pieces).items()}
 
 
 def expected_shard_shape(parallel: str, global_shape: tuple[int, ...], tp: int, where: str) -> tuple[int, ...]:
@@ -161,7 +167,7 @@ class OneToOne(Rule):
 
 @dataclass(frozen=True)
 class Replicated(OneToOne):
-    def hf_blocks(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
         return {self.hf: single(unshard_replicated(shards, where))}
 
 
@@ -169,7 +175,7 @@ class Replicated(OneToOne):
 class RowParallel(OneToOne):
     parallel = "row"
 
-    def hf_blocks(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
         return {self.hf: [RowBlock(tuple(shards))]}
 
 
@@ -177,7 +183,7 @@ class RowParallel(OneToOne):
 class ColumnParallel(OneToOne):
     parallel = "column"
 
-    def hf_blocks(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
         return {self.hf: [RowBlock((s,)) for s in shards]}
 
 
@@ -195,7 +201,7 @@ class VocabParallel(ColumnParallel):
     def hf_shapes(self, shape):
         return {self.hf: (shape.vocab, shape.hidden)}
 
-    def hf_blocks(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
         blocks, left = [], shape.vocab  # drop the padding rows past the real vocab
         for s in shards:
             if left > 0:
@@ -219,7 +225,7 @@ class QkvColumn(Rule):
         rest = self.global_shape(shape)[1:]
         return {self.q: (dims["q"], *rest), self.k: (dims["kv"], *rest), self.v: (dims["kv"], *rest)}
 
-    def hf_blocks(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
         if shape.groups % len(shards):
             raise MergeError(f"{where}: {shape.groups} query groups do not split over TP={len(shards)}")
         out = {self.q: [], self.k: [], self.v: []}
@@ -243,9 +249,19 @@ class GatedColumn(Rule):
         rest = self.global_shape(shape)[1:]
         return {self.gate: (shape.ffn, *rest), self.up: (shape.ffn, *rest)}
 
-    def hf_blocks(self, shards, shape, where):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return {self.gate: [RowBlock((h[0],)) for h in halves], self.up: [RowBlock((h[1],)) for h in halves]}
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        if not global_pieces:  # each rank: [its gate rows; its up rows]
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return {self.gate: [RowBlock((h[0],)) for h in halves], self.up: [RowBlock((h[1],)) for h in halves]}
+        gate, up, offset = [], [], 0  # the global tensor is [all gate rows; all up rows]
+        for piece in shards:
+            cut = min(max(shape.ffn - offset, 0), piece.shape[0])
+            if cut:
+                gate.append(RowBlock((piece[:cut],)))
+            if cut < piece.shape[0]:
+                up.append(RowBlock((piece[cut:],)))
+            offset += piece.shape[0]
+        return {self.gate: gate, self.up: up}
 
 
 @dataclass(frozen=True)
@@ -264,5 +280,5 @@ class Skip(Rule):
     def global_shape(self, shape, shards_shapes=None):
         return tuple(shards_shapes[0]) if shards_shapes else ()
 
-    def hf_blocks(self, shards, shape, where):
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
         return {}

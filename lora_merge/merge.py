@@ -14,7 +14,7 @@ from lora_merge.errors import MergeError
 from lora_merge.layout import Rule, Skip, check_shards
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
 from lora_merge.model_shape import ModelShape
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef, release_pages
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef, joined_ref, release_pages
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
 
@@ -28,6 +28,7 @@ class Task:
     shards: list[TensorRef]
     outputs: list[PlannedTensor]
     lora: LoraModule | None = None
+    global_pieces: bool = False  # shards are pieces of the global tensor (torch_dist), not TP ranks
 
     @property
     def lora_module(self) -> str:
@@ -87,10 +88,10 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
             raise MergeError(f"{base.path}: missing {names[0]}, which a {shape.model_type} model with this "
                              "config needs")
         unclaimed.discard(megatron)
-        shards = base.params[megatron]
+        shards = fitted_shards(base, megatron, rule)
         check_shards([s.shape for s in shards], rule.parallel, rule.global_shape(shape, [s.shape for s in shards]),
                      f"{megatron} ({shards[0].where})")
-        task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, shards=shards,
+        task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, shards=shards, global_pieces=base.global_layout,
                     outputs=[PlannedTensor(hf_prefix + name, dims, dtype) for name, dims in rule.hf_shapes(shape).items()])
         if megatron.endswith(".weight") and task.lora_module in adapters:
             task.lora = adapters.pop(task.lora_module)
@@ -105,6 +106,18 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
     if adapters:
         raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
     return plan
+
+
+def fitted_shards(ckpt: Checkpoint, name: str, rule: Rule) -> list[TensorRef]:
+    """The shards a rule gets. Global-layout pieces serve as they are when they are cut along the dimension
+    the rule splits (rows for column-parallel, columns for row-parallel); otherwise they are joined."""
+    refs = ckpt.params[name]
+    if not ckpt.global_layout or len(refs) == 1:
+        return refs
+    dim = ckpt.split_dims.get(name)
+    if dim == {"column": 0, "row": 1}.get(rule.parallel):
+        return refs
+    return [joined_ref(refs, dim)]
 
 
 def check_copy(copy, original, name: str, original_name: str) -> None:
@@ -151,7 +164,7 @@ def execute(plan: MergePlan, write, progress=None) -> None:
     for task in plan.tasks:
         where = f"{task.megatron} ({task.shards[0].where})"
         mapped = all(ref.mapped for ref in task.shards)
-        blocks = task.rule.hf_blocks([ref.load() for ref in task.shards], shape, where)
+        blocks = task.rule.hf_blocks([ref.load() for ref in task.shards], shape, where, task.global_pieces)
         factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
         for planned in task.outputs:
             name = planned.name[len(task.hf_prefix):]

@@ -27,6 +27,7 @@ from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.layout import RowBlock, Skip
 from lora_merge.lora import LoraSettings, hf_factors
+from lora_merge.merge import fitted_shards
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
@@ -143,8 +144,8 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             factors = hf_factors(rule, lora.lora[module], shape, module)
         megatron_blocks = None
         if not ref and base is not None and megatron in base.params:
-            refs = base.params[megatron]
-            blocks = rule.hf_blocks([r.load() for r in refs], shape, megatron)
+            refs = fitted_shards(base, megatron, rule)
+            blocks = rule.hf_blocks([r.load() for r in refs], shape, megatron, base.global_layout)
             megatron_blocks = {n: _BlockRows(b, all(r.mapped for r in refs)) for n, b in blocks.items()}
         for name, dims in rule.hf_shapes(shape).items():
             full = prefix + name

@@ -171,3 +171,15 @@ def test_pipeline_numbering_uneven_and_noop():
 def test_pipeline_local_index_beyond_stage_is_an_error():
     with pytest.raises(MergeError, match="only 2 layers"):
         numbering_from_args(ns(num_layers=4), pp=2, vpp=1).hf_index(0, 0, 2, "t")
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 4, 8])
+def test_gated_fc1_from_global_pieces(pieces):
+    # torch_dist stores fc1 globally as [all gate; all up], in as many pieces as it was saved from
+    ffn, hidden = 8, 3
+    gate = torch.arange(ffn * hidden, dtype=torch.float32).reshape(ffn, hidden)
+    up = -gate - 1
+    parts = list(torch.cat([gate, up]).chunk(pieces))
+    out = GatedColumn("fc1", ("gated_ffn", "hidden"), gate="gate", up="up").to_hf(
+        parts, shape_for(4, 2, ffn=ffn), "t", global_pieces=True)
+    assert torch.equal(out["gate"], gate) and torch.equal(out["up"], up)

@@ -48,6 +48,22 @@ class TensorRef:
             release_pages(self.loader())
 
 
+def joined_ref(refs: list[TensorRef], dim: int | None) -> TensorRef:
+    """One reference to the concatenation of pieces (a copy on load; for pieces no rule can use as they are)."""
+    if len(refs) == 1:
+        return refs[0]
+    shape = list(refs[0].shape)
+    shape[dim] = sum(r.shape[dim] for r in refs)
+
+    def load():
+        out = torch.cat([r.load() for r in refs], dim=dim)
+        for r in refs:
+            r.release()
+        return out
+    return TensorRef(where=f"{refs[0].where} (+{len(refs) - 1} pieces)", shape=tuple(shape), dtype=refs[0].dtype,
+                     loader=load)
+
+
 PAGE = mmap.PAGESIZE
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 try:
@@ -95,6 +111,10 @@ class Checkpoint:
     numbering: object = None  # LayerNumbering: how pipeline stages map to layers
     files: list = field(default_factory=list)  # (file, tensors, bytes) for each file read
     note: str = ""  # anything else a user should know about the layout
+    # torch_dist: params hold pieces of the *global* (TP=1) tensor instead of per-rank shards, cut along
+    # split_dims[name] (0 or 1; None for a single piece).
+    global_layout: bool = False
+    split_dims: dict = field(default_factory=dict)
 
     def describe(self) -> str:
         parts = self.note or (f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else ""))

@@ -29,7 +29,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
-from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, release_pages
+from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, joined_ref, release_pages
 from lora_merge.readers.iteration import resolve_iteration_dir
 from lora_merge.safe_load import StandIn, load_pt, stand_in_class
 
@@ -213,17 +213,30 @@ class DistcpFile:
 # --- the reader ---------------------------------------------------------------------------------------
 
 def _slice_loader(pieces, shape, dtype):
-    """Load one global (sub)tensor from chunk views: a view if one chunk covers it, else a copy."""
+    """Assemble a global (sub)tensor from chunk views of any grid (a copy)."""
     def load():
-        views = [(get(), region) for get, region in pieces]
-        if len(views) == 1 and all(r.start == 0 and r.stop == n for r, n in zip(views[0][1], shape)):
-            return views[0][0]
         out = torch.empty(shape, dtype=dtype)
-        for view, region in views:
+        for get, region in pieces:
+            view = get()
             out[tuple(region)] = view
             release_pages(view)
         return out
     return load
+
+
+def _piece_refs(where, shape, dtype, pieces) -> tuple[list[TensorRef], int | None]:
+    """The chunks of one tensor as mapped views, when they cut it along a single dimension (as TP does):
+    (refs in order, that dimension). Any other grid is assembled into one copy."""
+    shape = tuple(shape)
+    cut = [d for d in range(len(shape)) if any(r[d].start != 0 or r[d].stop != shape[d] for _, r in pieces)]
+    if len(cut) <= 1:
+        dim = cut[0] if cut else None
+        ordered = sorted(pieces, key=lambda p: p[1][dim].start if dim is not None else 0)
+        refs = [TensorRef(where=f"{where}{'' if dim is None else f' piece {i}'}",
+                          shape=tuple(r.stop - r.start for r in region), dtype=dtype, loader=get, mapped=True)
+                for i, (get, region) in enumerate(ordered)]
+        return refs, dim
+    return [TensorRef(where=where, shape=shape, dtype=dtype, loader=_slice_loader(pieces, shape, dtype))], None
 
 
 def read_torch_dist(path: Path) -> Checkpoint:
@@ -236,7 +249,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
+    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1,
+                      global_layout=True)
     ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
     ckpt.numbering = numbering_from_args(args, pp, vpp)
     files: dict[str, DistcpFile] = {}
@@ -262,13 +276,15 @@ def read_torch_dist(path: Path) -> Checkpoint:
             return cache["t"]
         return get
 
-    def add(name: str, ref: TensorRef):
-        if lora.add(name, 0, ref):
+    def add(name: str, where: str, shape, dtype, pieces):
+        refs, dim = _piece_refs(where, shape, dtype, pieces)
+        if lora.add(name, 0, joined_ref(refs, dim)):  # LoRA factors are small: one tensor each
             return
         name = name.replace(".base_layer.", ".")
         if name in ckpt.params:
-            raise MergeError(f"{ref.where}: parameter stored twice")
-        ckpt.params[name] = [ref]
+            raise MergeError(f"{where}: parameter stored twice")
+        ckpt.params[name] = refs
+        ckpt.split_dims[name] = dim
 
     for key, info in sorted(entries.items()):
         if key.startswith(SKIPPED_PREFIXES) or key.endswith("_extra_state") or "._extra_state" in key:
@@ -291,10 +307,10 @@ def read_torch_dist(path: Path) -> Checkpoint:
                 shape = info["shape"][1:]
                 pieces = [(_layer_view(get, off, layer), _region(off[1:], size[1:]))
                           for get, off, size in chunks if off[0] <= layer < off[0] + size[0]]
-                add(f"{STACKED_LAYER}{layer}.{rest}", _ref(f"{where}[{layer}]", shape, info["dtype"], pieces))
+                add(f"{STACKED_LAYER}{layer}.{rest}", f"{where}[{layer}]", shape, info["dtype"], pieces)
         else:
             pieces = [(get, _region(off, size)) for get, off, size in chunks]
-            add(name, _ref(where, info["shape"], info["dtype"], pieces))
+            add(name, where, info["shape"], info["dtype"], pieces)
 
     _join_singleton_fc1(ckpt)
     lora.finish(ckpt, 1)
@@ -310,12 +326,6 @@ def _region(offsets, sizes):
 
 def _layer_view(get, offsets, layer):
     return lambda: get()[layer - offsets[0]]
-
-
-def _ref(where, shape, dtype, pieces) -> TensorRef:
-    whole = len(pieces) == 1 and all(r.start == 0 and r.stop == n for r, n in zip(pieces[0][1], shape))
-    return TensorRef(where=where, shape=tuple(shape), dtype=dtype, loader=_slice_loader(pieces, tuple(shape), dtype),
-                     mapped=whole)
 
 
 def _check_cover(info, key, where):
@@ -337,18 +347,22 @@ def _check_cover(info, key, where):
 
 
 def _join_singleton_fc1(ckpt: Checkpoint) -> None:
-    """`singleton_local_shards` saves swiglu fc1 as weight_w (gate) and weight_v (up): join them back."""
+    """`singleton_local_shards` saves swiglu fc1 as weight_w (all gate rows) and weight_v (all up rows):
+    together, in that order, they are the pieces of the global `[gate; up]` tensor."""
     for name in [n for n in ckpt.params if n.endswith(".weight_w")]:
-        base = name[: -len("_w")]
-        other = base + "_v"
+        base, other = name[: -len("_w")], name[: -len("_w")] + "_v"
         if other not in ckpt.params:
             raise MergeError(f"{ckpt.params[name][0].where}: {name} without its {other}")
-        w, v = ckpt.params.pop(name)[0], ckpt.params.pop(other)[0]
         if base in ckpt.params:
-            raise MergeError(f"{w.where}: {base} stored both whole and as weight_w/weight_v")
-        shape = (w.shape[0] + v.shape[0], *w.shape[1:])
-        ckpt.params[base] = [TensorRef(where=f"{w.where} + weight_v", shape=shape, dtype=w.dtype,
-                                       loader=lambda w=w, v=v: torch.cat([w.load(), v.load()]))]
+            raise MergeError(f"{ckpt.params[name][0].where}: {base} stored both whole and as weight_w/weight_v")
+        w, v = ckpt.params.pop(name), ckpt.params.pop(other)
+        w_dim, v_dim = ckpt.split_dims.pop(name), ckpt.split_dims.pop(other)
+        if w_dim not in (0, None):  # cut across rows: only whole rows can be stacked as pieces
+            w = [joined_ref(w, w_dim)]
+        if v_dim not in (0, None):
+            v = [joined_ref(v, v_dim)]
+        ckpt.params[base] = w + v
+        ckpt.split_dims[base] = 0
 
 
 def _common_args(it_dir: Path, entries: dict, storage: dict):
