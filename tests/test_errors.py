@@ -44,6 +44,7 @@ def run_failing(args: list[str], capsys, *expected: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("lora-merge: error: "), err
     for text in expected:
         assert text in lines[0], lines[0]
+    print(f"\n[{code}] {lines[0]}")  # `pytest -s tests/test_errors.py` lists every message
     return lines[0]
 
 
