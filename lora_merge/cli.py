@@ -9,9 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import re
 import shutil
 import sys
@@ -33,6 +30,7 @@ from lora_merge.merge import MergePlan, build_plan, check_lora_targets, execute
 from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.report import check_report_target, hash_files, write_report
 from lora_merge.verify import VerifyReport, verify_output
 from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.hf_files import copy_reference_files
@@ -190,7 +188,7 @@ def run_merge(opts) -> dict:
     inputs = (opts.base, opts.lora, opts.hf_ref)
     if not opts.dry_run:
         check_output_target(opts.out, opts.force, inputs)
-        _check_report_target(opts)
+        check_report_target(opts.report)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
     dtype = output_dtype(opts.dtype, inp.shape, inp.base.args)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
@@ -219,13 +217,14 @@ def run_merge(opts) -> dict:
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
                                           reference=opts.hf_ref if has_weights(opts.hf_ref) else None, base=inp.base)
             if not verify_report.ok:
-                _write_report(opts, inp, plan, writer.file_of(), _hash_files(staging, files), verify_report)
+                write_report(opts.report, inp, opts.hf_ref, plan, writer.file_of(), hash_files(staging, files),
+                             verify_report)
                 raise MergeError(f"{opts.out}: verification failed, output not published: "
                                  f"{verify_report.problems[0]} ({len(verify_report.problems)} problem(s))")
-        hashes = writer.sha256 | (_hash_files(staging, [f for f in files if f not in writer.sha256])
+        hashes = writer.sha256 | (hash_files(staging, [f for f in files if f not in writer.sha256])
                                   if opts.report else {})
     if opts.report:
-        _write_report(opts, inp, plan, writer.file_of(), hashes, verify_report)
+        write_report(opts.report, inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report)
 
     return {
         "out": str(opts.out), "base": inp.base.describe(), "lora": inp.lora.describe(),
@@ -262,7 +261,7 @@ def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
 def run_export(opts) -> dict:
     inputs = (opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, inputs)
-    _check_report_target(opts)
+    check_report_target(opts.report)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
     tensors = adapter_tensors(inp.lora, inp.shape, inp.arch, inp.settings, dtype)
@@ -271,14 +270,14 @@ def run_export(opts) -> dict:
     with staged_directory(opts.out, opts.force, inputs) as staging:
         files = write_adapter(staging, tensors, adapter_config(inp.settings, targets, inp.hf_config, opts.hf_ref))
     if opts.report:
-        _write_report(opts, inp, None, {}, _hash_files(opts.out, files), None)
+        write_report(opts.report, inp, opts.hf_ref, None, {}, hash_files(opts.out, files), None)
     return {"targets": targets, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),
             "settings": inp.settings, "lora": inp.lora.describe()}
 
 
 def run_verify(opts) -> VerifyReport:
     out = opts.out
-    _check_report_target(opts)
+    check_report_target(opts.report)
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
@@ -288,61 +287,8 @@ def run_verify(opts) -> VerifyReport:
                            base=inp.base)
     if opts.report:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
-        _write_report(opts, inp, None, {}, _hash_files(out, files), report)
+        write_report(opts.report, inp, opts.hf_ref, None, {}, hash_files(out, files), report)
     return report
-
-
-def _check_report_target(opts) -> None:
-    """Fail before any work, not after the output is published, when the report cannot be written."""
-    report = getattr(opts, "report", None)
-    if report is not None and not report.resolve().parent.is_dir():
-        raise MergeError(f"{report}: the report's directory does not exist")
-
-
-def _hash_files(directory: Path, names) -> dict[str, str]:
-    hashes = {}
-    for name in names:
-        h = hashlib.sha256()
-        with open(directory / name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        hashes[name] = h.hexdigest()
-    return hashes
-
-
-def _describe(ckpt: Checkpoint | None) -> dict | None:
-    if ckpt is None:
-        return None
-    return {"path": str(ckpt.path), "format": ckpt.format, "iteration": ckpt.iteration, "tp": ckpt.tp,
-            "pp": ckpt.pp, "vpp": ckpt.vpp, "layout_note": ckpt.note or None, "adapter": ckpt.adapter_name}
-
-
-def _write_report(opts, inp: Inputs, plan: MergePlan | None, file_of: dict, hashes: dict,
-                  verify: VerifyReport | None) -> None:
-    tensors = {}
-    if plan is not None:
-        for task in plan.tasks:
-            for t in task.outputs:
-                tensors[t.name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                                   "file": file_of.get(t.name), "source": task.megatron,
-                                   "status": "merged with LoRA" if task.lora is not None else "converted"}
-    if verify is not None:
-        for name, status in verify.statuses.items():
-            tensors.setdefault(name, {})["verify"] = status
-    report = {
-        "tool": f"lora-merge {__version__}",
-        "inputs": {"base": _describe(inp.base), "lora": _describe(inp.lora), "hf_ref": str(getattr(opts, "hf_ref", "") or "")},
-        "lora_settings": None if inp.settings is None else {"r": inp.settings.r, "alpha": inp.settings.alpha,
-                                                            "scale": inp.settings.scale, "source": inp.settings.source},
-        "skipped": dict(plan.skipped) if plan is not None else {},
-        "tensors": tensors,
-        "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
-        "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
-                                               "problems": verify.problems},
-    }
-    tmp = opts.report.with_name(opts.report.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, opts.report)
 
 
 def _progress_bar(total: int, disabled: bool):

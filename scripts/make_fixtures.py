@@ -1127,7 +1127,6 @@ def main():
     sys.path.insert(0, peft_dir)
     os.environ["PYTHONPATH"] = peft_dir + os.pathsep + os.environ.get("PYTHONPATH", "")
 
-    import torch
     import torch.multiprocessing as mp
 
     out = Path(opts.out).resolve()

@@ -1,7 +1,5 @@
 """Loading pickles from strangers: data classes become inert stand-ins, code is never run."""
 
-import argparse
-import pickle
 
 import pytest
 import torch

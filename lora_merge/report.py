@@ -1,0 +1,67 @@
+"""The JSON report of a run (`--report FILE`): what went in, what came out, and how to check it later."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from lora_merge import __version__
+from lora_merge.errors import MergeError
+from lora_merge.merge import MergePlan
+from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.verify import VerifyReport
+
+
+def check_report_target(report: Path | None) -> None:
+    """Fail before any work, not after the output is published, when the report cannot be written."""
+    if report is not None and not report.resolve().parent.is_dir():
+        raise MergeError(f"{report}: the report's directory does not exist")
+
+
+def hash_files(directory: Path, names) -> dict[str, str]:
+    hashes = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(directory / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        hashes[name] = h.hexdigest()
+    return hashes
+
+
+def _describe(ckpt: Checkpoint | None) -> dict | None:
+    if ckpt is None:
+        return None
+    return {"path": str(ckpt.path), "format": ckpt.format, "iteration": ckpt.iteration, "tp": ckpt.tp,
+            "pp": ckpt.pp, "vpp": ckpt.vpp, "layout_note": ckpt.note or None, "adapter": ckpt.adapter_name}
+
+
+def write_report(path: Path, inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, hashes: dict,
+                 verify: VerifyReport | None) -> None:
+    """inputs, LoRA settings, every output tensor with its source and status, every file's sha256."""
+    tensors = {}
+    if plan is not None:
+        for task in plan.tasks:
+            for t in task.outputs:
+                tensors[t.name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                   "file": file_of.get(t.name), "source": task.megatron,
+                                   "status": "merged with LoRA" if task.lora is not None else "converted"}
+    if verify is not None:
+        for name, status in verify.statuses.items():
+            tensors.setdefault(name, {})["verify"] = status
+    report = {
+        "tool": f"lora-merge {__version__}",
+        "inputs": {"base": _describe(inp.base), "lora": _describe(inp.lora), "hf_ref": str(hf_ref or "")},
+        "lora_settings": None if inp.settings is None else {"r": inp.settings.r, "alpha": inp.settings.alpha,
+                                                            "scale": inp.settings.scale, "source": inp.settings.source},
+        "skipped": dict(plan.skipped) if plan is not None else {},
+        "tensors": tensors,
+        "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+        "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
+                                               "problems": verify.problems},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
