@@ -32,6 +32,7 @@ STAND_IN_PREFIXES = (
     "numpy.",
     "pathlib.",
     "io.BytesIO",
+    "_io.BytesIO",  # how TransformerEngine's _extra_state pickles
 )
 
 # Plain-data classes we let the unpickler build for real (object.__new__ plus a __dict__ update).

@@ -183,3 +183,16 @@ def test_gated_fc1_from_global_pieces(pieces):
     out = GatedColumn("fc1", ("gated_ffn", "hidden"), gate="gate", up="up").to_hf(
         parts, shape_for(4, 2, ffn=ffn), "t", global_pieces=True)
     assert torch.equal(out["gate"], gate) and torch.equal(out["up"], up)
+
+
+def test_deepseek_distill_qwen_32b_vocab_at_tp8():
+    # The 152064-row vocab split over TP=8 (19008 rows a rank): every rank's rows, in rank order. A
+    # reader of rank 0 only gets 19008 rows ("size of tensor a (152064) must match ... b (19008)").
+    vocab, tp, hidden = 152064, 8, 2
+    table = torch.arange(vocab * hidden, dtype=torch.float32).reshape(vocab, hidden)
+    shards = list(table.chunk(tp))
+    assert {s.shape[0] for s in shards} == {19008}
+    rule = VocabParallel("embedding.word_embeddings.weight", ("vocab", "hidden"), hf="model.embed_tokens.weight")
+    shape = shape_for(40, 8, hidden=hidden, vocab=vocab)
+    check_shards([tuple(s.shape) for s in shards], "column", rule.global_shape(shape, [s.shape for s in shards]), "emb")
+    assert torch.equal(rule.to_hf(shards, shape, "emb")["model.embed_tokens.weight"], table)
