@@ -23,6 +23,12 @@ def rank_files(ckpt_dir: Path) -> list[Path]:
     return sorted((ckpt_dir / f"iter_{int(it):07d}").glob("mp_rank_*/model_optim_rng.pt"))
 
 
+def copied_args(root: Path, out: Path) -> list[str]:
+    """CLI arguments merging a copied fixture with its base."""
+    return ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(out)]
+
+
 def rewrite(path: Path, edit) -> None:
     """Load a rank file safely, let `edit` change it, save it back (stand-ins saved as plain strings)."""
     state = load_pt(path, mmap=False)
@@ -77,8 +83,7 @@ def test_hf_config_disagreeing_with_args(tmp_path, capsys):
     config["num_key_value_heads"] = 2
     (root / "hf_ref" / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "num_query_groups=4", "num_key_value_heads")
+    run_failing(copied_args(root, out), capsys, "num_query_groups=4", "num_key_value_heads")
     assert_nothing_written(out)
 
 
@@ -92,8 +97,7 @@ def test_missing_rank_directory(tmp_path, capsys):
     root = copy_fixture("tp2pp2_fp32_filtered", tmp_path)
     shutil.rmtree(rank_files(root / "base")[-1].parent)
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "missing mp_rank_01_001", "TP=2 PP=2")
+    run_failing(copied_args(root, out), capsys, "missing mp_rank_01_001", "TP=2 PP=2")
     assert_nothing_written(out)
 
 
@@ -119,8 +123,7 @@ def test_malicious_rank_file_is_refused_before_anything_runs(tmp_path, capsys):
     target = rank_files(root / "lora")[1]
     rewrite(target, lambda s: s.__setitem__("rng_state", [Payload()]))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "refusing to load", "system", "mp_rank_01")
+    run_failing(copied_args(root, out), capsys, "refusing to load", "system", "mp_rank_01")
     assert not marker.exists()
     assert_nothing_written(out)
 
@@ -130,8 +133,7 @@ def test_unknown_parameter_is_an_error_not_dropped(tmp_path, capsys):
     for f in rank_files(root / "base"):
         rewrite(f, lambda s: s["model"].__setitem__("decoder.layers.1.mlp.router.weight", torch.zeros(4, 64)))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "does not know", "decoder.layers.1.mlp.router.weight")
+    run_failing(copied_args(root, out), capsys, "does not know", "decoder.layers.1.mlp.router.weight")
     assert_nothing_written(out)
 
 
@@ -141,8 +143,7 @@ def test_lora_b_missing(tmp_path, capsys):
     for f in rank_files(root / "lora"):
         rewrite(f, lambda s: s["model"].pop(key))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "decoder.layers.2.mlp.linear_fc2 has lora_A but no lora_B")
+    run_failing(copied_args(root, out), capsys, "decoder.layers.2.mlp.linear_fc2 has lora_A but no lora_B")
     assert_nothing_written(out)
 
 
@@ -151,8 +152,7 @@ def test_replicated_norm_differing_between_ranks(tmp_path, capsys):
     key = "decoder.layers.3.input_layernorm.weight"
     rewrite(rank_files(root / "base")[1], lambda s: s["model"].__setitem__(key, s["model"][key] + 1e-3))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, key, "differs between TP rank 0 and TP rank 1")
+    run_failing(copied_args(root, out), capsys, key, "differs between TP rank 0 and TP rank 1")
     assert_nothing_written(out)
 
 
@@ -161,8 +161,7 @@ def test_shards_with_wrong_shape(tmp_path, capsys):
     key = "decoder.layers.0.mlp.linear_fc1.weight"
     rewrite(rank_files(root / "base")[1], lambda s: s["model"].__setitem__(key, s["model"][key][:-2]))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, key, "TP rank 1 shard has shape [94, 64], expected [96, 64]")
+    run_failing(copied_args(root, out), capsys, key, "TP rank 1 shard has shape [94, 64], expected [96, 64]")
     assert_nothing_written(out)
 
 
@@ -171,8 +170,7 @@ def test_lora_target_without_weights(tmp_path, capsys):
     for f in rank_files(root / "lora"):
         rewrite(f, lambda s: s["args"].lora_target_modules.append("linear_proj"))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "lists 'linear_proj'", "no LoRA weights")
+    run_failing(copied_args(root, out), capsys, "lists 'linear_proj'", "no LoRA weights")
     assert_nothing_written(out)
 
 
@@ -191,8 +189,7 @@ def test_stale_iteration_is_not_used_and_a_missing_one_is_an_error(tmp_path, cap
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
     (root / "lora" / "latest_checkpointed_iteration.txt").write_text("20")
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "iteration 20", "iter_0000020")
+    run_failing(copied_args(root, out), capsys, "iteration 20", "iter_0000020")
     assert_nothing_written(out)
 
 
@@ -221,8 +218,7 @@ def test_truncated_rank_file(tmp_path, capsys):
     victim = rank_files(root / "base")[2]
     victim.write_bytes(victim.read_bytes()[:5000])
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, str(victim))
+    run_failing(copied_args(root, out), capsys, str(victim))
     assert_nothing_written(out)
 
 
@@ -237,8 +233,7 @@ def test_non_finite_merge_result(tmp_path, capsys):
     for f in rank_files(root / "lora"):  # lora_B of a row layer is replicated: poison every copy
         rewrite(f, poison)
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "model.layers.1.self_attn.o_proj.weight", "non-finite")
+    run_failing(copied_args(root, out), capsys, "model.layers.1.self_attn.o_proj.weight", "non-finite")
     assert_nothing_written(out)
 
 
@@ -290,8 +285,7 @@ def test_lora_missing_in_some_layers(tmp_path, capsys):
         if f.parent.name.endswith("_001"):  # drop every adapter of the second pipeline stage
             rewrite(f, lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items() if "lora" not in k}))
     out = tmp_path / "out"
-    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-            "--out", str(out)]
+    args = copied_args(root, out)
     run_failing(args, capsys, "missing for 8 (layer, target) pairs", "layer 2 linear_qkv", "--allow-partial-lora")
     assert_nothing_written(out)
     assert main(args + ["--allow-partial-lora", "--no-progress"]) == 0
@@ -306,8 +300,7 @@ def test_args_that_change_the_function_must_match_the_config(tmp_path, capsys, a
     for f in rank_files(root / "base"):
         rewrite(f, lambda s: setattr(s["args"], arg, value))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, f"args.{arg}", expected)
+    run_failing(copied_args(root, out), capsys, f"args.{arg}", expected)
     assert_nothing_written(out)
 
 
@@ -332,6 +325,5 @@ def test_llama_attention_bias_is_refused(tmp_path, capsys):
     config["attention_bias"] = True
     (root / "hf_ref" / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out)], capsys, "attention_bias=true for llama")
+    run_failing(copied_args(root, out), capsys, "attention_bias=true for llama")
     assert_nothing_written(out)

@@ -13,7 +13,7 @@ import torch
 from conftest import FIXTURES
 from lora_merge.cli import main
 from test_end_to_end import hf_logits
-from test_errors import copy_fixture, rank_files, rewrite
+from test_errors import copied_args, copy_fixture, rank_files, rewrite
 
 NAME = "tp2pp2_fp32_filtered"
 
@@ -35,8 +35,7 @@ def test_noop_layers_are_skipped_in_numbering(tmp_path, capsys):
         for f in rank_files(root / ckpt):
             rewrite(f, as_noop_run)
     out = tmp_path / "out"
-    assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out), "--no-progress"]) == 0
+    assert main(copied_args(root, out) + ["--no-progress"]) == 0
     ref = torch.load(FIXTURES / NAME / "logits.pt", weights_only=True)
     assert (hf_logits(out, ref["input_ids"]) - ref["logits_lora"]).abs().max() <= 1e-4
 

@@ -9,7 +9,7 @@ import torch
 from conftest import FIXTURES
 from lora_merge.cli import main
 from test_end_to_end import hf_logits
-from test_errors import copy_fixture, rank_files, rewrite
+from test_errors import copied_args, copy_fixture, rank_files, rewrite
 
 NAME = "tp2_fp32_filtered"
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -32,7 +32,6 @@ def test_transformer_engine_names_merge_to_the_same_model(tmp_path):
     for f in rank_files(root / "base"):
         rewrite(f, as_transformer_engine)
     out = tmp_path / "out"
-    assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(out), "--no-progress"]) == 0
+    assert main(copied_args(root, out) + ["--no-progress"]) == 0
     ref = torch.load(FIXTURES / NAME / "logits.pt", weights_only=True)
     assert (hf_logits(out, ref["input_ids"]) - ref["logits_lora"]).abs().max() <= 1e-4
