@@ -33,6 +33,9 @@ STAND_IN_PREFIXES = (
     "pathlib.",
     "io.BytesIO",
     "_io.BytesIO",  # how TransformerEngine's _extra_state pickles
+    "torch.",  # e.g. an activation or init function named in args (torch's own tensor types stay real)
+    "functools.partial",
+    "collections.",
 )
 
 # Plain-data classes we let the unpickler build for real (object.__new__ plus a __dict__ update).

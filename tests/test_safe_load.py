@@ -1,6 +1,8 @@
 """Loading pickles from strangers: data classes become inert stand-ins, code is never run."""
 
 
+import argparse
+
 import pytest
 import torch
 
@@ -66,3 +68,19 @@ def test_not_a_pickle(tmp_path):
     path.write_bytes(b"hello world" * 10)
     with pytest.raises(MergeError, match="junk.pt"):
         load_pt(path)
+
+
+def test_function_references_in_args_become_inert(tmp_path):
+    # Some training scripts leave callables in args (an activation, a partial init function). They are
+    # data to us: stand-ins, never called.
+    import functools
+
+    args = argparse.Namespace(activation_func=torch.nn.functional.silu,
+                              init_method=functools.partial(torch.nn.init.normal_, std=0.02))
+    path = tmp_path / "a.pt"
+    torch.save({"args": args, "model": {"w": torch.ones(2)}}, path)
+    state = load_pt(path)
+    # a bare function reference unpickles as the stand-in class itself, a partial as a stand-in instance
+    assert issubclass(state["args"].activation_func, StandIn)
+    assert state["args"].activation_func.__qualname__ == "silu"
+    assert isinstance(state["args"].init_method, StandIn)
