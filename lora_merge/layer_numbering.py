@@ -17,14 +17,6 @@ class LayerNumbering:
     counts: tuple[tuple[int, ...], ...]  # counts[chunk][stage]: layers held by that chunk of that stage
     noop: frozenset[int] = frozenset()
 
-    @property
-    def num_layers(self) -> int:
-        return sum(sum(row) for row in self.counts)
-
-    @property
-    def num_hf_layers(self) -> int:
-        return self.num_layers - len(self.noop)
-
     def global_index(self, stage: int, chunk: int, local: int, where: str) -> int:
         if local >= self.counts[chunk][stage]:
             raise MergeError(

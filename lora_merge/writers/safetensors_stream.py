@@ -82,7 +82,6 @@ class ShardedSafetensorsWriter:
         self._done_bytes = 0  # bytes of it written so far
         self._file = None
         self._file_index = -1
-        self.bytes_written = 0
         self.sha256: dict[str, str] = {}  # file name -> digest, hashed as written (no second read)
         self._hash = None
         self.hash_files = hash_files
@@ -112,7 +111,6 @@ class ShardedSafetensorsWriter:
         if self._hash is not None:
             self._hash.update(data)
         self._done_bytes += piece.nbytes
-        self.bytes_written += piece.nbytes
 
     def _open(self, shard_index: int) -> None:
         self._close_file()
