@@ -13,13 +13,13 @@ import argparse
 import io
 import pickle
 import types
-import zipfile
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.readers.torch_archive import MappedFile, TorchArchive
 
 # Namespaces whose classes only ever carry data in a checkpoint. Whatever a name in them is, it gets a
 # stand-in, so trusting a namespace never means running its code.
@@ -72,13 +72,14 @@ def stand_in_class(full_name: str) -> type:
     return type(name, (StandIn,), {"__module__": module, "__qualname__": name})
 
 
-def _allowed_globals(path, where) -> list:
+def _allowed_globals(pickled: bytes, where: str) -> list:
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path if isinstance(path, io.BytesIO) else str(path))
-    except (RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
+        names = torch._weights_only_unpickler.get_globals_in_pkl(io.BytesIO(pickled))
+    except Exception as exc:  # a damaged pickle: nothing in it is run by listing its globals
         raise MergeError(f"{where}: not a readable torch checkpoint ({_short(exc)})") from exc
+    safe = set(torch._weights_only_unpickler._get_allowed_globals())
     allowed = []
-    for full_name in names:
+    for full_name in sorted(set(names) - safe):
         if full_name in REAL_CLASSES:
             allowed.append((REAL_CLASSES[full_name], full_name))
         elif full_name.startswith(STAND_IN_PREFIXES):
@@ -91,24 +92,26 @@ def _allowed_globals(path, where) -> list:
     return allowed
 
 
-def load_pt(path: str | Path | io.BytesIO, mmap: bool = True, where: str | None = None):
-    """Load a torch `.pt` file (or in-memory bytes) with the weights-only unpickler; tensors stay
-    memory-mapped when `mmap` (files only)."""
-    if not isinstance(path, io.BytesIO):
-        path = Path(path)
-    where = where or str(path)
-    allowed = _allowed_globals(path, where)
+def load_archive(archive: TorchArchive):
+    """Unpickle a checked torch.save archive with the weights-only unpickler and our stand-ins; tensors
+    are views into the archive's file."""
+    pickled = archive.pickle_bytes()
+    allowed = _allowed_globals(pickled, archive.where)
     try:
-        if isinstance(path, io.BytesIO):
-            path.seek(0)
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not isinstance(path, io.BytesIO))
+            return archive.unpickle(pickled)
     except MergeError:
         raise
     except pickle.UnpicklingError as exc:
-        raise MergeError(f"{where}: refusing to load: {_short(exc)}") from exc
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
-        raise MergeError(f"{where}: corrupt or truncated torch checkpoint ({_short(exc)})") from exc
+        raise MergeError(f"{archive.where}: refusing to load: {_short(exc)}") from exc
+    except Exception as exc:  # a damaged pickle (wrong opcodes, bad tensor sizes): never a traceback
+        raise MergeError(f"{archive.where}: corrupt or truncated torch checkpoint ({_short(exc)})") from exc
+
+
+def load_pt(path: str | Path, mmap: bool = True, where: str | None = None):
+    """Load a torch `.pt` file with the weights-only unpickler; tensors stay memory-mapped when `mmap`
+    (else they are read into memory, for files about to be rewritten)."""
+    return load_archive(TorchArchive(MappedFile(Path(path), in_memory=not mmap), where=where))
 
 
 def _short(exc: BaseException) -> str:

@@ -31,10 +31,14 @@ class TensorRef:
     dtype: torch.dtype
     loader: Callable[[], torch.Tensor]
     mapped: bool = False  # load() returns a view of a private read-only mapping of the checkpoint file
+    # The archive members (torch_archive.Record) its bytes come from, whose CRC32 must be checked when it
+    # is read; a function, because a torch_dist chunk's member is known only once its archive is opened.
+    records: Callable[[], tuple] = tuple
 
     @classmethod
-    def of(cls, where: str, tensor: torch.Tensor, mapped: bool) -> "TensorRef":
-        return cls(where, tuple(tensor.shape), tensor.dtype, lambda: tensor, mapped)
+    def of(cls, where: str, tensor: torch.Tensor, mapped: bool, record=None) -> "TensorRef":
+        return cls(where, tuple(tensor.shape), tensor.dtype, lambda: tensor, mapped,
+                   (lambda: (record,)) if record is not None else tuple)
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +65,7 @@ def joined_ref(refs: list[TensorRef], dim: int | None) -> TensorRef:
             r.release()
         return out
     return TensorRef(where=f"{refs[0].where} (+{len(refs) - 1} pieces)", shape=tuple(shape), dtype=refs[0].dtype,
-                     loader=load)
+                     loader=load, records=lambda: tuple(rec for r in refs for rec in r.records()))
 
 
 PAGE = mmap.PAGESIZE

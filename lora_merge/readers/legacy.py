@@ -16,7 +16,8 @@ from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, all_ranks
 from lora_merge.readers.iteration import resolve_iteration_dir
-from lora_merge.safe_load import load_pt
+from lora_merge.readers.torch_archive import MappedFile, TorchArchive
+from lora_merge.safe_load import load_archive
 
 RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -48,14 +49,15 @@ def _expected_dirs(tp: int, pp: int) -> dict[tuple[int, ...], str]:
     return {(t, p): f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(pp)}
 
 
-def _load_rank(rank_dir: Path) -> dict:
+def _load_rank(rank_dir: Path) -> tuple[dict, TorchArchive]:
     path = rank_dir / RANK_FILE
     if not path.is_file():
         raise MergeError(f"{rank_dir}: missing {RANK_FILE}")
-    state = load_pt(path)  # memory-mapped: only the pickle is read now
+    archive = TorchArchive(MappedFile(path))
+    state = load_archive(archive)  # memory-mapped: only the pickle is read now
     if not isinstance(state, dict):
         raise MergeError(f"{path}: expected a dict with 'model' and 'args', found {type(state).__name__}")
-    return state
+    return state, archive
 
 
 def _model_chunks(state: dict, path: Path) -> dict[int, dict]:
@@ -82,7 +84,7 @@ def read_legacy(path: Path) -> Checkpoint:
     it_dir, iteration = resolve_iteration_dir(path, is_legacy_iteration)
     dirs = _rank_dirs(it_dir)
     first = dirs[min(dirs)]
-    first_state = _load_rank(first)
+    first_state, first_archive = _load_rank(first)
     args = first_state.get("args")
     if args is None:
         raise MergeError(f"{first / RANK_FILE}: no 'args' entry; cannot tell the parallel layout")
@@ -108,7 +110,7 @@ def read_legacy(path: Path) -> Checkpoint:
     for key, rank_dir in sorted(dirs.items(), key=lambda kv: (kv[0][1:] or (0,), kv[0][0])):
         t, p = key[0], (key[1] if pp > 1 else 0)
         file = rank_dir / RANK_FILE
-        state = first_state if rank_dir == first else _load_rank(rank_dir)
+        state, archive = (first_state, first_archive) if rank_dir == first else _load_rank(rank_dir)
         _check_same_layout(state, file, tp, pp, iteration)
         chunks = _model_chunks(state, file)
         if vpp is None:
@@ -137,7 +139,7 @@ def read_legacy(path: Path) -> Checkpoint:
                 if m:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
-                ref = TensorRef.of(where, value, mapped=True)
+                ref = TensorRef.of(where, value, mapped=True, record=archive.record_of(value))
                 if lora.add(name, t, ref):
                     continue
                 slot = seen_ranks[name.replace(".base_layer.", ".")]

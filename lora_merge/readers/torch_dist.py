@@ -16,12 +16,10 @@ unpickler. Memory: each .distcp file is memory-mapped once and chunks are views 
 
 from __future__ import annotations
 
-import io
 import math
 import pickle
 import re
-import struct
-import zipfile
+import threading
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
@@ -31,7 +29,8 @@ from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, joined_ref, release_pages
 from lora_merge.readers.iteration import resolve_iteration_dir
-from lora_merge.safe_load import StandIn, load_pt, stand_in_class
+from lora_merge.readers.torch_archive import MappedFile, Record, TorchArchive
+from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
 
 METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
@@ -128,86 +127,30 @@ def _parse_metadata(meta, path: Path) -> tuple[dict, dict]:
 
 # --- chunks: torch.save archives inside .distcp files, mapped not read --------------------------------
 
-class _FileSlice(io.RawIOBase):
-    """A read-only file view of [start, start + length) of a file, for zipfile."""
-
-    def __init__(self, f, start: int, length: int):
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def seek(self, pos, whence=0):
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-    def readinto(self, b):
-        self.f.seek(self.start + self.pos)
-        n = min(len(b), max(0, self.length - self.pos))
-        data = self.f.read(n)
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
 class DistcpFile:
-    """One .distcp file, mapped once; chunks come out as tensors viewing the mapping."""
+    """One .distcp file, mapped once; each chunk is a torch.save archive at some offset in it, and comes
+    out as a tensor viewing the mapping, with the archive member it lives in."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.size = path.stat().st_size if path.is_file() else 0
-        self._storage = None
+        self._mapped = None
 
-    def storage(self) -> torch.UntypedStorage:
-        if self._storage is None:
-            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.size)
-        return self._storage
+    @property
+    def size(self) -> int:
+        return self.mapped.size
 
-    def chunk(self, offset: int, length: int, where: str) -> torch.Tensor:
-        if offset + length > self.size:
-            raise MergeError(f"{self.path}: {where} lies past the end of the file (truncated checkpoint?)")
-        with open(self.path, "rb") as f:
-            try:
-                archive = zipfile.ZipFile(_FileSlice(f, offset, length))
-                pkl_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-                records = {info.filename: info for info in archive.infolist()}
-                pickled = archive.read(pkl_name)
-            except (zipfile.BadZipFile, StopIteration, OSError, EOFError) as exc:
-                raise MergeError(f"{self.path}: {where} is not a readable tensor record ({exc})") from exc
-            prefix = pkl_name[: -len("data.pkl")]
+    @property
+    def mapped(self) -> MappedFile:
+        if self._mapped is None:
+            self._mapped = MappedFile(self.path)
+        return self._mapped
 
-            def persistent_load(saved_id):
-                _, storage_type, key, _, numel = saved_id
-                info = records.get(f"{prefix}data/{key}")
-                if info is None or info.compress_type != zipfile.ZIP_STORED:
-                    raise MergeError(f"{self.path}: {where}: storage {key} missing or compressed")
-                f.seek(offset + info.header_offset + 26)
-                name_len, extra_len = struct.unpack("<HH", f.read(4))
-                start = offset + info.header_offset + 30 + name_len + extra_len
-                dtype = storage_type.dtype
-                nbytes = numel * dtype.itemsize
-                if start + nbytes > offset + length:
-                    raise MergeError(f"{self.path}: {where}: storage runs past its record")
-                return torch.storage.TypedStorage(wrap_storage=self.storage()[start: start + nbytes],
-                                                  dtype=dtype, _internal=True)
-
-            unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-            unpickler.persistent_load = persistent_load
-            try:
-                tensor = unpickler.load()
-            except MergeError:
-                raise
-            except Exception as exc:
-                raise MergeError(f"{self.path}: {where}: refusing or unable to load tensor record ({exc})") from exc
+    def chunk(self, offset: int, length: int, where: str) -> tuple[torch.Tensor, Record | None]:
+        archive = TorchArchive(self.mapped, offset, length, where=f"{self.path}: {where}")
+        tensor = load_archive(archive)
         if not isinstance(tensor, torch.Tensor):
             raise MergeError(f"{self.path}: {where}: record holds a {type(tensor).__name__}, expected a tensor")
-        return tensor
+        return tensor, archive.record_of(tensor)
 
 
 # --- the reader ---------------------------------------------------------------------------------------
@@ -216,7 +159,7 @@ def _slice_loader(pieces, shape, dtype):
     """Assemble a global (sub)tensor from chunk views of any grid (a copy)."""
     def load():
         out = torch.empty(shape, dtype=dtype)
-        for get, region in pieces:
+        for get, region, _ in pieces:
             view = get()
             out[tuple(region)] = view
             release_pages(view)
@@ -228,15 +171,17 @@ def _piece_refs(where, shape, dtype, pieces) -> tuple[list[TensorRef], int | Non
     """The chunks of one tensor as mapped views, when they cut it along a single dimension (as TP does):
     (refs in order, that dimension). Any other grid is assembled into one copy."""
     shape = tuple(shape)
-    cut = [d for d in range(len(shape)) if any(r[d].start != 0 or r[d].stop != shape[d] for _, r in pieces)]
+    cut = [d for d in range(len(shape)) if any(r[d].start != 0 or r[d].stop != shape[d] for _, r, _ in pieces)]
     if len(cut) <= 1:
         dim = cut[0] if cut else None
         ordered = sorted(pieces, key=lambda p: p[1][dim].start if dim is not None else 0)
         refs = [TensorRef(where=f"{where}{'' if dim is None else f' piece {i}'}",
-                          shape=tuple(r.stop - r.start for r in region), dtype=dtype, loader=get, mapped=True)
-                for i, (get, region) in enumerate(ordered)]
+                          shape=tuple(r.stop - r.start for r in region), dtype=dtype, loader=get, mapped=True,
+                          records=records)
+                for i, (get, region, records) in enumerate(ordered)]
         return refs, dim
-    return [TensorRef(where=where, shape=shape, dtype=dtype, loader=_slice_loader(pieces, shape, dtype))], None
+    return [TensorRef(where=where, shape=shape, dtype=dtype, loader=_slice_loader(pieces, shape, dtype),
+                      records=lambda: tuple(rec for _, _, records in pieces for rec in records()))], None
 
 
 def read_torch_dist(path: Path) -> Checkpoint:
@@ -269,12 +214,14 @@ def read_torch_dist(path: Path) -> Checkpoint:
             raise MergeError(f"{file.path}: {key} lies past the end of the file (truncated checkpoint?)")
         per_file[rel][1] += length
         cache = {}
+        lock = threading.Lock()  # the CRC checker may open a chunk while the merge does
 
-        def get():
-            if "t" not in cache:
-                cache["t"] = file.chunk(off, length, f"{key}{list(offsets)}")
+        def opened():
+            with lock:
+                if "t" not in cache:
+                    cache["t"] = file.chunk(off, length, f"{key}{list(offsets)}")
             return cache["t"]
-        return get
+        return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None))
 
     def add(name: str, where: str, shape, dtype, pieces):
         refs, dim = _piece_refs(where, shape, dtype, pieces)
@@ -295,7 +242,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
         if info["dtype"] is None or not isinstance(info["dtype"], torch.dtype):
             raise MergeError(f"{it_dir}: {key} has no readable dtype")
         name = key[len("module."):] if key.startswith("module.") else key
-        chunks = [(chunk_getter(key, off), off, size) for off, size in info["chunks"]]
+        chunks = [(*chunk_getter(key, off), off, size) for off, size in info["chunks"]]
         for rel in {storage.get((key, off), storage.get((key, None)))[0] for off, _ in info["chunks"]}:
             per_file[rel][0] += 1
         where = f"{it_dir.name}/{METADATA}[{key}]"
@@ -305,11 +252,11 @@ def read_torch_dist(path: Path) -> Checkpoint:
             rest = name[len(STACKED_LAYER):]
             for layer in range(info["shape"][0]):
                 shape = info["shape"][1:]
-                pieces = [(_layer_view(get, off, layer), _region(off[1:], size[1:]))
-                          for get, off, size in chunks if off[0] <= layer < off[0] + size[0]]
+                pieces = [(_layer_view(get, off, layer), _region(off[1:], size[1:]), records)
+                          for get, records, off, size in chunks if off[0] <= layer < off[0] + size[0]]
                 add(f"{STACKED_LAYER}{layer}.{rest}", f"{where}[{layer}]", shape, info["dtype"], pieces)
         else:
-            pieces = [(get, _region(off, size)) for get, off, size in chunks]
+            pieces = [(get, _region(off, size), records) for get, records, off, size in chunks]
             add(name, where, info["shape"], info["dtype"], pieces)
 
     _join_singleton_fc1(ckpt)
@@ -377,11 +324,8 @@ def _common_args(it_dir: Path, entries: dict, storage: dict):
             raise MergeError(f"{it_dir}: torch_dist checkpoint without common.pt or a common_state entry; "
                              "cannot read its args")
         rel, off, length = storage.get((keys[0], None)) or next(v for k, v in storage.items() if k[0] == keys[0])
-        with open(it_dir / rel, "rb") as f:
-            f.seek(off)
-            data = f.read(length)
-        state = load_pt(io.BytesIO(data), mmap=False, where=f"{it_dir / rel}[{keys[0]}]")
         where = f"{it_dir / rel}[{keys[0]}]"
+        state = load_archive(TorchArchive(MappedFile(it_dir / rel), off, length, where=where))
     args = state.get("args") if isinstance(state, dict) else None
     if args is None:
         raise MergeError(f"{where}: no 'args'; cannot tell the model's architecture")
