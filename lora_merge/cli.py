@@ -30,12 +30,15 @@ from lora_merge.merge import MergePlan, build_plan, check_lora_targets, execute
 from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.report import check_report_target, hash_files, write_report
+from lora_merge.interrupts import Interrupted, signals_raise
+from lora_merge.report import hash_files, report_text, write_report
 from lora_merge.verify import VerifyReport, verify_output
 from lora_merge.writers.background import BackgroundWriter
-from lora_merge.writers.hf_files import copy_reference_files
+from lora_merge.writers.hf_files import COPIED_FILES, copy_reference_files
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
-from lora_merge.writers.staged_dir import check_free_space, check_output_target, staged_directory
+from lora_merge.writers.staged_dir import (PUBLISHED, StagedOutput, check_free_space, check_output_target,
+                                           remove_abandoned_side_files, remove_abandoned_staging)
+from lora_merge.writers.targets import InputPaths, check_report_path
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -50,21 +53,44 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
 
 
+MIN_SHARD_BYTES = 10**6
+
+
+def shard_size(text: str) -> int:
+    size = parse_size(text)
+    if size < MIN_SHARD_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 1MB; a shard that small only multiplies files")
+    return size
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error of the tool."""
+
+    def error(self, message: str):
+        self.exit(2, f"lora-merge: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _lora_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, help="LoRA rank; overrides args.lora_r of the LoRA checkpoint")
-    p.add_argument("--lora-alpha", type=float, help="LoRA alpha; overrides args.lora_alpha of the LoRA checkpoint")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (> 0); overrides args.lora_alpha of the LoRA checkpoint")
     p.add_argument("--report", type=Path, metavar="FILE", help="write a JSON report: inputs, LoRA settings, "
                    "per-tensor status, sha256 of every output file")
     p.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-merge",
+        usage="lora-merge [merge] --base BASE --lora LORA --hf-ref HF --out OUT [options]\n"
+              "       lora-merge verify|inspect|export-adapter ... (see below)",
         description="Merge a MindSpeed-LLM / Megatron-Core LoRA checkpoint into a HuggingFace model "
-                    "(sharded safetensors + config + tokenizer), on CPU, without Megatron. "
-                    "Also: `lora-merge verify --help` (check an output), `lora-merge inspect --help` (describe a "
-                    "checkpoint).",
+                    "(sharded safetensors + config + tokenizer), on CPU, without Megatron.",
+        epilog="subcommands (each has its own --help):\n"
+               "  merge            (the default) merge LoRA into the base and write an HF model\n"
+               "  verify           check a merged output against its inputs\n"
+               "  inspect          print what a Megatron checkpoint is\n"
+               "  export-adapter   write the LoRA as an unmerged PEFT adapter (PEFT, vLLM, SGLang)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--base", type=Path, help="base Megatron checkpoint dir (with latest_checkpointed_iteration.txt, "
                    "or an iter_*/release dir); may be omitted when --lora is an unfiltered LoRA checkpoint")
@@ -76,14 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "unless --force); written atomically")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="output dtype; auto = the reference "
                    "config's dtype, else the checkpoint's training dtype (default: auto)")
-    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
-                   help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    p.add_argument("--max-shard-size", type=shard_size, default=parse_size("5GB"), metavar="SIZE",
+                   help="largest safetensors shard, at least 1MB, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
     p.add_argument("--verify", action="store_true", help="read the output back and verify it (see `lora-merge "
                    "verify`) before it is moved into place; doubles the I/O")
     p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
     p.add_argument("--allow-partial-lora", action="store_true", help="merge even though some layers lack LoRA "
                    "weights for a target (by default that stops the merge: the checkpoint looks incomplete)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new output is complete)")
+    p.add_argument("--force", action="store_true", help="replace --out (an earlier output) and --report if they exist, "
+                   "only once the new output is complete; never an input")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _lora_options(p)
     p.add_argument("--version", action="version", version=f"lora-merge {__version__}")
@@ -91,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-merge verify",
         description="Check a merged output: tensor names, shapes and dtypes against its config; finiteness; "
                     "untouched tensors bit-identical to the baseline; LoRA-touched tensors equal to "
@@ -102,12 +129,13 @@ def build_verify_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", type=Path, help="the LoRA checkpoint that was merged (needed for the value checks)")
     p.add_argument("--base", type=Path, help="base Megatron checkpoint (baseline when --hf-ref has no weights)")
     p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline")
+    p.add_argument("--force", action="store_true", help="replace --report if it exists")
     _lora_options(p)
     return p
 
 
 def build_inspect_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-merge inspect",
         description="Print what a Megatron checkpoint is: format, iteration, TP/PP/VPP, architecture from its "
                     "args, tensors per rank file, LoRA targets with r/alpha, dtype, total size.")
@@ -117,7 +145,7 @@ def build_inspect_parser() -> argparse.ArgumentParser:
 
 
 def build_export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-merge export-adapter",
         description="Write the LoRA as an unmerged PEFT adapter (adapter_model.safetensors + adapter_config.json, "
                     "HF module names) that PEFT and vLLM load on top of the HF base model.")
@@ -128,7 +156,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", type=Path, help="optional base Megatron checkpoint, only cross-checked against the config")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="replace --out (an earlier adapter) and --report if they exist")
     _lora_options(p)
     return p
 
@@ -164,6 +192,8 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     if lora is not None:
         check_lora_targets(lora, shape.num_layers, getattr(opts, "allow_partial_lora", False))
         settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
+        for warning in settings.warnings:
+            print(f"lora-merge: warning: {warning}", file=sys.stderr)
     return Inputs(shape, hf_config, arch, base, lora, settings)
 
 
@@ -183,13 +213,42 @@ def has_weights(hf_dir: Path | None) -> bool:
     return hf_dir is not None and any(hf_dir.glob("*.safetensors"))
 
 
+def given_paths(*paths) -> InputPaths:
+    """The input paths as given, for the checks made before anything is opened."""
+    found = InputPaths()
+    for path in paths:
+        found.add(path)
+    return found
+
+
+def input_paths(inp: Inputs, hf_dir: Path, base_dir: Path | None, lora_dir: Path | None,
+                extra_dirs=()) -> InputPaths:
+    """Every file and directory the run reads, for the checks on what it writes."""
+    found = given_paths(base_dir, lora_dir, *extra_dirs)
+    for ckpt in (inp.base, inp.lora):
+        if ckpt is not None:
+            found.add_tree(ckpt.path, ckpt.sources)
+    hf_files = [hf_dir / name for name in ("config.json", "model.safetensors.index.json", *COPIED_FILES)]
+    found.add_tree(hf_dir, hf_files + sorted(hf_dir.glob("*.py")) + sorted(hf_dir.glob("*.safetensors")))
+    return found
+
+
+class VerificationFailed(MergeError):
+    def __init__(self, out: Path, report: VerifyReport, published: bool):
+        self.report, self.out = report, out
+        what = "" if published else ", nothing published"
+        super().__init__(f"{out}: verification failed ({len(report.problems)} problem(s)){what}")
+
+
 def run_merge(opts) -> dict:
     started = time.monotonic()
-    inputs = (opts.base, opts.lora, opts.hf_ref)
-    if not opts.dry_run:
-        check_output_target(opts.out, opts.force, inputs)
-        check_report_target(opts.report)
+    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, opts.force, roots)
+    check_report_path(opts.report, opts.force, roots, opts.out)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
+    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
+    check_output_target(opts.out, opts.force, inputs)
+    check_report_path(opts.report, opts.force, inputs, opts.out)
     dtype = output_dtype(opts.dtype, inp.shape, inp.base.args)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     writer_plan = plan.tensors
@@ -198,8 +257,13 @@ def run_merge(opts) -> dict:
         return {}
 
     verify_report = None
+    # Space held by runs that were killed is given back before deciding whether there is enough.
+    remove_abandoned_staging(opts.out, inputs)
+    if opts.report:
+        remove_abandoned_side_files(opts.report, inputs)
     check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
-    with staged_directory(opts.out, opts.force, inputs) as staging:
+    with StagedOutput(opts.out, opts.force, inputs) as stage:
+        staging = stage.dir
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=bool(opts.report))
         progress = _progress_bar(writer.total_bytes, disabled=opts.no_progress)
         background = BackgroundWriter(writer.write)
@@ -217,14 +281,10 @@ def run_merge(opts) -> dict:
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
                                           reference=opts.hf_ref if has_weights(opts.hf_ref) else None, base=inp.base)
             if not verify_report.ok:
-                write_report(opts.report, inp, opts.hf_ref, plan, writer.file_of(), hash_files(staging, files),
-                             verify_report)
-                raise MergeError(f"{opts.out}: verification failed, output not published: "
-                                 f"{verify_report.problems[0]} ({len(verify_report.problems)} problem(s))")
-        hashes = writer.sha256 | (hash_files(staging, [f for f in files if f not in writer.sha256])
-                                  if opts.report else {})
-    if opts.report:
-        write_report(opts.report, inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report)
+                raise VerificationFailed(opts.out, verify_report, published=False)
+        if opts.report:
+            hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report))
 
     return {
         "out": str(opts.out), "base": inp.base.describe(), "lora": inp.lora.describe(),
@@ -259,35 +319,43 @@ def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
 
 
 def run_export(opts) -> dict:
-    inputs = (opts.base, opts.lora, opts.hf_ref)
-    check_output_target(opts.out, opts.force, inputs)
-    check_report_target(opts.report)
+    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, opts.force, roots)
+    check_report_path(opts.report, opts.force, roots, opts.out)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
+    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
+    check_output_target(opts.out, opts.force, inputs)
+    check_report_path(opts.report, opts.force, inputs, opts.out)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
     tensors = adapter_tensors(inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     check_every_layer_adapted(tensors, inp.shape, str(opts.lora))
     targets = target_modules(tensors)
-    with staged_directory(opts.out, opts.force, inputs) as staging:
-        files = write_adapter(staging, tensors, adapter_config(inp.settings, targets, inp.hf_config, opts.hf_ref))
     if opts.report:
-        write_report(opts.report, inp, opts.hf_ref, None, {}, hash_files(opts.out, files), None)
+        remove_abandoned_side_files(opts.report, inputs)
+    with StagedOutput(opts.out, opts.force, inputs) as stage:
+        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, targets, inp.hf_config, opts.hf_ref))
+        if opts.report:
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(stage.dir, files), None))
     return {"targets": targets, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),
             "settings": inp.settings, "lora": inp.lora.describe()}
 
 
 def run_verify(opts) -> VerifyReport:
     out = opts.out
-    check_report_target(opts.report)
+    roots = given_paths(out, opts.base, opts.lora, opts.hf_ref)
+    check_report_path(opts.report, opts.force, roots)
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
+    if opts.hf_ref is not None:
+        check_report_path(opts.report, opts.force, input_paths(inp, opts.hf_ref, opts.base, opts.lora, [out]))
     dtype = inp.shape.dtype or torch.float32
     reference = opts.hf_ref if has_weights(opts.hf_ref) else None
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=inp.base)
     if opts.report:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
-        write_report(opts.report, inp, opts.hf_ref, None, {}, hash_files(out, files), report)
+        write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report))
     return report
 
 
@@ -311,55 +379,86 @@ def print_summary(s: dict) -> None:
           + (" (verified)" if s["verified"] else ""))
 
 
+def print_verify_problems(report: VerifyReport) -> None:
+    for problem in report.problems:
+        print(f"  problem: {problem}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
     opts = PARSERS[command]().parse_args(argv)
-    try:
-        if command == "export-adapter":
-            s = run_export(opts)
-            settings = s["settings"]
-            print(f"lora:   {s['lora']}")
-            print(f"wrote a PEFT adapter to {opts.out}: {s['tensors']} tensors ({s['bytes'] / 1e6:.1f} MB), "
-                  f"r={settings.r} alpha={settings.alpha:g}, target_modules={s['targets']}")
-            if settings.r > VLLM_DEFAULT_MAX_LORA_RANK:
-                print(f"note: r={settings.r} exceeds vLLM's default --max-lora-rank ({VLLM_DEFAULT_MAX_LORA_RANK}); "
-                      f"start vLLM with --max-lora-rank {settings.r} or more")
+    PUBLISHED.clear()
+    with signals_raise():
+        try:
+            return _run(command, opts)
+        except VerificationFailed as exc:
+            if opts.debug:
+                raise
+            print_verify_problems(exc.report)
+            print(f"lora-merge: error: {exc}", file=sys.stderr)
+            return 1
+        except MergeError as exc:
+            if opts.debug:
+                raise
+            print(f"lora-merge: error: {exc}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:  # output piped into `head`
             return 0
-        if command == "inspect":
-            print("\n".join(describe(open_checkpoint(opts.checkpoint))))
-            return 0
-        if command == "verify":
-            report = run_verify(opts)
-            counts = Counter(report.statuses.values())
-            print(f"baseline: {report.baseline}")
-            for status, n in sorted(counts.items()):
-                print(f"  {n:5d} {status}")
-            if not report.ok:
-                for problem in report.problems[:20]:
-                    print(f"  problem: {problem}")
-                print(f"lora-merge: error: {opts.out}: verification failed ({len(report.problems)} problem(s))",
-                      file=sys.stderr)
-                return 1
-            print(f"verify: OK, {len(report.statuses)} tensors checked")
-            return 0
-        summary = run_merge(opts)
-        if summary:
-            print_summary(summary)
+        except OSError as exc:  # disk full, permissions, a file vanishing mid-run
+            if opts.debug:
+                raise
+            print(f"lora-merge: error: {exc.filename or 'I/O'}: {exc.strerror or exc}; {_what_was_written()}",
+                  file=sys.stderr)
+            return 2
+        except Interrupted as exc:
+            print(f"lora-merge: interrupted by {exc.name}; {_what_was_written()}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print(f"lora-merge: interrupted; {_what_was_written()}", file=sys.stderr)
+            return 130
+        except Exception as exc:  # a bug: still one line, and the truth about the output
+            if opts.debug:
+                raise
+            print(f"lora-merge: error: unexpected {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                  f" (a bug in lora-merge; --debug shows the traceback); {_what_was_written()}", file=sys.stderr)
+            return 2
+
+
+def _what_was_written() -> str:
+    if PUBLISHED:
+        return f"{', '.join(map(str, PUBLISHED))} had already been published complete"
+    return "no output was written"
+
+
+def _run(command: str, opts) -> int:
+    if command == "export-adapter":
+        s = run_export(opts)
+        settings = s["settings"]
+        print(f"lora:   {s['lora']}")
+        print(f"wrote a PEFT adapter to {opts.out}: {s['tensors']} tensors ({s['bytes'] / 1e6:.1f} MB), "
+              f"r={settings.r} alpha={settings.alpha:g}, target_modules={s['targets']}")
+        if settings.r > VLLM_DEFAULT_MAX_LORA_RANK:
+            print(f"note: r={settings.r} exceeds vLLM's default --max-lora-rank ({VLLM_DEFAULT_MAX_LORA_RANK}); "
+                  f"start vLLM with --max-lora-rank {settings.r} or more")
         return 0
-    except MergeError as exc:
-        if opts.debug:
-            raise
-        print(f"lora-merge: error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # output piped into `head`
+    if command == "inspect":
+        print("\n".join(describe(open_checkpoint(opts.checkpoint))))
         return 0
-    except OSError as exc:  # disk full, permissions, a file vanishing mid-run: the output was not published
-        if opts.debug:
-            raise
-        print(f"lora-merge: error: {exc.filename or 'I/O'}: {exc.strerror or exc}; no output was written",
-              file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lora-merge: interrupted; no output was written", file=sys.stderr)
-        return 130
+    if command == "verify":
+        report = run_verify(opts)
+        counts = Counter(report.statuses.values())
+        print(f"baseline: {report.baseline}")
+        for status, n in sorted(counts.items()):
+            print(f"  {n:5d} {status}")
+        if not report.ok:
+            print_verify_problems(report)
+            print(f"lora-merge: error: {opts.out}: verification failed ({len(report.problems)} problem(s))",
+                  file=sys.stderr)
+            return 1
+        print(f"verify: OK, {len(report.statuses)} tensors checked")
+        return 0
+    summary = run_merge(opts)
+    if summary:
+        print_summary(summary)
+    return 0

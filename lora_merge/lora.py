@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.integrity import check_finite
 from lora_merge.layout import Rule, check_shards, unshard_replicated, unshard_row
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import LoraModule
@@ -26,6 +27,7 @@ class LoraSettings:
     r: int
     alpha: float
     source: str  # where r and alpha came from, for the summary
+    warnings: tuple[str, ...] = ()  # command-line values that replaced different checkpoint values
 
     @property
     def scale(self) -> float:
@@ -43,11 +45,35 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
         lacking = " and ".join(n for n, v in (("lora_r", final_r), ("lora_alpha", final_alpha)) if v is None)
         raise MergeError(f"{where}: the LoRA checkpoint's args have no {lacking}; pass --lora-r/--lora-alpha "
                          "with the values used in training")
-    if int(final_r) <= 0 or not math.isfinite(float(final_alpha)):
-        raise MergeError(f"{where}: invalid LoRA settings r={final_r} alpha={final_alpha}")
+    try:
+        final_r, final_alpha = _exact_int(final_r), float(final_alpha)
+    except (TypeError, ValueError) as exc:
+        raise MergeError(f"{where}: unreadable LoRA settings r={final_r!r} alpha={final_alpha!r}") from exc
+    if final_r <= 0:
+        raise MergeError(f"{where}: LoRA rank r={final_r}; it must be a positive integer")
+    if not math.isfinite(final_alpha) or final_alpha <= 0:
+        raise MergeError(f"{where}: LoRA alpha={final_alpha:g}; it must be a finite number above 0 (alpha 0 would "
+                         "write the base model unchanged, a negative one would subtract the fine-tune)")
+    notes = []
+    for option, given, stored, name in (("--lora-r", r, arg_r, "lora_r"), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
+        if given is not None and stored is not None and _differs(given, stored):
+            notes.append(f"{option} {given:g} overrides args.{name}={stored} of the LoRA checkpoint")
     source = "command line" if (r is not None and alpha is not None) else (
         "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
-    return LoraSettings(r=int(final_r), alpha=float(final_alpha), source=source)
+    return LoraSettings(r=final_r, alpha=final_alpha, source=source, warnings=tuple(notes))
+
+
+def _exact_int(value) -> int:
+    if isinstance(value, bool) or float(value) != int(float(value)):
+        raise ValueError(value)
+    return int(float(value))
+
+
+def _differs(given, stored) -> bool:
+    try:
+        return float(given) != float(stored)
+    except (TypeError, ValueError):
+        return True
 
 
 def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int, module: str) -> None:
@@ -83,7 +109,6 @@ def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: 
     merged = weight.float().addmm_(b.float(), a.float(), alpha=scale) if weight.dtype != torch.float32 else \
         torch.addmm(weight, b.float(), a.float(), alpha=scale)
     result = merged.to(dtype)
-    if not torch.isfinite(result).all():
-        raise MergeError(f"{name}: merged weight has non-finite values in {str(dtype).removeprefix('torch.')} "
-                         "(check the LoRA factors and alpha/r, or the output dtype's range)")
+    check_finite(result, name, f"merged weight has non-finite values in {str(dtype).removeprefix('torch.')} "
+                 "(check the LoRA factors and alpha/r, or the output dtype's range)")
     return result

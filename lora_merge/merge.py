@@ -11,6 +11,7 @@ import torch
 
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
+from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.layout import Rule, Skip, check_shards
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
 from lora_merge.model_shape import ModelShape
@@ -159,25 +160,46 @@ CHUNK_BYTES = 64 << 20
 
 def execute(plan: MergePlan, write, progress=None) -> None:
     """Run the plan, calling `write(name, rows, then)` for each HF tensor in plan order, in row pieces;
-    `then` (or None) is to be called once those rows are written."""
-    shape = plan.shape
+    `then` (or None) is to be called once those rows are written. The CRC32 of every archive member read
+    is checked alongside; a mismatch fails the run (before the caller publishes anything)."""
+    checker = RecordChecker(list(_crc_jobs(plan)))
+    try:
+        due = 0
+        for task in plan.tasks:
+            checker.advance(due)
+            due += sum(ref.nbytes for ref in task.shards)
+            _execute_task(plan, task, write, progress)
+        checker.finish()
+    finally:
+        checker.stop()
+
+
+def _crc_jobs(plan: MergePlan):
+    due = 0
     for task in plan.tasks:
-        where = f"{task.megatron} ({task.shards[0].where})"
-        mapped = all(ref.mapped for ref in task.shards)
-        blocks = task.rule.hf_blocks([ref.load() for ref in task.shards], shape, where, task.global_pieces)
-        factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
-        for planned in task.outputs:
-            name = planned.name[len(task.hf_prefix):]
-            for piece, then in _pieces(blocks[name], factors.get(name), plan, planned.name, mapped):
-                write(planned.name, piece, then)
-                if progress is not None:
-                    progress(piece.nbytes)
-        del blocks
-        for ref in task.shards:  # replicated copies on other ranks, and the LoRA factors' pages
+        lora = task.lora.a + task.lora.b if task.lora is not None else []
+        yield due, lora + task.shards
+        due += sum(ref.nbytes for ref in task.shards)
+
+
+def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:
+    shape = plan.shape
+    where = f"{task.megatron} ({task.shards[0].where})"
+    mapped = all(ref.mapped for ref in task.shards)
+    blocks = task.rule.hf_blocks([ref.load() for ref in task.shards], shape, where, task.global_pieces)
+    factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
+    for planned in task.outputs:
+        name = planned.name[len(task.hf_prefix):]
+        for piece, then in _pieces(blocks[name], factors.get(name), plan, planned.name, mapped):
+            write(planned.name, piece, then)
+            if progress is not None:
+                progress(piece.nbytes)
+    del blocks
+    for ref in task.shards:  # replicated copies on other ranks, and the LoRA factors' pages
+        ref.release()
+    if task.lora is not None:
+        for ref in task.lora.a + task.lora.b:
             ref.release()
-        if task.lora is not None:
-            for ref in task.lora.a + task.lora.b:
-                ref.release()
 
 
 def _release_all(views) -> None:
@@ -197,6 +219,9 @@ def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
         for start in range(0, block.rows, step):
             stop = min(start + step, block.rows)
             sources = [part[start:stop] for part in block.parts]
+            for source in sources:
+                check_finite(source, name, f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}.."
+                             f"{offset + stop - 1}; the checkpoint is damaged or training diverged")
             if factors is None and len(sources) == 1 and sources[0].dtype == plan.dtype:
                 # unchanged bytes: straight from the mapped checkpoint to the file, released once written
                 yield sources[0], (lambda views=sources: _release_all(views)) if mapped else None
@@ -204,8 +229,8 @@ def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
             rows = block.take(start, stop)
             if factors is None:
                 piece = rows.to(plan.dtype)
-                if plan.dtype == torch.float16 and rows.dtype != torch.float16 and not torch.isfinite(piece).all():
-                    raise MergeError(f"{name}: values overflow float16; choose --dtype bfloat16 or float32")
+                check_finite(piece, name, f"values overflow {str(plan.dtype).removeprefix('torch.')}; choose "
+                             "--dtype bfloat16 or float32")
             else:
                 b, a = factors
                 piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, plan.dtype, name)

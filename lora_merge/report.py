@@ -8,16 +8,9 @@ import os
 from pathlib import Path
 
 from lora_merge import __version__
-from lora_merge.errors import MergeError
 from lora_merge.merge import MergePlan
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.verify import VerifyReport
-
-
-def check_report_target(report: Path | None) -> None:
-    """Fail before any work, not after the output is published, when the report cannot be written."""
-    if report is not None and not report.resolve().parent.is_dir():
-        raise MergeError(f"{report}: the report's directory does not exist")
 
 
 def hash_files(directory: Path, names) -> dict[str, str]:
@@ -38,8 +31,8 @@ def _describe(ckpt: Checkpoint | None) -> dict | None:
             "pp": ckpt.pp, "vpp": ckpt.vpp, "layout_note": ckpt.note or None, "adapter": ckpt.adapter_name}
 
 
-def write_report(path: Path, inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, hashes: dict,
-                 verify: VerifyReport | None) -> None:
+def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, hashes: dict,
+                verify: VerifyReport | None) -> str:
     """inputs, LoRA settings, every output tensor with its source and status, every file's sha256."""
     tensors = {}
     if plan is not None:
@@ -62,6 +55,18 @@ def write_report(path: Path, inp, hf_ref: Path | None, plan: MergePlan | None, f
         "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
                                                "problems": verify.problems},
     }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
+    return json.dumps(report, indent=2) + "\n"
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write a report outside any output directory (verify's): complete or not at all."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -7,6 +7,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "fixture.json").is_file())
 
 
+# Options that write the base model in HF form: alpha 0 is refused (a likely mistake), and 1e-30·B·A is far
+# below the rounding step of every weight, so W + 1e-30·B·A rounds back to W bit for bit.
+BASE_ONLY = ["--lora-alpha", "1e-30"]
+
+
 def fixture_info(name: str) -> dict:
     return json.loads((FIXTURES / name / "fixture.json").read_text())
 

@@ -9,7 +9,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
+from conftest import BASE_ONLY, FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
 from lora_merge.cli import main
 
 # What vLLM's LoRA loader accepts (vllm/lora/models.py + utils.parse_fine_tuned_lora_name): one
@@ -32,7 +32,7 @@ def base_models(tmp_path_factory):
     def get(name):
         if name not in cache:
             out = tmp_path_factory.mktemp("base") / name
-            assert main(merge_args(name, out) + ["--lora-alpha", "0", "--dtype", "float32"]) == 0
+            assert main(merge_args(name, out) + BASE_ONLY + ["--dtype", "float32"]) == 0
             cache[name] = out
         return cache[name]
 

@@ -2,7 +2,7 @@
 
 For every fixture:
   * the HF base model is `AutoModelForCausalLM.from_config(hf_ref/config.json)` in float32 (eager attention)
-    holding the weights our CLI writes with `--lora-alpha 0` (scale 0, i.e. the base). That base is trusted
+    holding the weights our CLI writes with `BASE_ONLY` (scale 0, i.e. the base). That base is trusted
     on its own: its logits must match the real Megatron base logits (`logits_base` in logits.pt) to 1e-4;
   * the HF adapter is built here, straight from the LoRA checkpoint's rank files, with explicit loops over
     TP ranks / query groups / heads written in this file (no lora_merge.layout / lora_merge.lora code; only
@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
+from conftest import BASE_ONLY, FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
 from lora_merge.cli import main
 from lora_merge.safe_load import load_pt
 
@@ -189,13 +189,13 @@ def hf_model(name: str, state_dict: dict):
 
 @pytest.fixture(scope="module")
 def oracle_inputs(tmp_path_factory):
-    """name -> (base state dict from `--lora-alpha 0`, adapter, LoRA args); each built once."""
+    """name -> (base state dict from `BASE_ONLY`, adapter, LoRA args); each built once."""
     cache = {}
 
     def get(name: str):
         if name not in cache:
             out = tmp_path_factory.mktemp("alpha0") / name
-            assert main(merge_args(name, out) + ["--lora-alpha", "0"]) == 0
+            assert main(merge_args(name, out) + BASE_ONLY) == 0
             adapter, args = build_adapter(name)
             cache[name] = (read_safetensors_dir(out), adapter, args)
         return cache[name]
@@ -270,7 +270,7 @@ def test_merged_weights_equal_peft_merge_and_unload(name, oracle_inputs, merged_
 
     - same tensor names (all of them), shapes; dtype = the fixture dtype;
     - tensors no LoRA touches (embeddings, norms, biases, lm_head, and modules outside the LoRA targets):
-      bit-identical to PEFT's (which are the --lora-alpha 0 tensors);
+      bit-identical to PEFT's (which are the BASE_ONLY tensors);
     - LoRA-touched weights, float32 fixtures: |ours - peft| <= 1e-6 * max(1, max|peft|) elementwise;
     - LoRA-touched weights, bf16 fixture (PEFT merges in float32 the exact bf16 values of W, A, B):
       ours is PEFT's float32 result rounded once to bf16, up to float32 round-off, i.e. elementwise

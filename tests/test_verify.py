@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES, merge_args
+from conftest import BASE_ONLY, FIXTURES, merge_args
 from lora_merge.cli import main
 
 NAME = "tp2_fp32_filtered"
@@ -19,8 +19,8 @@ def setup(tmp_path_factory):
     """(reference HF dir with the base weights, good merged output)."""
     root = tmp_path_factory.mktemp("verify")
     reference = root / "reference"
-    # The base as an HF model: LoRA scaled by 0. The e2e and PEFT tests check this equals Megatron's base.
-    assert main(merge_args(NAME, reference) + ["--lora-alpha", "0"]) == 0
+    # The base as an HF model: LoRA scaled to nothing. The e2e and PEFT tests check this equals Megatron's base.
+    assert main(merge_args(NAME, reference) + BASE_ONLY) == 0
     good = root / "good"
     assert main(merge_args(NAME, good)) == 0
     return reference, good

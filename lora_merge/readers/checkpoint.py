@@ -114,6 +114,7 @@ class Checkpoint:
     adapter_name: str | None = None
     numbering: object = None  # LayerNumbering: how pipeline stages map to layers
     files: list = field(default_factory=list)  # (file, tensors, bytes) for each file read
+    sources: list = field(default_factory=list)  # every file and directory read below `path`
     note: str = ""  # anything else a user should know about the layout
     # torch_dist: params hold pieces of the *global* (TP=1) tensor instead of per-rank shards, cut along
     # split_dims[name] (0 or 1; None for a single piece).

@@ -15,7 +15,7 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, all_ranks
-from lora_merge.readers.iteration import resolve_iteration_dir
+from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.readers.torch_archive import MappedFile, TorchArchive
 from lora_merge.safe_load import load_archive
 
@@ -104,6 +104,7 @@ def read_legacy(path: Path) -> Checkpoint:
     vpp = None
     numbering = None
     ckpt = Checkpoint(path=path, format="legacy", iteration=iteration, args=args, tp=tp, pp=pp, vpp=1)
+    ckpt.sources = [path / TRACKER, it_dir, *dirs.values(), *(d / RANK_FILE for d in dirs.values())]
     seen_ranks: dict[str, dict[int, TensorRef]] = defaultdict(dict)
     lora = LoraCollector(str(it_dir))
 

@@ -28,7 +28,7 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, joined_ref, release_pages
-from lora_merge.readers.iteration import resolve_iteration_dir
+from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.readers.torch_archive import MappedFile, Record, TorchArchive
 from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
 
@@ -262,6 +262,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
     _join_singleton_fc1(ckpt)
     lora.finish(ckpt, 1)
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
+    ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt",
+                    *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
     if common_where:
         ckpt.files.insert(0, (common_where, 0, 0))
     return ckpt

@@ -1,34 +1,57 @@
-"""Atomic output: everything is written into a hidden sibling directory that is renamed into place only
-once complete and flushed, so an interrupted run never leaves a directory that looks finished."""
+"""Atomic, honest output: everything is written into a hidden sibling directory, which becomes the output
+only once complete and flushed, together with any side files (the report).
+
+- Publishing never replaces a directory that appeared meanwhile (another run with the same --out):
+  `renameat2(RENAME_NOREPLACE)`; with --force the old output is swapped out atomically
+  (`RENAME_EXCHANGE`), so there is never a moment without a complete directory.
+- --force replaces only what looks like an earlier output (empty, or holding a config.json or
+  adapter_config.json), never an arbitrary directory.
+- Staging dirs of runs on this host that were killed (their process is gone) are removed; nothing that
+  is an input is ever removed.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import socket
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.writers.targets import InputPaths
+
+# What this process has published, so that an interruption or error afterwards is reported truthfully.
+PUBLISHED: list[Path] = []
+OUTPUT_MARKERS = ("config.json", "adapter_config.json")
 
 
-def check_output_target(out: Path, force: bool, inputs=()) -> None:
-    """The output must not overlap any input (with --force that would delete the inputs), and must not
-    exist unless --force."""
-    target = out.resolve()
-    for inp in inputs:
-        if inp is None:
-            continue
-        source = Path(inp).resolve()
-        if target == source or target in source.parents or source in target.parents:
-            raise MergeError(f"{out}: the output directory overlaps the input {inp}; choose a separate directory")
-    if out.exists() and not force:
+def check_output_target(out: Path, force: bool, inputs: InputPaths) -> None:
+    """The output must not touch any input, must not exist unless --force, and with --force must be an
+    earlier output."""
+    inputs.check(out, "output directory")
+    if os.path.lexists(out) and not force:
         raise MergeError(f"{out}: already exists (pass --force to replace it)")
-    if out.exists() and not out.is_dir():
+    if os.path.lexists(out) and not out.is_dir():
         raise MergeError(f"{out}: exists and is not a directory")
+    if out.is_dir():
+        _check_replaceable(out)
     if not out.parent.is_dir():
         raise MergeError(f"{out.parent}: parent directory of the output does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise MergeError(f"{out.parent}: the output's parent directory is not writable")
+
+
+def _check_replaceable(out: Path) -> None:
+    try:
+        names = os.listdir(out)
+    except OSError as exc:
+        raise MergeError(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
+    if names and not any(name in names for name in OUTPUT_MARKERS):
+        raise MergeError(f"{out}: exists and does not look like a model or adapter directory (no config.json); "
+                         "not replacing it even with --force: remove it yourself if it is not needed")
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -38,53 +61,183 @@ def check_free_space(out: Path, needed: int) -> None:
                          f"{free / 1e9:.2f} GB are free")
 
 
-@contextmanager
-def staged_directory(out: Path, force: bool, inputs=()):
-    """Yield a temporary directory next to `out`; on success it becomes `out`, on failure it is removed."""
-    check_output_target(out, force, inputs)
-    remove_abandoned_staging(out)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{_host()}-{os.getpid()}-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
-    try:
-        yield staging
-        _fsync_tree(staging)
-        if out.exists():
-            # Swap the old output aside first so there is never a moment without a complete directory.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / out.name)
-            os.rename(staging, out)
-            shutil.rmtree(old)
+class StagedOutput:
+    """`with StagedOutput(out, force, inputs) as stage:` write into `stage.dir` (and side files with
+    `stage.side_file`); on success it is published, on any failure or interruption removed."""
+
+    def __init__(self, out: Path, force: bool, inputs: InputPaths):
+        self.out, self.force, self.inputs = out, force, inputs
+        self.dir: Path | None = None
+        self._side: list[tuple[Path, Path]] = []  # (temporary, final)
+
+    def __enter__(self) -> "StagedOutput":
+        check_output_target(self.out, self.force, self.inputs)
+        remove_abandoned_staging(self.out, self.inputs)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{_prefix(self.out.name)}{os.getpid()}-", dir=self.out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.dir, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
+        return self
+
+    def side_file(self, final: Path, text: str) -> None:
+        """Write `text` now (so that a failure stops the run before publishing), moved to `final` when the
+        output is published. A path directly inside the output goes into the staging dir."""
+        if os.path.realpath(final.parent) == os.path.realpath(self.out):
+            tmp, final = self.dir / final.name, None
         else:
-            os.rename(staging, out)
-        _fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+            tmp = final.parent / f"{_prefix(final.name)}{os.getpid()}-{os.urandom(4).hex()}"
+        with open(tmp, "x") as f:
+            if final is not None:
+                self._side.append((tmp, final))
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            _fsync_tree(self.dir)
+            self._publish()
+        except BaseException:
+            self._discard()
+            raise
+        for tmp, final in self._side:
+            try:
+                os.replace(tmp, final)
+            except OSError as err:
+                raise MergeError(f"{final}: the output {self.out} was published, but the report could not be "
+                                 f"moved into place ({err.strerror}); it is at {tmp}") from err
+
+    def _publish(self) -> None:
+        if self.force and self.out.is_dir() and not self.out.is_symlink():
+            _check_replaceable(self.out)
+            try:
+                rename_exchange(self.dir, self.out)
+            except FileNotFoundError:  # removed meanwhile: publish as new
+                pass
+            else:
+                PUBLISHED.append(self.out)
+                shutil.rmtree(self.dir)  # now the old output
+                _fsync_dir(self.out.parent)
+                return
+        try:
+            rename_noreplace(self.dir, self.out)
+        except FileExistsError as err:
+            raise MergeError(f"{self.out}: appeared while this run was writing (another run with the same --out?); "
+                             "it was left as it is and this run's output discarded") from err
+        PUBLISHED.append(self.out)
+        _fsync_dir(self.out.parent)
+
+    def _discard(self) -> None:
+        if self.dir is not None and self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+        for tmp, _ in self._side:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+# --- renameat2 ------------------------------------------------------------------------------------
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
+try:
+    _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+except (OSError, AttributeError):  # not Linux, or glibc < 2.28
+    _renameat2 = None
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2 with flags; False when the system or filesystem does not offer it."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename, failing with FileExistsError if dst exists."""
+    if _rename2(src, dst, _RENAME_NOREPLACE):
+        return
+    # Without renameat2, rename(2) still refuses to replace a non-empty directory (ENOTEMPTY), and an
+    # output is never empty; only an empty directory created meanwhile could be replaced.
+    if os.path.lexists(dst) and not (dst.is_dir() and not any(dst.iterdir())):
+        raise FileExistsError(errno.EEXIST, "exists", str(dst))
+    try:
+        os.rename(src, dst)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(errno.EEXIST, "exists", str(dst)) from err
         raise
 
+
+def rename_exchange(new: Path, old: Path) -> None:
+    """Swap two directories atomically (after it, `new` holds the old contents)."""
+    if _rename2(new, old, _RENAME_EXCHANGE):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"{_prefix(old.name, 'old')}{os.getpid()}-", dir=old.parent))
+    os.rename(old, aside / old.name)
+    try:
+        rename_noreplace(new, old)
+    except BaseException:
+        os.rename(aside / old.name, old)
+        aside.rmdir()
+        raise
+    os.rename(aside / old.name, new)  # new's name is free again: the caller removes it as with the exchange
+    aside.rmdir()
+
+
+# --- abandoned staging dirs -----------------------------------------------------------------------
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_") or "host"
 
 
-def remove_abandoned_staging(out: Path) -> None:
-    """Delete staging dirs of earlier runs on this host for the same output that were killed (their
-    process is gone). Other hosts' dirs are left alone: on shared storage their runs may be alive."""
-    for path in out.parent.glob(f".{out.name}.partial-{_host()}-*-*"):
-        pid = path.name.removeprefix(f".{out.name}.partial-{_host()}-").split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+def _prefix(name: str, kind: str = "partial") -> str:
+    return f".{name}.{kind}-{_host()}-"
 
 
-def _alive(pid: int) -> bool:
+def remove_abandoned_staging(out: Path, inputs: InputPaths) -> None:
+    """Delete what runs on this host that were killed (their process is gone) left next to `out`: staging
+    dirs and side files. Other hosts' are left alone (on shared storage their runs may be alive), and so
+    is anything that is an input or a symlink."""
+    parent = out.parent
+    for kind in ("partial", "old"):
+        for path in parent.glob(f"{_prefix(glob_escape(out.name), kind)}*-*"):
+            pid = path.name.removeprefix(_prefix(out.name, kind)).split("-", 1)[0]
+            if pid.isascii() and pid.isdigit() and _abandoned(int(pid)) and not path.is_symlink() \
+                    and path.is_dir() and inputs.conflict(path) is None:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_abandoned_side_files(target: Path, inputs: InputPaths) -> None:
+    for path in target.parent.glob(f"{_prefix(glob_escape(target.name))}*-*"):
+        pid = path.name.removeprefix(_prefix(target.name)).split("-", 1)[0]
+        if pid.isascii() and pid.isdigit() and _abandoned(int(pid)) and path.is_file() and not path.is_symlink() \
+                and inputs.conflict(path) is None:
+            path.unlink(missing_ok=True)
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def _abandoned(pid: int) -> bool:
+    if pid == os.getpid():  # an earlier process with our pid: this one has not staged anything yet
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
-    except PermissionError:
         return True
-    return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _fsync_tree(path: Path) -> None:

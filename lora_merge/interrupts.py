@@ -1,0 +1,47 @@
+"""SIGINT, SIGTERM and SIGHUP (Ctrl-C, `timeout`, Slurm, a closed terminal) all stop a run the same way:
+as an exception in the main thread, so every `finally` removes what the run staged. Further signals are
+ignored while it cleans up, so a second Ctrl-C cannot leave a half-removed staging directory."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process killed by the signal
+
+
+def _raise(signum, frame):
+    for sig in HANDLED:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextmanager
+def signals_raise():
+    """Within the block, the handled signals raise Interrupted (main thread only; a no-op elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in HANDLED}
+    for sig in HANDLED:
+        signal.signal(sig, _raise)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

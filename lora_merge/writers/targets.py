@@ -1,0 +1,89 @@
+"""Where a run may write: never onto, above or inside anything it reads.
+
+Every path compared is resolved through symlinks at every level, so a checkpoint whose iteration dir or
+rank files are symlinks into another tree counts as that tree, and an `--out` reached through a symlink
+counts as where it leads. `--force` never overrides this: it only allows replacing an earlier output.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lora_merge.errors import MergeError
+
+
+class InputPaths:
+    """The files and directories a run reads, each with every directory on its way resolved."""
+
+    def __init__(self):
+        self._paths: dict[Path, str] = {}  # resolved path -> how the user named it (for messages)
+
+    def add(self, path: Path | str | None, shown: str | None = None) -> "InputPaths":
+        if path is not None:
+            path = Path(path)
+            self._paths.setdefault(_resolve(path), shown or str(path))
+        return self
+
+    def add_tree(self, root: Path, paths) -> "InputPaths":
+        """`root` and each of `paths` below it, with every directory between them (each may be a symlink)."""
+        root = Path(root)
+        self.add(root)
+        for path in paths:
+            path = Path(path)
+            self.add(path, str(path))
+            for parent in path.parents:
+                if parent == root or len(parent.parts) <= len(root.parts):
+                    break
+                self.add(parent)
+        return self
+
+    def conflict(self, target: Path) -> str | None:
+        """How writing or replacing `target` would touch an input, or None."""
+        t = _resolve(target)
+        for source, shown in self._paths.items():
+            if t == source:
+                return f"is the input {shown}"
+            if t in source.parents:
+                return f"contains the input {shown}"
+            if source in t.parents and source.is_dir():
+                return f"lies inside the input directory {shown}"
+        return None
+
+    def check(self, target: Path, what: str) -> None:
+        problem = self.conflict(target)
+        if problem:
+            real = _resolve(target)
+            via = f" (resolved: {real})" if str(real) != str(Path(target).absolute()) else ""
+            raise MergeError(f"{target}: the {what}{via} {problem}; choose a path outside every input "
+                             "(--force never overrides this)")
+
+
+def _resolve(path: Path) -> Path:
+    # resolve(strict=False) follows every symlink that exists on the way, including a dangling last one.
+    return Path(os.path.realpath(path))
+
+
+def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out: Path | None = None) -> None:
+    """Fail before any work, not after the output is published, when the report cannot or must not be
+    written: it must not be an input, nor replace an existing file without --force."""
+    if report is None:
+        return
+    inputs.check(report, "report file")
+    inside_out = out is not None and _resolve(report).parent == _resolve(out)
+    if os.path.lexists(report):
+        if os.path.isdir(report):
+            raise MergeError(f"{report}: the report path is a directory; name a file")
+        if not force and not inside_out:
+            raise MergeError(f"{report}: already exists (pass --force to replace the report)")
+    parent = _resolve(report).parent
+    if inside_out:
+        return  # written into the staging directory, published with the output
+    if not parent.is_dir():
+        raise MergeError(f"{report}: the report's directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MergeError(f"{report}: the report's directory {parent} is not writable")
+
+
+def report_inside_output(report: Path | None, out: Path) -> bool:
+    return report is not None and _resolve(report).parent == _resolve(out)
