@@ -243,7 +243,7 @@ class VerificationFailed(MergeError):
 def run_merge(opts) -> dict:
     started = time.monotonic()
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
-    check_output_target(opts.out, opts.force, roots)
+    check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
@@ -320,7 +320,7 @@ def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
 
 def run_export(opts) -> dict:
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
-    check_output_target(opts.out, opts.force, roots)
+    check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from lora_merge.architectures import Architecture
 from lora_merge.errors import MergeError
+from lora_merge.integrity import check_finite, check_records
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
 from lora_merge.architectures import iter_rules
 from lora_merge.model_shape import ModelShape
@@ -36,10 +37,14 @@ def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, set
             continue
         factors = remaining.pop(module)
         check_factor_shapes(rule, factors, shape, settings.r, module)
+        check_records(factors.a + factors.b)
         for hf_name, (b, a) in hf_factors(rule, factors, shape, module).items():
             key = PEFT_PREFIX + prefix + hf_name.removesuffix(".weight")
-            tensors[f"{key}.lora_A.weight"] = a.to(dtype or a.dtype).clone()  # q/k/v share A: one copy each
-            tensors[f"{key}.lora_B.weight"] = b.to(dtype or b.dtype).clone()
+            for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b)):
+                tensors[name] = factor.to(dtype or factor.dtype).clone()  # q/k/v share A: one copy each
+                check_finite(tensors[name], name, "non-finite values (NaN or Inf) in the LoRA factor"
+                             + ("" if dtype is None or dtype == factor.dtype else
+                                f" as {str(dtype).removeprefix('torch.')}"))
     if remaining:
         raise MergeError(f"{lora.path}: LoRA weights for modules that have no HF counterpart: "
                          f"{', '.join(sorted(remaining)[:3])}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.integrity import check_finite
 from lora_merge.model_shape import ModelShape
 
 
@@ -41,6 +42,8 @@ def unshard_replicated(shards: list[torch.Tensor], where: str) -> torch.Tensor:
     """Replicated: every rank holds the same values; differing copies mean a broken checkpoint."""
     for rank, other in enumerate(shards[1:], start=1):
         if not torch.equal(shards[0], other):
+            for shard in (shards[0], other):  # NaN never equals itself: say what is really wrong
+                check_finite(shard, where, "non-finite values (NaN or Inf) in the checkpoint")
             raise MergeError(f"{where}: replicated tensor differs between TP rank 0 and TP rank {rank}")
     return shards[0]
 

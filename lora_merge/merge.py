@@ -92,6 +92,8 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
         shards = fitted_shards(base, megatron, rule)
         check_shards([s.shape for s in shards], rule.parallel, rule.global_shape(shape, [s.shape for s in shards]),
                      f"{megatron} ({shards[0].where})")
+        if lora is not None and lora is not base and megatron in lora.params:
+            check_same_base(rule, megatron, shards, fitted_shards(lora, megatron, rule), shape, base, lora)
         task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, shards=shards, global_pieces=base.global_layout,
                     outputs=[PlannedTensor(hf_prefix + name, dims, dtype) for name, dims in rule.hf_shapes(shape).items()])
         if megatron.endswith(".weight") and task.lora_module in adapters:
@@ -119,6 +121,40 @@ def fitted_shards(ckpt: Checkpoint, name: str, rule: Rule) -> list[TensorRef]:
     if dim == {"column": 0, "row": 1}.get(rule.parallel):
         return refs
     return [joined_ref(refs, dim)]
+
+
+def check_same_base(rule: Rule, name: str, base_refs: list[TensorRef], lora_refs: list[TensorRef], shape: ModelShape,
+                    base: Checkpoint, lora: Checkpoint) -> None:
+    """An unfiltered LoRA checkpoint carries the base it was trained on; a --base with other weights would
+    give a model nobody trained. The first, middle and last rows of every HF tensor are compared in HF
+    layout, so the two may be split over different TP sizes."""
+    differ = MergeError(f"{lora.path}: its own base weights differ from --base {base.path} ({name}): the LoRA was "
+                        "trained on another base; give the base it was trained on, or omit --base to use the LoRA "
+                        "checkpoint's own")
+    try:
+        check_shards([r.shape for r in lora_refs], rule.parallel, rule.global_shape(shape, [r.shape for r in lora_refs]),
+                     f"{name} ({lora_refs[0].where})")
+    except MergeError as exc:
+        raise differ from exc
+    mine = rule.hf_blocks([r.load() for r in base_refs], shape, name, base.global_layout)
+    theirs = rule.hf_blocks([r.load() for r in lora_refs], shape, name, lora.global_layout)
+    for hf_name, blocks in mine.items():
+        rows = sum(b.rows for b in blocks)
+        for i in sorted({0, rows // 2, rows - 1}):
+            a, b = _row(blocks, i), _row(theirs[hf_name], i)
+            common = a.dtype if a.dtype.itemsize <= b.dtype.itemsize else b.dtype
+            if a.shape != b.shape or not torch.equal(a.to(common), b.to(common)):
+                raise differ
+    for ref in base_refs + lora_refs:
+        ref.release()
+
+
+def _row(blocks, i: int) -> torch.Tensor:
+    for block in blocks:
+        if i < block.rows:
+            return block.take(i, i + 1)
+        i -= block.rows
+    raise IndexError(i)
 
 
 def check_copy(copy, original, name: str, original_name: str) -> None:

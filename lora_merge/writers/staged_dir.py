@@ -28,15 +28,17 @@ PUBLISHED: list[Path] = []
 OUTPUT_MARKERS = ("config.json", "adapter_config.json")
 
 
-def check_output_target(out: Path, force: bool, inputs: InputPaths) -> None:
+def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool = False) -> None:
     """The output must not touch any input, must not exist unless --force, and with --force must be an
-    earlier output."""
+    earlier output. `early`: only the user's input paths are known yet (a full check follows)."""
     inputs.check(out, "output directory")
     if os.path.lexists(out) and not force:
         raise MergeError(f"{out}: already exists (pass --force to replace it)")
+    if out.is_symlink():
+        raise MergeError(f"{out}: is a symlink; give the directory itself")
     if os.path.lexists(out) and not out.is_dir():
         raise MergeError(f"{out}: exists and is not a directory")
-    if out.is_dir():
+    if out.is_dir() and not early:
         _check_replaceable(out)
     if not out.parent.is_dir():
         raise MergeError(f"{out.parent}: parent directory of the output does not exist")

@@ -41,13 +41,12 @@ class InputPaths:
     def conflict(self, target: Path) -> str | None:
         """How writing or replacing `target` would touch an input, or None."""
         t = _resolve(target)
-        for source, shown in self._paths.items():
-            if t == source:
-                return f"is the input {shown}"
-            if t in source.parents:
-                return f"contains the input {shown}"
-            if source in t.parents and source.is_dir():
-                return f"lies inside the input directory {shown}"
+        tests = ((lambda s: t == s, "is the input"), (lambda s: t in s.parents, "contains the input"),
+                 (lambda s: s in t.parents and s.is_dir(), "lies inside the input directory"))
+        for test, relation in tests:  # the most specific relation names the input best
+            for source, shown in self._paths.items():
+                if test(source):
+                    return f"{relation} {shown}"
         return None
 
     def check(self, target: Path, what: str) -> None:
