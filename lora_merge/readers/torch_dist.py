@@ -202,7 +202,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     lora = LoraCollector(str(it_dir))
     per_file = defaultdict(lambda: [0, 0])
 
-    def chunk_getter(key, offsets):
+    def chunk_getter(key, offsets, sizes, dtype):
         loc = storage.get((key, offsets)) or storage.get((key, None))
         if loc is None:
             raise MergeError(f"{it_dir / METADATA}: no storage recorded for {key} chunk at {list(offsets)}")
@@ -219,7 +219,11 @@ def read_torch_dist(path: Path) -> Checkpoint:
         def opened():
             with lock:
                 if "t" not in cache:
-                    cache["t"] = file.chunk(off, length, f"{key}{list(offsets)}")
+                    tensor, record = file.chunk(off, length, f"{key}{list(offsets)}")
+                    if tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
+                        raise MergeError(f"{file.path}: {key} chunk at {list(offsets)} holds {list(tensor.shape)} "
+                                         f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
+                    cache["t"] = tensor, record
             return cache["t"]
         return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None))
 
@@ -242,7 +246,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
         if info["dtype"] is None or not isinstance(info["dtype"], torch.dtype):
             raise MergeError(f"{it_dir}: {key} has no readable dtype")
         name = key[len("module."):] if key.startswith("module.") else key
-        chunks = [(*chunk_getter(key, off), off, size) for off, size in info["chunks"]]
+        chunks = [(*chunk_getter(key, off, size, info["dtype"]), off, size) for off, size in info["chunks"]]
         for rel in {storage.get((key, off), storage.get((key, None)))[0] for off, _ in info["chunks"]}:
             per_file[rel][0] += 1
         where = f"{it_dir.name}/{METADATA}[{key}]"
