@@ -104,6 +104,8 @@ def test_report_must_not_replace_a_file_without_force(tmp_path, capsys):
     assert report.read_text() == "my notes"
     assert_clean(out)
     run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(tmp_path)], capsys, "is a directory")
+    for inside in (out, out / "sub" / "r.json"):
+        run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(inside)], capsys, "output directory")
     assert main(merge_args("tp2_fp32_filtered", out) + ["--report", str(report), "--force"]) == 0
     assert json.loads(report.read_text())["files"]
 

@@ -70,6 +70,9 @@ def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out:
         return
     inputs.check(report, "report file")
     inside_out = out is not None and _resolve(report).parent == _resolve(out)
+    if out is not None and not inside_out and (_resolve(report) == _resolve(out) or _resolve(out) in _resolve(report).parents):
+        raise MergeError(f"{report}: the report would be the output directory or inside a subdirectory of it; "
+                         "name a file directly inside --out, or elsewhere")
     if os.path.lexists(report):
         if os.path.isdir(report):
             raise MergeError(f"{report}: the report path is a directory; name a file")
