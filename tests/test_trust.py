@@ -383,6 +383,15 @@ def test_a_flipped_bit_in_tensor_data_fails_the_run_naming_file_and_record(tmp_p
     assert tree_hashes(root) == before
 
 
+def test_a_flipped_bit_in_a_pickle_fails_the_run(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    victim = rank_files(root / "lora")[0]
+    _flip_in_member(victim, "model_optim_rng/data.pkl", offset=200)
+    out = tmp_path / "out"
+    run_failing(copied_args(root, out), capsys, str(victim), "data.pkl", "CRC32")
+    assert_clean(out)
+
+
 def test_a_flipped_bit_in_a_torch_dist_chunk_fails_the_run(tmp_path, capsys):
     from lora_merge.readers.torch_archive import MappedFile, TorchArchive
     from lora_merge.readers.torch_dist import read_metadata

@@ -27,7 +27,7 @@ from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import release_pages
 
 # Real pickles are a few MB even for a rank file with optimizer state (tensors are separate members).
-MAX_PICKLE_BYTES = 256 << 20
+MAX_PICKLE_BYTES = 64 << 20
 CRC_CHUNK_BYTES = 16 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50

@@ -322,7 +322,7 @@ def _common_args(it_dir: Path, entries: dict, storage: dict):
     """args from common.pt (Megatron-Core ≤ 0.18) or the common_state bytes entry (0.19+)."""
     common = it_dir / "common.pt"
     if common.is_file():
-        state = load_pt(common, mmap=False)
+        state = load_pt(common)
         where = str(common)
     else:
         keys = [k for k, v in entries.items() if k.startswith("common_state") and v == "bytes"]
