@@ -361,7 +361,7 @@ def _flip_in_member(path: Path, member: str, offset: int = 7) -> None:
 
 def _largest_weight_member(path: Path) -> str:
     """The largest member holding a model tensor (rng and optimizer state are not read by a merge)."""
-    from lora_merge.readers.torch_archive import MappedFile, TorchArchive
+    from lora_merge.torch_archive import MappedFile, TorchArchive
     from lora_merge.safe_load import load_archive
 
     archive = TorchArchive(MappedFile(path))
@@ -393,7 +393,7 @@ def test_a_flipped_bit_in_a_pickle_fails_the_run(tmp_path, capsys):
 
 
 def test_a_flipped_bit_in_a_torch_dist_chunk_fails_the_run(tmp_path, capsys):
-    from lora_merge.readers.torch_archive import MappedFile, TorchArchive
+    from lora_merge.torch_archive import MappedFile, TorchArchive
     from lora_merge.readers.torch_dist import read_metadata
 
     root = copy_fixture("dist_tp2pp2_fp32", tmp_path)

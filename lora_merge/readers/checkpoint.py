@@ -8,9 +8,7 @@ weights are grouped by the module they adapt. Tensors are references: nothing is
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
-import mmap
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from typing import Callable
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.pages import release_pages  # noqa: F401  (re-exported for the readers)
 
 
 @dataclass(frozen=True)
@@ -66,28 +65,6 @@ def joined_ref(refs: list[TensorRef], dim: int | None) -> TensorRef:
         return out
     return TensorRef(where=f"{refs[0].where} (+{len(refs) - 1} pieces)", shape=tuple(shape), dtype=refs[0].dtype,
                      loader=load, records=lambda: tuple(rec for r in refs for rec in r.records()))
-
-
-PAGE = mmap.PAGESIZE
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-try:
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise
-except (OSError, AttributeError):  # not on Linux: nothing to release
-    def _madvise(*_):
-        return 0
-
-
-def release_pages(tensor: torch.Tensor) -> None:
-    """Give the pages of a view into a memory-mapped checkpoint back to the OS (they stay in the page cache).
-
-    Pages of a file mapping count in the process's RSS once read; without this, RSS would grow to the size
-    of the checkpoint. Dropping clean private file pages is safe: a later read faults them in again. Only
-    for tensors whose memory is such a mapping (`TensorRef.mapped`): on ordinary memory it would zero it.
-    """
-    if tensor.numel():
-        start = tensor.data_ptr() & ~(PAGE - 1)
-        end = tensor.data_ptr() + tensor.nbytes
-        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 Shards = list  # list[TensorRef], one per tensor-parallel rank

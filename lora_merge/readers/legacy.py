@@ -16,7 +16,7 @@ from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, all_ranks
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
-from lora_merge.readers.torch_archive import MappedFile, TorchArchive
+from lora_merge.torch_archive import MappedFile, TorchArchive
 from lora_merge.safe_load import load_archive
 
 RANK_FILE = "model_optim_rng.pt"

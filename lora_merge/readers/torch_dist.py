@@ -29,7 +29,7 @@ from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, joined_ref, release_pages
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
-from lora_merge.readers.torch_archive import MappedFile, Record, TorchArchive
+from lora_merge.torch_archive import MappedFile, Record, TorchArchive
 from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
 
 METADATA = ".metadata"
