@@ -39,10 +39,29 @@ def check_records(refs) -> None:
                 record.check_crc()
 
 
+def check_replica(first, other, chunk_bytes: int = 16 << 20) -> None:
+    """Two files' copies of one tensor (each expert-parallel rank's file repeats the dense part) must be
+    identical; compared a block of rows at a time, pages handed back as it goes."""
+    if first.shape != other.shape or first.dtype != other.dtype:
+        raise MergeError(f"{other.where}: shape {list(other.shape)} {other.dtype}, but its copy in {first.where} has "
+                         f"{list(first.shape)} {first.dtype}")
+    a, b = first.load(), other.load()
+    rows = a.shape[0] if a.dim() else 1
+    step = max(1, chunk_bytes // max(1, a[0].nbytes if a.dim() else a.nbytes))
+    for start in range(0, rows, step):
+        x, y = (a[start:start + step], b[start:start + step]) if a.dim() else (a, b)
+        if not torch.equal(x, y):
+            raise MergeError(f"{other.where}: differs from its copy in {first.where}; the files of the expert-"
+                             "parallel ranks must hold the same dense weights")
+    first.release()
+    other.release()
+
+
 class RecordChecker:
     """Checks the members behind each job's tensor references, in order, on a background thread.
 
-    `jobs` are (due, refs): `due` is how many input bytes the merge will have reached when it needs refs.
+    `jobs` are (due, refs, replicas): `due` is how many input bytes the merge will have reached when it
+    needs refs; `replicas` are (first, other) copies of a tensor in several files, compared here.
     The merge reports its position with `advance(due)`, which also raises a failure found so far.
     """
 
@@ -58,17 +77,19 @@ class RecordChecker:
     def _run(self) -> None:
         seen = set()
         try:
-            for due, refs in self._jobs:
+            for due, refs, replicas in self._jobs:
                 with self._cond:
                     while not self._stopped and due > self._progress + LEAD_BYTES:
                         self._cond.wait()
-                for ref in refs:
+                for ref in [*refs, *(other for _, other in replicas)]:
                     for record in ref.records():
                         if self._stopped:
                             return
                         if record.key not in seen:
                             seen.add(record.key)
                             record.check_crc(stop=lambda: self._stopped)
+                for first, other in replicas:
+                    check_replica(first, other)
         except BaseException as exc:  # handed to the merging thread
             self._error = exc
 

@@ -43,6 +43,7 @@ class MergePlan:
     settings: LoraSettings | None
     tasks: list[Task] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
+    replicas: list = field(default_factory=list)  # (first, other) copies to compare while merging
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -62,6 +63,7 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
     plan.skipped.update(base.skipped)
+    plan.replicas = base.replicas + (lora.replicas if lora is not None and lora is not base else [])
     unclaimed = set(base.params)
     adapters = dict(lora.lora) if lora else {}
     if lora is not None and lora is not base:
@@ -211,11 +213,15 @@ def execute(plan: MergePlan, write, progress=None) -> None:
 
 
 def _crc_jobs(plan: MergePlan):
+    replicas = {}
+    for first, other in plan.replicas:
+        replicas.setdefault(id(first), []).append((first, other))
     due = 0
     for task in plan.tasks:
-        lora = task.lora.a + task.lora.b if task.lora is not None else []
-        yield due, lora + task.shards
+        refs = (task.lora.a + task.lora.b if task.lora is not None else []) + task.shards
+        yield due, refs, [pair for ref in refs for pair in replicas.pop(id(ref), [])]
         due += sum(ref.nbytes for ref in task.shards)
+    yield due, [], [pair for pairs in replicas.values() for pair in pairs]  # copies of skipped tensors
 
 
 def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.readers.experts import is_expert_name
 from lora_merge.pages import release_pages  # noqa: F401  (re-exported for the readers)
 
 
@@ -97,6 +98,16 @@ class Checkpoint:
     # split_dims[name] (0 or 1; None for a single piece).
     global_layout: bool = False
     split_dims: dict = field(default_factory=dict)
+    experts: object = None  # experts.ExpertLayout of a Mixture-of-Experts checkpoint, else None
+    # (first, other) copies of a tensor that several files hold (each expert-parallel rank's file repeats
+    # the dense part); checked equal when the merge reads them.
+    replicas: list = field(default_factory=list)
+
+    def shards_of(self, name: str) -> int:
+        """How many tensor-parallel shards parameter `name` is saved in."""
+        if self.global_layout:
+            return 1
+        return self.experts.etp if self.experts is not None and is_expert_name(name) else self.tp
 
     def describe(self) -> str:
         parts = self.note or (f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else ""))
@@ -118,11 +129,13 @@ class LoraCollector:
 
     def __init__(self, where: str):
         self.where = where
-        self.seen: dict[tuple[str, str], dict[int, TensorRef]] = {}
+        self.seen: dict[tuple[str, str], dict[int, tuple[TensorRef, int]]] = {}
         self.adapters: set[str] = set()
+        self.replicas: list[tuple[TensorRef, TensorRef]] = []
 
-    def add(self, name: str, rank: int, ref: TensorRef) -> bool:
-        """Take `name` if it is a LoRA weight (True); refuse PEFT state this tool cannot merge."""
+    def add(self, name: str, rank: int, ref: TensorRef, copy: int = 0) -> bool:
+        """Take `name` if it is a LoRA weight (True); refuse PEFT state this tool cannot merge. A second
+        shard of the same rank from another file (another `copy`) is kept as a replica to compare."""
         for marker, what in UNSUPPORTED_PEFT.items():
             if marker in name:
                 raise MergeError(f"{ref.where}: {what} is not supported; only plain LoRA can be merged")
@@ -132,11 +145,15 @@ class LoraCollector:
         self.adapters.add(m.group(3))
         slot = self.seen.setdefault((m.group(1), m.group(2)), {})
         if rank in slot:
-            raise MergeError(f"{ref.where}: LoRA weight stored twice for TP rank {rank} ({slot[rank].where})")
-        slot[rank] = ref
+            first, first_copy = slot[rank]
+            if first_copy == copy:
+                raise MergeError(f"{ref.where}: LoRA weight stored twice for TP rank {rank} ({first.where})")
+            self.replicas.append((first, ref))
+            return True
+        slot[rank] = (ref, copy)
         return True
 
-    def finish(self, ckpt: "Checkpoint", tp: int) -> None:
+    def finish(self, ckpt: "Checkpoint") -> None:
         if len(self.adapters) > 1:
             raise MergeError(f"{self.where}: several LoRA adapters ({', '.join(sorted(self.adapters))}); expected one")
         ckpt.adapter_name = next(iter(self.adapters), None)
@@ -145,8 +162,10 @@ class LoraCollector:
             if not a or not b:
                 have, lack = ("lora_A", "lora_B") if a else ("lora_B", "lora_A")
                 raise MergeError(f"{self.where}: {module} has {have} but no {lack}")
-            ckpt.lora[module] = LoraModule(a=all_ranks(f"{module}.lora_A", a, tp, self.where),
-                                           b=all_ranks(f"{module}.lora_B", b, tp, self.where))
+            tp = ckpt.shards_of(module)
+            ckpt.lora[module] = LoraModule(a=all_ranks(f"{module}.lora_A", {r: x for r, (x, _) in a.items()}, tp, self.where),
+                                           b=all_ranks(f"{module}.lora_B", {r: x for r, (x, _) in b.items()}, tp, self.where))
+        ckpt.replicas += self.replicas
 
 
 def all_ranks(name: str, by_rank: dict[int, TensorRef], tp: int, where) -> list[TensorRef]:

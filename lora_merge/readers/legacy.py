@@ -14,7 +14,8 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
-from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, all_ranks
+from lora_merge.readers.checkpoint import LORA_KEY, Checkpoint, LoraCollector, TensorRef, all_ranks
+from lora_merge.readers.experts import ExpertLayout, expert_layout, expert_params
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, TorchArchive
 from lora_merge.safe_load import load_archive
@@ -43,10 +44,45 @@ def _rank_dirs(it_dir: Path) -> dict[tuple[int, ...], Path]:
     return found
 
 
-def _expected_dirs(tp: int, pp: int) -> dict[tuple[int, ...], str]:
-    if pp == 1:
-        return {(t,): f"mp_rank_{t:02d}" for t in range(tp)}
-    return {(t, p): f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(pp)}
+def _rank_of(key: tuple[int, ...], pp: int, ep: int) -> tuple[int, int, int] | None:
+    """(tp, pp, ep) ranks of a dir name's numbers: `mp_rank_TT[_PPP][_EEE]` has the PP part only when
+    PP > 1 and the EP part only when EP > 1, so `mp_rank_00_003` means what the args say."""
+    expected_parts = 1 + (pp > 1) + (ep > 1)
+    if len(key) != expected_parts:
+        return None
+    t = key[0]
+    p = key[1] if pp > 1 else 0
+    e = key[-1] if ep > 1 else 0
+    return t, p, e
+
+
+def _dir_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+
+
+def _check_rank_grid(it_dir: Path, dirs: dict, tp: int, pp: int, experts: ExpertLayout | None) -> dict:
+    """The dirs by (tp, pp, ep) rank. Every (tp, pp) needs a file for the dense part and every (pp, ep,
+    expert-TP rank) one for the experts; with ETP=1 only some (tp, ep) dirs exist, so the grid is not
+    assumed, only covered."""
+    ep = experts.ep if experts else 1
+    ranks, extra = {}, []
+    for key, d in dirs.items():
+        rank = _rank_of(key, pp, ep)
+        if rank is None or rank[0] >= tp or rank[1] >= pp or rank[2] >= ep:
+            extra.append(d.name)
+        else:
+            ranks[rank] = d
+    missing = [_dir_name(t, p, 0, pp, ep) if ep == 1 else f"a {_dir_name(t, p, 0, pp, 1)}_EEE dir"
+               for t in range(tp) for p in range(pp) if not any(r[:2] == (t, p) for r in ranks)]
+    if experts:
+        missing += [_dir_name(t, p, e, pp, ep) for p in range(pp) for e in range(ep) for t in range(experts.etp)
+                    if not any(r[1:] == (p, e) and experts.etp_rank(r[0]) == t for r in ranks)]
+    if missing or extra:
+        detail = (f"missing {', '.join(dict.fromkeys(missing))}" if missing else "") + \
+            ("; " if missing and extra else "") + (f"unexpected {', '.join(extra)}" if extra else "")
+        layout = f"TP={tp} PP={pp}" + (f" EP={ep} ETP={experts.etp}" if experts else "")
+        raise MergeError(f"{it_dir}: rank directories do not match {layout} from the args ({detail})")
+    return ranks
 
 
 def _load_rank(rank_dir: Path) -> tuple[dict, TorchArchive]:
@@ -90,26 +126,19 @@ def read_legacy(path: Path) -> Checkpoint:
         raise MergeError(f"{first / RANK_FILE}: no 'args' entry; cannot tell the parallel layout")
     tp = _arg_int(args, "tensor_model_parallel_size")
     pp = _arg_int(args, "pipeline_model_parallel_size")
-    if _arg_int(args, "expert_model_parallel_size") > 1:
-        raise MergeError(f"{first / RANK_FILE}: expert parallelism (MoE) checkpoints are not supported")
-
-    expected = _expected_dirs(tp, pp)
-    missing = [name for key, name in expected.items() if key not in dirs]
-    extra = [p.name for key, p in dirs.items() if key not in expected]
-    if missing or extra:
-        detail = (f"missing {', '.join(missing)}" if missing else "") + ("; " if missing and extra else "") + (
-            f"unexpected {', '.join(extra)}" if extra else "")
-        raise MergeError(f"{it_dir}: rank directories do not match TP={tp} PP={pp} from the args ({detail})")
+    experts = expert_layout(args, tp, str(first / RANK_FILE))
+    ranks = _check_rank_grid(it_dir, dirs, tp, pp, experts)
 
     vpp = None
     numbering = None
     ckpt = Checkpoint(path=path, format="legacy", iteration=iteration, args=args, tp=tp, pp=pp, vpp=1)
+    ckpt.experts = experts
     ckpt.sources = [path / TRACKER, it_dir, *dirs.values(), *(d / RANK_FILE for d in dirs.values())]
-    seen_ranks: dict[str, dict[int, TensorRef]] = defaultdict(dict)
+    slots: dict[str, dict[int, tuple[TensorRef, int]]] = defaultdict(dict)
     lora = LoraCollector(str(it_dir))
+    adapter = "default"
 
-    for key, rank_dir in sorted(dirs.items(), key=lambda kv: (kv[0][1:] or (0,), kv[0][0])):
-        t, p = key[0], (key[1] if pp > 1 else 0)
+    for (t, p, e), rank_dir in sorted(ranks.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         file = rank_dir / RANK_FILE
         state, archive = (first_state, first_archive) if rank_dir == first else _load_rank(rank_dir)
         _check_same_layout(state, file, tp, pp, iteration)
@@ -127,6 +156,7 @@ def read_legacy(path: Path) -> Checkpoint:
                 ckpt.skipped[f"top-level entry '{entry}'"] += 1
         ckpt.files.append((str(file), sum(isinstance(v, torch.Tensor) for sd in chunks.values() for v in sd.values()),
                            sum(v.nbytes for sd in chunks.values() for v in sd.values() if isinstance(v, torch.Tensor))))
+        adapter = next((m.group(3) for sd in chunks.values() for k in sd if (m := LORA_KEY.match(str(k)))), adapter)
         for chunk, sd in chunks.items():
             for raw_key, value in sd.items():
                 where = f"{file}:{'model' if vpp == 1 else f'model{chunk}'}[{raw_key}]"
@@ -140,19 +170,33 @@ def read_legacy(path: Path) -> Checkpoint:
                 if m:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
-                ref = TensorRef.of(where, value, mapped=True, record=archive.record_of(value))
-                if lora.add(name, t, ref):
-                    continue
-                slot = seen_ranks[name.replace(".base_layer.", ".")]
-                if t in slot:
-                    raise MergeError(f"{where}: tensor appears twice for TP rank {t} ({slot[t].where})")
-                slot[t] = ref
+                record = archive.record_of(value)
+                per_expert = expert_params(name, value, e, experts, adapter, where) if experts else None
+                # Expert tensors are split over expert-TP ranks; every other tensor is repeated in each
+                # EP rank's file (copy `e`), and those copies must agree.
+                shard, copy = (experts.etp_rank(t), t) if per_expert is not None else (t, e)
+                for name, tensor in per_expert or [(name, value)]:
+                    ref = TensorRef.of(where, tensor, mapped=True, record=record)
+                    if lora.add(name, shard, ref, copy=copy):
+                        continue
+                    _place(ckpt, slots[name.replace(".base_layer.", ".")], shard, copy, ref)
 
     ckpt.vpp = vpp
-    ckpt.params = {name: all_ranks(name, by_rank, tp, it_dir) for name, by_rank in seen_ranks.items()}
-    lora.finish(ckpt, tp)
+    ckpt.params = {name: all_ranks(name, {r: ref for r, (ref, _) in by_rank.items()}, ckpt.shards_of(name), it_dir)
+                   for name, by_rank in slots.items()}
+    lora.finish(ckpt)
     ckpt.numbering = numbering
     return ckpt
+
+
+def _place(ckpt: Checkpoint, slot: dict, shard: int, copy: int, ref: TensorRef) -> None:
+    if shard in slot:
+        first, first_copy = slot[shard]
+        if first_copy == copy:
+            raise MergeError(f"{ref.where}: tensor appears twice for TP rank {shard} ({first.where})")
+        ckpt.replicas.append((first, ref))
+        return
+    slot[shard] = (ref, copy)
 
 
 def _check_same_layout(state: dict, file: Path, tp: int, pp: int, iteration: str) -> None:

@@ -264,7 +264,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
             add(name, where, info["shape"], info["dtype"], pieces)
 
     _join_singleton_fc1(ckpt)
-    lora.finish(ckpt, 1)
+    lora.finish(ckpt)
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
     ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt",
                     *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
