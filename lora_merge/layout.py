@@ -11,7 +11,7 @@ their rows laid out alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -22,8 +22,13 @@ from lora_merge.model_shape import ModelShape
 
 def named_dims(shape: ModelShape) -> dict[str, int]:
     q, kv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
-    return {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
-            "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab}
+    dims = {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
+            "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab, "one": 1}
+    moe = getattr(shape, "moe", None)
+    if moe is not None:
+        dims.update(experts=moe.num_experts, moe_ffn=moe.ffn, gated_moe_ffn=2 * moe.ffn,
+                    shared_ffn=moe.shared_ffn, gated_shared_ffn=2 * moe.shared_ffn)
+    return dims
 
 
 # --- the un-sharding operations -----------------------------------------------------------------
@@ -105,11 +110,25 @@ def single(t: torch.Tensor) -> list[RowBlock]:
 
 @dataclass(frozen=True)
 class Rule:
+    """Names are templates: `{expert}` in any name is bound per routed expert (see `bind`)."""
+
     megatron: str
     dims: tuple[str, ...]  # global Megatron shape, in named dimensions
     requires: str | None = None  # a ModelShape feature this parameter exists only with
     aliases: tuple[str, ...] = ()  # other names of the same parameter (TransformerEngine spec, torch_dist)
+    layers: str = "all"  # in which decoder layers: "all", "dense" (plain MLP) or "moe" (routed experts)
     parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
+    def bind(self, **indices) -> "Rule":
+        """This rule with its name templates filled in (`{expert}` → a global expert number)."""
+        changes = {f.name: getattr(self, f.name).format(**indices) for f in fields(self)
+                   if isinstance(getattr(self, f.name), str) and "{" in getattr(self, f.name)}
+        changes["aliases"] = tuple(a.format(**indices) for a in self.aliases)
+        return replace(self, **changes)
 
     def hf_names(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -249,16 +268,17 @@ class GatedColumn(Rule):
         return (self.gate, self.up)
 
     def hf_shapes(self, shape):
-        rest = self.global_shape(shape)[1:]
-        return {self.gate: (shape.ffn, *rest), self.up: (shape.ffn, *rest)}
+        rows, *rest = self.global_shape(shape)
+        return {self.gate: (rows // 2, *rest), self.up: (rows // 2, *rest)}
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
         if not global_pieces:  # each rank: [its gate rows; its up rows]
             halves = [s.chunk(2, dim=0) for s in shards]
             return {self.gate: [RowBlock((h[0],)) for h in halves], self.up: [RowBlock((h[1],)) for h in halves]}
+        ffn = self.global_shape(shape)[0] // 2
         gate, up, offset = [], [], 0  # the global tensor is [all gate rows; all up rows]
         for piece in shards:
-            cut = min(max(shape.ffn - offset, 0), piece.shape[0])
+            cut = min(max(ffn - offset, 0), piece.shape[0])
             if cut:
                 gate.append(RowBlock((piece[:cut],)))
             if cut < piece.shape[0]:

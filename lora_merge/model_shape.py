@@ -19,6 +19,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import noop_layers
+from lora_merge.moe_shape import MOE_CONFIG_KEYS, MOE_DEFAULTS, TRAINING_ONLY_KEYS, MoeShape, check_moe_args, read_moe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +37,16 @@ HF_DEFAULTS = {
     # MistralConfig turns sliding-window attention on (4096) unless the config says null.
     "mistral": {**_COMMON_DEFAULTS, "num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096,
                 "max_position_embeddings": 131072},
+    "qwen3_moe": {**_COMMON_DEFAULTS, "num_key_value_heads": 4, "head_dim": None, "use_sliding_window": False,
+                  "max_position_embeddings": 32768, **MOE_DEFAULTS["qwen3_moe"]},
+    "qwen2_moe": {**_COMMON_DEFAULTS, "num_key_value_heads": 16, "head_dim": None, "use_sliding_window": False,
+                  "max_position_embeddings": 32768, **MOE_DEFAULTS["qwen2_moe"]},
+    "mixtral": {**_COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": None,
+                "sliding_window": None, "max_position_embeddings": 131072, **MOE_DEFAULTS["mixtral"]},
 }
+# Which family a model type's attention and sliding-window fields follow.
+FAMILY = {"qwen2": "qwen", "qwen3": "qwen", "qwen2_moe": "qwen", "qwen3_moe": "qwen", "llama": "llama",
+          "mistral": "mistral", "mixtral": "mistral"}
 
 # Keys read and checked below, for every supported model type.
 _CHECKED = frozenset({
@@ -52,6 +62,9 @@ _CHECKED_BY_TYPE = {
     "qwen3": {"sliding_window", "use_sliding_window", "layer_types"},
     "mistral": {"sliding_window", "layer_types"},
     "llama": set(),
+    **{t: {"sliding_window", "use_sliding_window", "layer_types", "max_window_layers", *keys, *TRAINING_ONLY_KEYS}
+       for t, keys in MOE_CONFIG_KEYS.items() if t != "mixtral"},
+    "mixtral": {"sliding_window", "layer_types", *MOE_CONFIG_KEYS["mixtral"], *TRAINING_ONLY_KEYS},
 }
 # What PretrainedConfig writes in transformers 5.x and 4.x (metadata, labels, token ids, output switches,
 # the generation settings 4.x kept in config.json) and the model classes' training-only or numerically
@@ -114,12 +127,18 @@ class ModelShape:
     rope_scaling: RopeScaling | None = None
     tokenizer_vocab: int | None = None  # ids tokenizer.json can produce, when the reference has one
     defaulted: frozenset[str] = frozenset()  # HF keys absent from config.json, so the config class's default
+    moe: MoeShape | None = None  # routed experts, for a Mixture-of-Experts model
 
     @property
     def features(self) -> frozenset[str]:
         """Optional parts of the architecture that some rules depend on."""
+        shared = self.moe is not None and self.moe.shared_ffn > 0
         return frozenset(name for name, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
-                                               ("untied", not self.tied), ("tied", self.tied)) if on)
+                                               ("untied", not self.tied), ("tied", self.tied),
+                                               ("shared_expert", shared)) if on)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,12 +171,13 @@ def _shape(fields: _Fields, model_type: str) -> ModelShape:
     heads = fields.positive_int("num_attention_heads")
     hidden = fields.positive_int("hidden_size")
     groups = fields.positive_int("num_key_value_heads", nullable=True)
-    head_dim = fields.positive_int("head_dim", nullable=model_type in ("llama", "mistral"))
+    head_dim = fields.positive_int("head_dim", nullable=FAMILY[model_type] != "qwen" or model_type.endswith("_moe"))
     max_positions = fields.positive_int("max_position_embeddings")
     rope_theta, rope_scaling = _rope(fields.cfg, fields.path, max_positions)
+    num_layers = fields.positive_int("num_hidden_layers")
     return ModelShape(
         model_type=model_type,
-        num_layers=fields.positive_int("num_hidden_layers"),
+        num_layers=num_layers,
         hidden=hidden,
         heads=heads,
         groups=groups or heads,
@@ -166,8 +186,9 @@ def _shape(fields: _Fields, model_type: str) -> ModelShape:
         vocab=fields.positive_int("vocab_size"),
         tied=fields.flag("tie_word_embeddings"),
         # Qwen2 always has q/k/v biases; Llama-family configs say so with attention_bias.
-        qkv_bias=model_type == "qwen2" or fields.flag("attention_bias"),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2" or fields.flag("qkv_bias" if model_type == "qwen2_moe" else "attention_bias"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=read_moe(fields, model_type, num_layers),
         dtype=_dtype(fields),
         rope_theta=fields.default("rope_theta") if rope_theta is None else rope_theta,
         norm_eps=fields.number("rms_norm_eps"),
@@ -315,7 +336,7 @@ def _check_activation(fields: _Fields, model_type: str, path: Path) -> None:
 
 
 def _check_biases(fields: _Fields, model_type: str, path: Path) -> None:
-    if model_type != "qwen2" and fields.flag("attention_bias"):
+    if model_type not in ("qwen2", "qwen2_moe") and fields.flag("attention_bias"):
         # In HF Llama/Mistral/Qwen3 attention_bias also gives o_proj a bias, which Megatron's
         # add_qkv_bias does not have: writing one would be inventing weights.
         raise MergeError(f"{path}: attention_bias=true for {model_type} (q/k/v *and* o_proj biases) is not supported")
@@ -327,12 +348,13 @@ _NO_SWA = "sliding-window attention is not supported: Megatron trained full atte
 
 
 def _check_sliding_window(fields: _Fields, model_type: str, path: Path) -> None:
-    if model_type in ("qwen2", "qwen3"):
-        # Qwen's sliding_window is only used when use_sliding_window is on.
-        fields.positive_int("sliding_window", nullable=True)
+    if FAMILY[model_type] == "qwen":
+        # Qwen's sliding_window is only used when use_sliding_window is on (Qwen2-MoE writes 0 for none).
+        if fields.cfg.get("sliding_window") != 0:
+            fields.positive_int("sliding_window", nullable=True)
         if fields.flag("use_sliding_window"):
             raise MergeError(f"{path}: use_sliding_window=true: {_NO_SWA} (expected false)")
-    elif model_type == "mistral":
+    elif FAMILY[model_type] == "mistral":
         window = fields.positive_int("sliding_window", nullable=True)
         if window is not None:
             absent = "" if "sliding_window" in fields.cfg else " (MistralConfig's default when the key is absent)"
@@ -550,8 +572,9 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
         ("num_attention_heads", heads, shape.heads, "num_attention_heads"),
         ("num_query_groups", groups, shape.groups, "num_key_value_heads"),
         ("kv_channels", arg("kv_channels", shape.hidden // heads if heads else None), shape.head_dim, "head_dim"),
-        ("ffn_hidden_size", arg("ffn_hidden_size"), shape.ffn, "intermediate_size"),
     ]
+    if shape.moe is None or len(shape.moe.layers) < shape.num_layers:  # only dense layers use it
+        checks.append(("ffn_hidden_size", arg("ffn_hidden_size"), shape.ffn, "intermediate_size"))
     for arg_name, theirs, ours, hf_name in checks:
         if theirs is not None and int(theirs) != ours:
             raise MergeError(f"{where}: args.{arg_name}={theirs} but the HF config's {hf_name} implies {ours}"
@@ -571,6 +594,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
         raise MergeError(f"{where}: args.qk_layernorm={qk_norm} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
+    check_moe_args(shape.moe, args, shape.num_layers, where)
     _check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, arg, where)
     if arg("swiglu") is False:

@@ -244,7 +244,7 @@ def test_missing_config(tmp_path):
 
 @pytest.mark.parametrize("model_type", [None, "gemma2", 7])
 def test_unsupported_model_type(tmp_path, model_type):
-    refused(tmp_path, "is not supported (expected one of llama, mistral, qwen2, qwen3)", model_type=model_type)
+    refused(tmp_path, "is not supported (expected one of llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)", model_type=model_type)
     refused(tmp_path, "no model_type (expected one of llama", model_type=DROP)
 
 

@@ -103,7 +103,7 @@ def expert_params(name: str, tensor: torch.Tensor, ep_rank: int, layout: ExpertL
         return [(named(int(s.group("k")), f"{s.group('fc')}.{s.group('what')}"), tensor)]
     if s := GROUPED.match(rest):
         fc = f"linear_fc{s.group('n')}.weight"
-        experts = _expert_major(tensor, layout.local, 0 if s.group("n") == "1" else 1, name, where)
+        experts = _expert_major(tensor, layout.local, 1 if s.group("n") == "1" else 0, name, where)
         return [(named(k, fc), t.t()) for k, t in enumerate(experts)]
     if s := GROUPED_LORA.match(rest):
         n, ab = s.group("n"), s.group("ab")

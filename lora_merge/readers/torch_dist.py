@@ -36,6 +36,7 @@ METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
 SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
+GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)$")
 
 
 def is_torch_dist_iteration(path: Path) -> bool:
@@ -251,17 +252,22 @@ def read_torch_dist(path: Path) -> Checkpoint:
             per_file[rel][0] += 1
         where = f"{it_dir.name}/{METADATA}[{key}]"
         _check_cover(info, key, where)
-        stacked = name.startswith(STACKED_LAYER) and not SINGLETON_LAYER.match(name)
-        if stacked:
+        def emit(name, where, shape, chunks):
+            # Experts of every implementation are saved as one global [E, …] tensor per projection.
+            m = GLOBAL_EXPERTS.match(name)
+            if m:
+                for e in range(shape[0]):
+                    add(f"{m.group(1)}.{e}.{m.group(2)}", f"{where}[expert {e}]", shape[1:], info["dtype"],
+                        _pieces(_select(chunks, e)))
+            else:
+                add(name, where, shape, info["dtype"], _pieces(chunks))
+
+        if name.startswith(STACKED_LAYER) and not SINGLETON_LAYER.match(name):
             rest = name[len(STACKED_LAYER):]
             for layer in range(info["shape"][0]):
-                shape = info["shape"][1:]
-                pieces = [(_layer_view(get, off, layer), _region(off[1:], size[1:]), records)
-                          for get, records, off, size in chunks if off[0] <= layer < off[0] + size[0]]
-                add(f"{STACKED_LAYER}{layer}.{rest}", f"{where}[{layer}]", shape, info["dtype"], pieces)
+                emit(f"{STACKED_LAYER}{layer}.{rest}", f"{where}[{layer}]", info["shape"][1:], _select(chunks, layer))
         else:
-            pieces = [(get, _region(off, size), records) for get, records, off, size in chunks]
-            add(name, where, info["shape"], info["dtype"], pieces)
+            emit(name, where, info["shape"], chunks)
 
     _join_singleton_fc1(ckpt)
     lora.finish(ckpt)
@@ -277,8 +283,18 @@ def _region(offsets, sizes):
     return [slice(o, o + s) for o, s in zip(offsets, sizes)]
 
 
-def _layer_view(get, offsets, layer):
-    return lambda: get()[layer - offsets[0]]
+def _select(chunks, index: int):
+    """The chunks of a tensor's slice `index` along its first dimension (a stacked layer, an expert)."""
+    return [(_view(get, off[0], index), records, off[1:], size[1:])
+            for get, records, off, size in chunks if off[0] <= index < off[0] + size[0]]
+
+
+def _view(get, first: int, index: int):
+    return lambda: get()[index - first]
+
+
+def _pieces(chunks):
+    return [(get, _region(off, size), records) for get, records, off, size in chunks]
 
 
 def _check_cover(info, key, where):
