@@ -309,6 +309,8 @@ def print_plan(opts, inp: Inputs, plan: MergePlan) -> None:
     print(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {s.heads} heads / {s.groups} kv heads "
           f"x {s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, {'tied' if s.tied else 'untied'} embeddings"
           f"{', qkv bias' if s.qkv_bias else ''}")
+    if s.moe is not None:
+        print(f"  experts: {s.moe} in layers {sorted(s.moe.layers)}; checkpoint: {inp.base.experts}")
     print(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
           f"{inp.settings.source}) on {', '.join(targets)}: {plan.merged_modules} modules")
     print(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "

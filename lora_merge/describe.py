@@ -10,7 +10,8 @@ from lora_merge.readers.checkpoint import Checkpoint
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "ffn_hidden_size", "padded_vocab_size", "add_qkv_bias", "qk_layernorm", "swiglu",
              "untie_embeddings_and_output_weights", "normalization", "position_embedding_type", "noop_layers",
-             "num_layer_list")
+             "num_layer_list", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+             "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm")
 
 
 def _gb(n: int) -> str:
@@ -30,6 +31,10 @@ def describe(ckpt: Checkpoint) -> list[str]:
         layout += "; layers per " + ("stage: " + ",".join(map(str, counts[0])) if len(counts) == 1 else
                                      "chunk x stage: " + " | ".join(",".join(map(str, row)) for row in counts))
     lines.append(f"  parallel: {layout}")
+    if ckpt.experts is not None:
+        from lora_merge.moe_shape import megatron_moe_layers
+        moe_layers = sorted(megatron_moe_layers(args, int(getattr(args, "num_layers", 0) or 0), str(ckpt.path)))
+        lines.append(f"  experts: {ckpt.experts}; MoE layers {moe_layers}")
     arch = [f"{k}={getattr(args, k)}" for k in ARCH_ARGS if getattr(args, k, None) not in (None, [], "")]
     lines.append(f"  architecture (args): {', '.join(arch)}")
     dtype = getattr(args, "params_dtype", None)

@@ -21,6 +21,7 @@ from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
 from lora_merge.architectures import iter_rules
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.readers.experts import is_expert_name
 
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16
@@ -29,6 +30,12 @@ VLLM_DEFAULT_MAX_LORA_RANK = 16
 def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """PEFT-named lora_A/lora_B tensors for every adapted HF projection, in HF layout."""
+    experts = sorted(m for m in lora.lora if is_expert_name(m))
+    if experts:
+        # transformers 5 fuses each layer's experts into 3-D parameters, onto which PEFT does not load
+        # per-expert LoRA keys: the expert deltas would be dropped without an error. Merging is exact.
+        raise MergeError(f"{lora.path}: LoRA on routed experts ({len(experts)} modules, e.g. {experts[0]}) cannot be "
+                         "exported as an adapter that PEFT applies to transformers' fused experts; merge it instead")
     tensors = {}
     remaining = dict(lora.lora)
     for rule, names, prefix in iter_rules(arch, shape):

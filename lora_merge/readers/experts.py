@@ -21,7 +21,7 @@ factors (B [out, r], A [r, in]) expert e's fc1 has lora_A = A1[e]ᵀ and lora_B 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,11 @@ class ExpertLayout:
     ep: int
     etp: int
     tp: int
+    seen: set = field(default_factory=set, compare=False)  # the expert layouts met while reading
+
+    def __str__(self) -> str:
+        return (f"{self.num_experts} experts, EP={self.ep} ETP={self.etp}"
+                + (f", {' + '.join(sorted(self.seen))}" if self.seen else ""))
 
     @property
     def local(self) -> int:
@@ -98,14 +103,18 @@ def expert_params(name: str, tensor: torch.Tensor, ep_rank: int, layout: ExpertL
         return f"{prefix}.{layout.global_expert(ep_rank, k, where)}.{suffix}"
 
     if s := SEQUENTIAL.match(rest):
+        layout.seen.add("SequentialMLP")
         return [(named(int(s.group("k")), s.group("rest")), tensor)]
     if s := TE_GROUPED.match(rest):
+        layout.seen.add("TEGroupedMLP")
         return [(named(int(s.group("k")), f"{s.group('fc')}.{s.group('what')}"), tensor)]
     if s := GROUPED.match(rest):
+        layout.seen.add("GroupedMLP")
         fc = f"linear_fc{s.group('n')}.weight"
         experts = _expert_major(tensor, layout.local, 1 if s.group("n") == "1" else 0, name, where)
         return [(named(k, fc), t.t()) for k, t in enumerate(experts)]
     if s := GROUPED_LORA.match(rest):
+        layout.seen.add("MindSpeed grouped LoRA")
         n, ab = s.group("n"), s.group("ab")
         peft = "lora_A" if ab == "a" else "lora_B"
         # a and b: which dim of the 2-D tensor carries E_loc·(something) (the other is H or r)

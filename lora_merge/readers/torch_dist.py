@@ -28,6 +28,7 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, joined_ref, release_pages
+from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, Record, TorchArchive
 from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
@@ -199,6 +200,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
                       global_layout=True)
     ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
     ckpt.numbering = numbering_from_args(args, pp, vpp)
+    ckpt.experts = expert_layout(args, tp, str(it_dir))  # informational: tensors are global (one shard each)
     files: dict[str, DistcpFile] = {}
     lora = LoraCollector(str(it_dir))
     per_file = defaultdict(lambda: [0, 0])
