@@ -14,6 +14,7 @@ import threading
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.pages import release_pages
 
 # How far (in input bytes, in plan order) the checker may run ahead of the merge: enough to overlap,
 # little enough that what it reads is still in the page cache when the merge gets there.
@@ -53,8 +54,9 @@ def check_replica(first, other, chunk_bytes: int = 16 << 20) -> None:
         if not torch.equal(x, y):
             raise MergeError(f"{other.where}: differs from its copy in {first.where}; the files of the expert-"
                              "parallel ranks must hold the same dense weights")
-    first.release()
-    other.release()
+        for view, ref in ((x, first), (y, other)):
+            if ref.mapped:
+                release_pages(view)
 
 
 class RecordChecker:

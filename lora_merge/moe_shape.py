@@ -123,7 +123,7 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
         raise MergeError(f"{where}: args.moe_router_pre_softmax={pre_softmax} but the HF config "
                          f"{'renormalises' if moe.norm_topk else 'does not renormalise'} the top-k probabilities "
                          f"(norm_topk_prob); routing would differ")
-    for name, allowed, what in (("moe_router_score_function", ("softmax",), "router score function"),
+    for name, allowed, what in (("moe_router_score_function", (None, "softmax"), "router score function"),
                                 ("moe_router_topk_scaling_factor", (None, 1, 1.0), "top-k scaling"),
                                 ("moe_router_enable_expert_bias", (None, False), "router expert bias"),
                                 ("moe_router_num_groups", (None, 0, 1), "grouped routing"),

@@ -24,6 +24,9 @@ def release_pages(tensor: torch.Tensor) -> None:
     for tensors whose memory is such a mapping (`TensorRef.mapped`): on ordinary memory it would zero it.
     """
     if tensor.numel():
+        # The whole memory span the view touches: for a strided view (a transposed expert of a grouped
+        # tensor) that is more than nbytes.
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
         start = tensor.data_ptr() & ~(PAGE - 1)
-        end = tensor.data_ptr() + tensor.nbytes
+        end = tensor.data_ptr() + span * tensor.element_size()
         _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)

@@ -9,7 +9,7 @@ then measures, each in a fresh process:
   peft   the usual way: transformers from_pretrained + PEFT get_peft_model + merge_and_unload +
          save_pretrained, on the same model in HF form with a same-shaped adapter
 
-    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft]
+    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe]
 """
 
 from __future__ import annotations
@@ -75,13 +75,18 @@ def best_of(repeat: int, *cmds: list[str]) -> list[dict]:
     return [min(r, key=lambda m: m["seconds"]) | {"peak_rss_mb": max(m["peak_rss_mb"] for m in r)} for r in runs]
 
 
-def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1) -> dict:
-    root = work / f"L{layers}"
+def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None) -> dict:
+    root = work / f"L{layers}{moe_layout or ''}"
     drop(root)
     # Generated in a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time,
     # so this process must stay small (it never imports torch).
-    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", "qwen32b",
-                    "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
+    if moe_layout:
+        subprocess.run([sys.executable, str(HERE / "synthetic_moe_checkpoint.py"), str(root), "--layers", str(layers),
+                        "--ep", "4", "--layout", moe_layout], check=True)
+        skip_peft = True  # PEFT cannot apply per-expert LoRA to transformers' fused experts
+    else:
+        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", "qwen32b",
+                        "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
     in_bytes = dir_bytes(root / "base") + dir_bytes(root / "lora")
     subprocess.run(["sync"], check=True)
 
@@ -94,7 +99,7 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1) -> dict:
          lambda: (root / "copy_target").mkdir(), lambda: drop(root / "copy_target")),
         (merge_cmd, lambda: drop(root / "merged"), lambda: None))
     out_bytes = dir_bytes(root / "merged")
-    result = {"layers": layers, "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "ours": ours}
+    result = {"layers": layers, "layout": moe_layout or "dense", "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "ours": ours}
     result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
     result["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
     drop(root / "merged")
@@ -117,21 +122,27 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path("bench-out"))
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--repeat", type=int, default=2, help="runs of copy and merge, alternating; the fastest counts")
+    p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B layer shapes at EP=4 instead, in both expert "
+                   "layouts (SequentialMLP + PEFT LoRA, GroupedMLP + MindSpeed grouped LoRA)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results = [bench(n, args.workdir, args.skip_peft, args.repeat) for n in args.layers]
-    print("| layers | input GB | copy s | ours s | ours / copy | ours GB/s (read+write) | ours peak RSS MB | PEFT s | PEFT peak RSS MB | PEFT RSS / ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    layouts = ["sequential", "grouped"] if args.moe else [None]
+    results = [bench(n, args.workdir, args.skip_peft, args.repeat, layout) for layout in layouts for n in args.layers]
+    print("| layout | layers | input GB | copy s | ours s | ours / copy | ours GB/s (read+write) | ours peak RSS MB | PEFT s | PEFT peak RSS MB | PEFT RSS / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         peft = r.get("peft", {})
-        print(f"| {r['layers']} | {r['input_gb']:.2f} | {r['copy']['seconds']:.1f} | {r['ours']['seconds']:.1f} | "
+        print(f"| {r['layout']} | {r['layers']} | {r['input_gb']:.2f} | {r['copy']['seconds']:.1f} | {r['ours']['seconds']:.1f} | "
               f"{r['ratio_to_copy']:.2f} | {r['ours']['gb_per_s']:.2f} | {r['ours']['peak_rss_mb']:.0f} | "
               f"{peft.get('seconds', float('nan')):.1f} | {peft.get('peak_rss_mb', float('nan')):.0f} | "
               f"{r.get('peft_rss_over_ours', float('nan')):.1f} |")
-    if len(results) >= 2:
-        a, b = results[0]["ours"]["peak_rss_mb"], results[-1]["ours"]["peak_rss_mb"]
-        print(f"peak RSS growth from {results[0]['layers']} to {results[-1]['layers']} layers: {100 * (b - a) / a:+.1f}%")
+    for layout in layouts:
+        rows = [r for r in results if r["layout"] == (layout or "dense")]
+        if len(rows) >= 2:
+            a, b = rows[0]["ours"]["peak_rss_mb"], rows[-1]["ours"]["peak_rss_mb"]
+            print(f"{layout or 'dense'}: peak RSS growth from {rows[0]['layers']} to {rows[-1]['layers']} layers: "
+                  f"{100 * (b - a) / a:+.1f}%")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
