@@ -103,9 +103,9 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
         value = getattr(args, name, default)
         return default if value is None else value
 
-    checks = [("num_experts", experts, moe.num_experts, "the number of experts"),
+    checks = [("num_experts", experts, moe.num_experts, "num_experts"),
               ("moe_router_topk", arg("moe_router_topk", 2), moe.topk, "num_experts_per_tok"),
-              ("moe_ffn_hidden_size", arg("moe_ffn_hidden_size", arg("ffn_hidden_size")), moe.ffn, "the expert ffn size"),
+              ("moe_ffn_hidden_size", arg("moe_ffn_hidden_size", arg("ffn_hidden_size")), moe.ffn, "moe_intermediate_size"),
               ("moe_shared_expert_intermediate_size", arg("moe_shared_expert_intermediate_size", 0), moe.shared_ffn,
                "shared_expert_intermediate_size")]
     for name, theirs, ours, hf in checks:

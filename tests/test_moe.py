@@ -61,3 +61,59 @@ def test_every_expert_is_written_once_per_projection(name, merged):
         found = {k.split(".experts.")[1].split(".")[0] for k in index if f".{proj}." in k and ".experts." in k
                  and ".layers.1." in k}
         assert found == {str(e) for e in range(experts)}, (proj, found)
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    import shutil
+    shutil.copytree(MOE / name, tmp_path / name)
+    return tmp_path / name
+
+
+def _failing(args, capsys, *expected):
+    code = main(args)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    for text in expected:
+        assert text in err[0], err[0]
+    print(f"\n{err[0]}")
+
+
+def test_missing_expert_parallel_rank_is_an_error(tmp_path, capsys):
+    import shutil
+    root = _copy("qwen3moe_ep2", tmp_path)
+    shutil.rmtree(root / "base" / "iter_0000001" / "mp_rank_00_001")
+    _failing(moe_args("qwen3moe_ep2", tmp_path / "out")[:1] + [str(root / "base")] + moe_args("qwen3moe_ep2", tmp_path / "out")[2:],
+             capsys, "missing mp_rank_00_001", "EP=2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dense_copies_that_differ_between_expert_parallel_files_are_an_error(tmp_path, capsys):
+    from test_errors import rewrite
+    root = _copy("qwen3moe_ep2", tmp_path)
+    key = "decoder.layers.2.self_attention.linear_proj.weight"
+    rewrite(root / "base" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt",
+            lambda s: s["model"].__setitem__(key, s["model"][key] + 1e-3))
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    _failing(args, capsys, key, "differs from its copy")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field,value,expected", [("num_local_experts", 8, "args.num_experts=4"),
+                                                  ("norm_topk_prob", False, "moe_router_pre_softmax=False"),
+                                                  ("num_experts_per_tok", 4, "moe_router_topk=2"),
+                                                  ("mlp_only_layers", [0], "layers [0, 1, 2, 3]")])
+def test_moe_config_must_match_the_args(tmp_path, capsys, field, value, expected):
+    root = _copy("qwen3moe_ep2", tmp_path)
+    config = json.loads((root / "hf_ref" / "config.json").read_text())
+    config[field] = value
+    (root / "hf_ref" / "config.json").write_text(json.dumps(config))
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    _failing(args, capsys, expected)
+
+
+def test_export_adapter_refuses_expert_lora(tmp_path, capsys):
+    root = MOE / "qwen3moe_ep2"
+    _failing(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+              str(tmp_path / "adapter")], capsys, "routed experts", "merge it instead")
