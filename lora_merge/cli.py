@@ -34,7 +34,7 @@ from lora_merge.interrupts import Interrupted, signals_raise
 from lora_merge.report import hash_files, report_text, write_report
 from lora_merge.verify import VerifyReport, verify_output
 from lora_merge.writers.background import BackgroundWriter
-from lora_merge.writers.hf_files import COPIED_FILES, copy_reference_files
+from lora_merge.writers.hf_files import COPIED_FILES, copy_reference_files, reference_files
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.writers.staged_dir import (PUBLISHED, StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
@@ -246,6 +246,7 @@ def run_merge(opts) -> dict:
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
+    reference_files(opts.hf_ref)  # a broken reference file stops the run before any shard is written
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)

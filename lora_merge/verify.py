@@ -10,13 +10,16 @@ up at full scale without running the model. Without them the Megatron base is un
 same layout rules, which checks the written files and the merge arithmetic, not the rules.
 
 Everything is compared a chunk of rows at a time, with file handles held one tensor at a time, so
-memory stays bounded whatever the model size.
+memory stays bounded whatever the model size. A damaged output (a shard missing, truncated or with a
+garbage header, an unusable index) is a problem in the report and the rest is still checked; the same
+damage in the reference, which is the user's input, is an error.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,48 +49,248 @@ class VerifyReport:
         return not self.problems
 
 
+INDEX = "model.safetensors.index.json"
+# safetensors refuses headers above 100 MB; checking first means a hostile length is never allocated.
+MAX_HEADER_BYTES = 100_000_000
+# The index of a 671B model is well under 10 MB; a bigger file is not one, and is not read whole.
+MAX_INDEX_BYTES = 64 << 20
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+              "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+              "I64": 64, "U64": 64, "F64": 64, "C64": 64}
+
+
+class Damaged(Exception):
+    """Why a file of a safetensors directory cannot be used (the message, without the path)."""
+
+
 class SafetensorsDir:
-    """The tensors of an HF model directory (sharded or not), read by name and row range."""
+    """The tensors of an HF model directory (sharded or not), read by name and row range.
+
+    Damage is collected in `problems`, not raised: in an output being verified it is a finding to report,
+    in the reference an error in the user's input; the caller decides. Only the index and the shards'
+    headers are read here; tensor data is mapped later, a row range at a time.
+    """
 
     def __init__(self, directory: Path):
         self.directory = directory
-        index = directory / "model.safetensors.index.json"
-        try:
-            if index.is_file():
-                self.file_of = dict(json.loads(index.read_text())["weight_map"])
-            else:
-                self.file_of = {}
-                for path in sorted(directory.glob("*.safetensors")):
-                    with safe_open(path, framework="pt") as f:
-                        self.file_of.update({name: path.name for name in f.keys()})
-        except (KeyError, TypeError, ValueError, SafetensorError, OSError) as exc:
-            raise MergeError(f"{directory}: unreadable safetensors index or file ({exc})") from exc
+        self.problems: list[str] = []
+        self.file_of: dict[str, str] = {}  # every tensor listed (by the index, or found in a shard's header)
+        self.headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}  # file -> its sound header
+        index = directory / INDEX
+        listed = self._index(index) if os.path.lexists(index) else None
+        found = sorted(p.name for p in directory.glob("*.safetensors"))
+        files = found if listed is None else sorted(set(listed.values()))
+        for name in files:
+            header = self._header(directory / name)
+            if header is not None:
+                self.headers[name] = header
+        if listed is None:
+            self._take_headers(files)
+        else:
+            self.file_of = listed
+            self._compare_with_headers()
+        # Only a finding in an output: a reference may hold other weight files (Mistral's consolidated.safetensors).
+        self.unlisted = [name for name in found if name not in files]
 
     def __bool__(self) -> bool:
         return bool(self.file_of)
 
-    def _open(self, name: str):
-        path = self.directory / self.file_of[name]
-        if not path.is_file():
-            raise MergeError(f"{path}: listed in the index but missing")
+    def _index(self, index: Path) -> dict[str, str] | None:
         try:
-            return safe_open(path, framework="pt")
-        except (SafetensorError, OSError) as exc:
-            raise MergeError(f"{path}: unreadable safetensors file ({exc})") from exc
+            return read_index(index)
+        except Damaged as exc:
+            # The shards are still checked on their own, so one bad index is one problem, not one per tensor.
+            self.problems.append(f"{index}: {exc}")
+            return None
+
+    def _header(self, path: Path):
+        if not os.path.lexists(path):  # only the index names files without seeing them
+            self.problems.append(f"{path}: missing (listed in the index)")
+            return None
+        try:
+            return read_header(path)
+        except Damaged as exc:
+            self.problems.append(f"{path}: {exc}")
+            return None
+
+    def _take_headers(self, files: list[str]) -> None:
+        for name in files:
+            for tensor in self.headers.get(name, {}):
+                if tensor in self.file_of:
+                    self.problems.append(f"{_name(tensor)}: in both {self.file_of[tensor]} and {name}")
+                self.file_of[tensor] = name
+
+    def _compare_with_headers(self) -> None:
+        for tensor, name in self.file_of.items():
+            if name in self.headers and tensor not in self.headers[name]:
+                self.problems.append(f"{_name(tensor)}: the index puts it in {name}, which does not hold it")
+        for name, header in self.headers.items():
+            unlisted = sorted(t for t in header if self.file_of.get(t) != name)
+            if unlisted:
+                shown = ", ".join(map(_name, unlisted[:3])) + (", ..." if len(unlisted) > 3 else "")
+                self.problems.append(f"{self.directory / name}: holds {len(unlisted)} tensor(s) the index does "
+                                     f"not put there ({shown})")
+
+    def readable(self, name: str) -> bool:
+        """Whether `name` is listed and its file and header are sound (a damaged file's tensors are not)."""
+        return name in self.headers.get(self.file_of.get(name), {})
 
     def meta(self, name: str) -> tuple[tuple[int, ...], str]:
-        with self._open(name) as f:
-            s = f.get_slice(name)
-            return tuple(s.get_shape()), s.get_dtype()
+        return self.headers[self.file_of[name]][name]
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         # A handle per read: safetensors maps the file, and a handle kept open would keep every page
         # read so far resident.
-        with self._open(name) as f:
-            try:
+        path = self.directory / self.file_of[name]
+        try:
+            with safe_open(path, framework="pt") as f:
                 return f.get_slice(name)[start:stop]
-            except SafetensorError as exc:
-                raise MergeError(f"{self.directory / self.file_of[name]}: {name} unreadable ({exc})") from exc
+        except (SafetensorError, OSError) as exc:  # changed since its header was checked
+            raise MergeError(f"{path}: {name} unreadable ({exc})") from exc
+
+
+def _reference_weights(reference: Path) -> SafetensorsDir:
+    """The baseline: damage in it is an error in the user's input, not a finding about the output."""
+    ref = SafetensorsDir(reference)
+    if ref.problems:
+        more = f" (and {len(ref.problems) - 1} more problem(s))" if len(ref.problems) > 1 else ""
+        raise MergeError(f"{ref.problems[0]}{more}; the reference's weights are verify's baseline and must be intact")
+    return ref
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map, each file name checked to stay inside the directory."""
+    data = _json(_read_bounded(index, MAX_INDEX_BYTES), "")
+    if not isinstance(data, dict):
+        raise Damaged("not a JSON object; expected one with a weight_map {tensor: file}")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise Damaged("no weight_map; expected an object {tensor: file} under that key" if weight_map is None else
+                      f"weight_map is a {type(weight_map).__name__}; expected an object {{tensor: file}}")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not _plain_file_name(name):
+            raise Damaged(f"weight_map puts {_name(tensor)} in {_shown(name)}; expected the name of a file in "
+                          "this directory")
+    return dict(weight_map)
+
+
+def _plain_file_name(name: str) -> bool:
+    # Anything else would make verify read outside the directory it was given.
+    return (name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+            and not os.path.isabs(name))
+
+
+def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A shard's tensors with shape and dtype, once its header and size are checked to agree.
+
+    Reads 8 bytes and the header, never the data: a truncated, padded or garbage file is found from
+    its size alone, and a header length beyond the file or above safetensors' limit is never allocated.
+    """
+    _require_file(path)
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise Damaged(f"truncated: {size} bytes, less than the 8-byte header length")
+            length = int.from_bytes(f.read(8), "little")
+            if length > MAX_HEADER_BYTES:
+                raise Damaged(f"header length {length} is above safetensors' limit of {MAX_HEADER_BYTES} "
+                              "bytes: not a safetensors file, or damaged")
+            if 8 + length > size:
+                raise Damaged(f"truncated: the header alone should be {length} bytes, the file has {size - 8} "
+                              "after the header length")
+            raw = f.read(length)
+    except OSError as exc:
+        raise Damaged(f"cannot be read ({exc.strerror or exc})") from exc
+    tensors, data_end = _parse_header(_json(raw, "header: "))
+    held = size - 8 - length
+    if data_end > held:
+        raise Damaged(f"truncated: its header needs {data_end} bytes of tensor data, the file holds {held}")
+    if data_end < held:
+        raise Damaged(f"{held - data_end} bytes after the last tensor's data, which safetensors refuses")
+    return tensors
+
+
+def _parse_header(header) -> tuple[dict[str, tuple[tuple[int, ...], str]], int]:
+    """Tensors and where the data ends, checked as safetensors would: sizes match, no gaps, no overlap."""
+    if not isinstance(header, dict):
+        raise Damaged("header: not a JSON object: not a safetensors file, or damaged")
+    tensors, spans = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise Damaged("header: __metadata__ is not an object of strings, which safetensors refuses")
+            continue
+        shape, dtype, (begin, end) = _entry(name, entry)
+        tensors[name] = (shape, dtype)
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise Damaged(f"header: {_name(name)} starts at data byte {begin}, expected {position} (gap or overlap)")
+        position = end
+    return tensors, position
+
+
+def _entry(name: str, entry) -> tuple[tuple[int, ...], str, tuple[int, int]]:
+    bad = Damaged(f"header: {_name(name)} is not {{dtype, shape, data_offsets}} as safetensors writes it")
+    if not isinstance(entry, dict):
+        raise bad
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    # Bounded like safetensors' own u64s, so a hostile shape cannot make the size product huge.
+    if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**64 for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int and 0 <= o < 2**64 for o in offsets) or offsets[0] > offsets[1]):
+        raise bad
+    if dtype not in DTYPE_BITS:
+        raise Damaged(f"header: {_name(name)} has unknown dtype {_shown(dtype)}")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]  # in integers: a float would overflow on a hostile shape
+    if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+        size = f"{_shown(bits // 8)} bytes" if bits % 8 == 0 else f"{_shown(bits)} bits"
+        raise Damaged(f"header: {_name(name)} is {dtype} {_shown(shape)}, {size}, but its data_offsets span "
+                      f"{offsets[1] - offsets[0]}")
+    return tuple(shape), dtype, (offsets[0], offsets[1])
+
+
+def _require_file(path: Path) -> None:
+    if path.is_symlink() and not path.exists():
+        raise Damaged(f"broken symlink (to {os.readlink(path)})")
+    if not path.exists():
+        raise Damaged("missing")
+    if not path.is_file():
+        raise Damaged("a directory, expected a file" if path.is_dir() else "not a regular file")
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    _require_file(path)
+    try:
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise Damaged(f"cannot be read ({exc.strerror or exc})") from exc
+    if len(raw) > limit:
+        raise Damaged(f"larger than {limit} bytes; not an index")
+    return raw
+
+
+def _json(raw: bytes, subject: str):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise Damaged(f"{subject}not UTF-8 text") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[…" nested a million deep
+        raise Damaged(f"{subject}not JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
+def _shown(value) -> str:
+    """A value read from a file, fit for a one-line message: quoted, control characters escaped, cut."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _name(name: str) -> str:
+    """A tensor name from a file as is, unless it would break the one-line message."""
+    return name if name.isprintable() and len(name) <= 200 else _shown(name)
 
 
 def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, noise: torch.Tensor) -> bool:
@@ -119,8 +322,8 @@ class _BlockRows:
 def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: torch.dtype,
                   lora: Checkpoint | None, settings: LoraSettings | None,
                   reference: Path | None = None, base: Checkpoint | None = None) -> VerifyReport:
+    ref = _reference_weights(reference) if reference is not None else None
     out = SafetensorsDir(out_dir)
-    ref = SafetensorsDir(reference) if reference is not None else None
     if ref:
         baseline = f"reference weights in {reference}"
     elif base is not None:
@@ -128,8 +331,10 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
     else:
         baseline = "none (structure and finiteness only)"
     report = VerifyReport(baseline=baseline)
+    report.problems += out.problems + [f"{out_dir / name}: not listed in the index" for name in out.unlisted]
     if not out:
-        report.problems.append(f"{out_dir}: no safetensors files")
+        if not report.problems:
+            report.problems.append(f"{out_dir}: no safetensors files")
         return report
 
     expected_names = set()
@@ -153,6 +358,9 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             if full not in out.file_of:
                 report.problems.append(f"{full}: missing from the output")
                 continue
+            if not out.readable(full):  # its file's problem is already listed; one line per cause
+                report.statuses[full] = "not checked: its file is missing or damaged"
+                continue
             got_shape, got_dtype = out.meta(full)
             if got_shape != dims or got_dtype != want_dtype:
                 report.problems.append(f"{full}: shape {list(got_shape)} {got_dtype}, the config implies "
@@ -171,7 +379,8 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             report.statuses[full] = _check_tensor(full, dims, out, source, factors.get(name), settings, report)
 
     for extra in sorted(set(out.file_of) - expected_names):
-        report.problems.append(f"{extra}: in the output but not part of a {shape.model_type} model with this config")
+        report.problems.append(f"{_name(extra)}: in the output but not part of a {shape.model_type} model "
+                               "with this config")
     return report
 
 
@@ -182,7 +391,11 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, settings, 
     worst = 0.0
     for start in range(0, dims[0], step):
         stop = min(start + step, dims[0])
-        tensor = out.rows(name, start, stop)
+        try:
+            tensor = out.rows(name, start, stop)
+        except MergeError as exc:  # in the output, so a finding; the baseline's read errors stay errors
+            report.problems.append(str(exc))
+            return "unreadable"
         if not torch.isfinite(tensor).all():
             report.problems.append(f"{name}: non-finite values")
             return "non-finite"
