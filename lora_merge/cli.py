@@ -221,15 +221,17 @@ def given_paths(*paths) -> InputPaths:
     return found
 
 
-def input_paths(inp: Inputs, hf_dir: Path, base_dir: Path | None, lora_dir: Path | None,
-                extra_dirs=()) -> InputPaths:
-    """Every file and directory the run reads, for the checks on what it writes."""
-    found = given_paths(base_dir, lora_dir, *extra_dirs)
+def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | None) -> InputPaths:
+    """Every file and directory the run reads, for the checks on what it writes (`hf_dirs`: HF-layout dirs
+    read: the reference, and for verify the output being checked)."""
+    found = given_paths(base_dir, lora_dir)
     for ckpt in (inp.base, inp.lora):
         if ckpt is not None:
             found.add_tree(ckpt.path, ckpt.sources)
-    hf_files = [hf_dir / name for name in ("config.json", "model.safetensors.index.json", *COPIED_FILES)]
-    found.add_tree(hf_dir, hf_files + sorted(hf_dir.glob("*.py")) + sorted(hf_dir.glob("*.safetensors")))
+    for hf_dir in [hf_dirs] if isinstance(hf_dirs, Path) else hf_dirs:
+        if hf_dir is not None and hf_dir.is_dir():
+            found.add_tree(hf_dir, [hf_dir / name for name in ("config.json", "model.safetensors.index.json",
+                                                               *COPIED_FILES)] + sorted(hf_dir.iterdir()))
     return found
 
 
@@ -350,15 +352,15 @@ def run_verify(opts) -> VerifyReport:
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
-    if opts.hf_ref is not None:
-        check_report_path(opts.report, opts.force, input_paths(inp, opts.hf_ref, opts.base, opts.lora, [out]))
+    check_report_path(opts.report, opts.force, input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora))
     dtype = inp.shape.dtype or torch.float32
     reference = opts.hf_ref if has_weights(opts.hf_ref) else None
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=inp.base)
     if opts.report:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
-        write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report))
+        write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report),
+                     opts.force)
     return report
 
 

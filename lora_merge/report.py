@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lora_merge import __version__
+from lora_merge.writers.staged_dir import publish_file
 from lora_merge.merge import MergePlan
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.verify import VerifyReport
@@ -58,15 +59,15 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
     return json.dumps(report, indent=2) + "\n"
 
 
-def write_report(path: Path, text: str) -> None:
+def write_report(path: Path, text: str, force: bool = False) -> None:
     """Write a report outside any output directory (verify's): complete or not at all."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "x") as f:  # never through a symlink planted at the temporary name
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish_file(tmp, path, force)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -197,14 +197,14 @@ def test_a_report_inside_the_output_is_published_with_it(tmp_path):
 def test_no_message_claims_nothing_was_written_after_publishing(tmp_path, capsys, monkeypatch):
     from lora_merge.writers import staged_dir
 
-    real_replace = os.replace
+    real_link = os.link
 
-    def failing_replace(src, dst):
+    def failing_link(src, dst):
         if str(dst).endswith("report.json"):
             raise OSError(5, "Input/output error", str(dst))
-        return real_replace(src, dst)
+        return real_link(src, dst)
 
-    monkeypatch.setattr(staged_dir.os, "replace", failing_replace)
+    monkeypatch.setattr(staged_dir.os, "link", failing_link)
     out, report = tmp_path / "out", tmp_path / "report.json"
     line = run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report)], capsys,
                        "was published", "could not be moved into place")
@@ -497,3 +497,39 @@ def test_help_lists_every_subcommand(capsys):
     assert exc.value.code == 0
     for command in ("merge", "verify", "inspect", "export-adapter"):
         assert f"  {command} " in text
+
+
+def test_verify_report_never_replaces_a_file_it_reads_through_symlinks(tmp_path, capsys):
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    out = tmp_path / "out"
+    assert main(copied_args(root, out) + ["--no-progress"]) == 0
+    real = tmp_path / "real_iter"
+    (root / "lora" / "iter_0000010").rename(real)
+    (root / "lora" / "iter_0000010").symlink_to(real)
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    (out / "model.safetensors").rename(ext / "m.safetensors")
+    (out / "model.safetensors").symlink_to(ext / "m.safetensors")
+    before = tree_hashes(root, real, ext)
+    for target in (real / "mp_rank_00" / "model_optim_rng.pt", ext / "m.safetensors"):
+        for extra in ([], ["--hf-ref", str(root / "hf_ref")]):
+            run_failing(["verify", str(out), "--lora", str(root / "lora"), "--base", str(root / "base"),
+                         "--report", str(target), "--force", *extra], capsys, "the input")
+    assert tree_hashes(root, real, ext) == before
+
+
+def test_a_report_that_appears_during_the_run_is_not_replaced(tmp_path, capsys, monkeypatch):
+    from lora_merge import cli
+
+    report = tmp_path / "report.json"
+    real_copy = cli.copy_reference_files
+
+    def copy_then_someone_writes_the_report(*args):
+        report.write_text("precious")
+        return real_copy(*args)
+
+    monkeypatch.setattr(cli, "copy_reference_files", copy_then_someone_writes_the_report)
+    out = tmp_path / "out"
+    run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report)], capsys,
+                "appeared while this run was writing", "was published")
+    assert report.read_text() == "precious"

@@ -107,7 +107,9 @@ class StagedOutput:
             raise
         for tmp, final in self._side:
             try:
-                os.replace(tmp, final)
+                publish_file(tmp, final, self.force)
+            except MergeError as err:
+                raise MergeError(f"{err}; the output {self.out} was published") from err
             except OSError as err:
                 raise MergeError(f"{final}: the output {self.out} was published, but the report could not be "
                                  f"moved into place ({err.strerror}); it is at {tmp}") from err
@@ -140,6 +142,19 @@ class StagedOutput:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def publish_file(tmp: Path, final: Path, force: bool) -> None:
+    """Move a finished file into place; without --force never over a file that appeared meanwhile."""
+    if force:
+        os.replace(tmp, final)
+        return
+    try:
+        os.link(tmp, final)  # fails if `final` exists, atomically
+    except FileExistsError as err:
+        raise MergeError(f"{final}: appeared while this run was writing; it was left as it is (pass --force to "
+                         "replace it)") from err
+    os.unlink(tmp)
 
 
 # --- renameat2 ------------------------------------------------------------------------------------
