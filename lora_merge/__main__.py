@@ -1,5 +1,5 @@
 import sys
 
-from lora_merge.cli import main
+from lora_merge.entry import main
 
 sys.exit(main())

@@ -26,9 +26,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _raise(signum, frame):
+    ignore_signals()
+    raise Interrupted(signum)
+
+
+def ignore_signals() -> None:
+    """From here on the process finishes what it does (cleanup, or exiting after success) undisturbed."""
     for sig in HANDLED:
         signal.signal(sig, signal.SIG_IGN)
-    raise Interrupted(signum)
 
 
 @contextmanager
@@ -37,8 +42,9 @@ def signals_raise():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.getsignal(sig) for sig in HANDLED}
-    for sig in HANDLED:
+    # A signal ignored on entry (nohup ignores SIGHUP, a shell's background job SIGINT) stays ignored.
+    previous = {sig: signal.getsignal(sig) for sig in HANDLED if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in previous:
         signal.signal(sig, _raise)
     try:
         yield

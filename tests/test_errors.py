@@ -105,11 +105,11 @@ def test_existing_output_needs_force(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text("{}")  # an earlier output
-    (out / "keep").write_text("x")
+    (out / "keep.json").write_text("x")  # e.g. an old report
     run_failing(merge_args("tp2_fp32_filtered", out), capsys, "already exists", "--force")
-    assert (out / "keep").exists()
+    assert (out / "keep.json").exists()
     assert main(merge_args("tp2_fp32_filtered", out) + ["--force"]) == 0
-    assert not (out / "keep").exists() and (out / "model.safetensors").exists()
+    assert not (out / "keep.json").exists() and (out / "model.safetensors").exists()
 
 
 def test_malicious_rank_file_is_refused_before_anything_runs(tmp_path, capsys):

@@ -114,9 +114,14 @@ def test_force_never_replaces_a_directory_that_is_not_an_output(tmp_path, capsys
     mine = tmp_path / "project"
     mine.mkdir()
     (mine / "thesis.tex").write_text("weeks of work")
-    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys, "does not look like a model",
+    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys, "does not look like an output",
                 "not replacing it even with --force")
     assert (mine / "thesis.tex").read_text() == "weeks of work"
+    # A config.json does not make a project folder an output.
+    (mine / "config.json").write_text("{}")
+    (mine / "src").mkdir()
+    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys, "thesis.tex")
+    assert (mine / "thesis.tex").is_file() and (mine / "src").is_dir()
 
 
 def test_cleanup_of_killed_runs_never_removes_an_input(tmp_path, capsys):
@@ -533,3 +538,30 @@ def test_a_report_that_appears_during_the_run_is_not_replaced(tmp_path, capsys, 
     run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report)], capsys,
                 "appeared while this run was writing", "was published")
     assert report.read_text() == "precious"
+
+
+def test_a_signal_ignored_by_nohup_stays_ignored(synthetic, tmp_path):
+    out = tmp_path / "merged"
+    proc = subprocess.Popen(_merge_cmd(synthetic, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if list(tmp_path.glob(".merged.partial-*/model-*.safetensors")):
+            proc.send_signal(signal.SIGHUP)
+            break
+        time.sleep(0.002)
+    err = proc.communicate()[1]
+    assert proc.returncode == 0, err
+    assert (out / "model.safetensors.index.json").is_file()
+
+
+def test_a_signal_while_starting_is_one_line_too(synthetic, tmp_path):
+    out = tmp_path / "merged"
+    proc = subprocess.Popen(_merge_cmd(synthetic, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # importing torch
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate()[1]
+    assert proc.returncode == 143
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lora-merge: interrupted by SIGTERM"), err
+    assert_clean(out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -42,18 +43,29 @@ def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool 
         _check_replaceable(out)
     if not out.parent.is_dir():
         raise MergeError(f"{out.parent}: parent directory of the output does not exist")
+    if len(os.fsencode(_prefix(out.name))) + 24 > 255:
+        raise MergeError(f"{out}: the name is too long to stage the output next to it; choose a shorter name")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise MergeError(f"{out.parent}: the output's parent directory is not writable")
 
 
+# What an output of this tool holds: shards and index, configs and reports (*.json), the reference's
+# tokenizer, chat template and remote code. Anything else in a directory means it is someone's own.
+OUTPUT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|adapter_model\.safetensors|[^/]+\.json|[^/]+\.py|"
+                         r"merges\.txt|tokenizer\.model|chat_template\.jinja)$")
+
+
 def _check_replaceable(out: Path) -> None:
     try:
-        names = os.listdir(out)
+        entries = list(os.scandir(out))
     except OSError as exc:
         raise MergeError(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
-    if names and not any(name in names for name in OUTPUT_MARKERS):
-        raise MergeError(f"{out}: exists and does not look like a model or adapter directory (no config.json); "
-                         "not replacing it even with --force: remove it yourself if it is not needed")
+    names = {e.name for e in entries}
+    foreign = sorted(e.name for e in entries if not (e.is_file(follow_symlinks=False) and OUTPUT_FILE.match(e.name)))
+    if entries and (foreign or not any(name in names for name in OUTPUT_MARKERS)):
+        what = f"it holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}" if foreign else "no config.json"
+        raise MergeError(f"{out}: exists and does not look like an output of lora-merge ({what}); not replacing it "
+                         "even with --force: remove it yourself if it is not needed")
 
 
 def check_free_space(out: Path, needed: int) -> None:

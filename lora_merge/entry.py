@@ -1,0 +1,28 @@
+"""The `lora-merge` command. Signals are handled from the first instant — importing torch takes seconds,
+and Ctrl-C or SIGTERM then must give one line, not a traceback or a silent death — and ignored once the
+run has finished, so a signal arriving after a successful publish cannot turn it into a failure."""
+
+from __future__ import annotations
+
+import sys
+
+from lora_merge.interrupts import Interrupted, ignore_signals, signals_raise
+
+
+def main() -> int:
+    with signals_raise():
+        try:
+            from lora_merge.cli import main as run
+        except Interrupted as exc:
+            print(f"lora-merge: interrupted by {exc.name} while starting; no output was written", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print("lora-merge: interrupted while starting; no output was written", file=sys.stderr)
+            return 130
+        code = run()
+        ignore_signals()
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
