@@ -40,9 +40,10 @@ def check_records(refs) -> None:
                 record.check_crc()
 
 
-def check_replica(first, other, chunk_bytes: int = 16 << 20) -> None:
-    """Two files' copies of one tensor (each expert-parallel rank's file repeats the dense part) must be
-    identical; compared a block of rows at a time, pages handed back as it goes."""
+def check_replica(first, other, differs: str | None = None, chunk_bytes: int = 16 << 20) -> None:
+    """Two files' copies of one tensor (each expert-parallel rank's file repeats the dense part; an
+    unfiltered LoRA checkpoint repeats its base) must be identical; compared a block of rows at a time,
+    pages handed back as it goes. `differs`: the message if they are not."""
     if first.shape != other.shape or first.dtype != other.dtype:
         raise MergeError(f"{other.where}: shape {list(other.shape)} {other.dtype}, but its copy in {first.where} has "
                          f"{list(first.shape)} {first.dtype}")
@@ -52,8 +53,8 @@ def check_replica(first, other, chunk_bytes: int = 16 << 20) -> None:
     for start in range(0, rows, step):
         x, y = (a[start:start + step], b[start:start + step]) if a.dim() else (a, b)
         if not torch.equal(x, y):
-            raise MergeError(f"{other.where}: differs from its copy in {first.where}; the files of the expert-"
-                             "parallel ranks must hold the same dense weights")
+            raise MergeError(differs or f"{other.where}: differs from its copy in {first.where}; the files of the "
+                             "expert-parallel ranks must hold the same dense weights")
         for view, ref in ((x, first), (y, other)):
             if ref.mapped:
                 release_pages(view)
@@ -83,15 +84,15 @@ class RecordChecker:
                 with self._cond:
                     while not self._stopped and due > self._progress + LEAD_BYTES:
                         self._cond.wait()
-                for ref in [*refs, *(other for _, other in replicas)]:
+                for ref in [*refs, *(pair[1] for pair in replicas)]:
                     for record in ref.records():
                         if self._stopped:
                             return
                         if record.key not in seen:
                             seen.add(record.key)
                             record.check_crc(stop=lambda: self._stopped)
-                for first, other in replicas:
-                    check_replica(first, other)
+                for pair in replicas:
+                    check_replica(*pair)
         except BaseException as exc:  # handed to the merging thread
             self._error = exc
 

@@ -95,7 +95,13 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
         check_shards([s.shape for s in shards], rule.parallel, rule.global_shape(shape, [s.shape for s in shards]),
                      f"{megatron} ({shards[0].where})")
         if lora is not None and lora is not base and megatron in lora.params:
-            check_same_base(rule, megatron, shards, fitted_shards(lora, megatron, rule), shape, base, lora)
+            theirs = fitted_shards(lora, megatron, rule)
+            check_same_base(rule, megatron, shards, theirs, shape, base, lora)
+            if [(r.shape, r.dtype) for r in shards] == [(r.shape, r.dtype) for r in theirs]:
+                # split alike: every byte is compared while merging, not only the sampled rows
+                plan.replicas += [(mine, copy, f"{lora.path}: its own base weights differ from --base {base.path} "
+                                   f"({megatron}); give the base it was trained on, or omit --base")
+                                  for mine, copy in zip(shards, theirs)]
         task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, shards=shards, global_pieces=base.global_layout,
                     outputs=[PlannedTensor(hf_prefix + name, dims, dtype) for name, dims in rule.hf_shapes(shape).items()])
         if megatron.endswith(".weight") and task.lora_module in adapters:
@@ -214,8 +220,8 @@ def execute(plan: MergePlan, write, progress=None) -> None:
 
 def _crc_jobs(plan: MergePlan):
     replicas = {}
-    for first, other in plan.replicas:
-        replicas.setdefault(id(first), []).append((first, other))
+    for pair in plan.replicas:
+        replicas.setdefault(id(pair[0]), []).append(pair)
     due = 0
     for task in plan.tasks:
         refs = (task.lora.a + task.lora.b if task.lora is not None else []) + task.shards

@@ -565,3 +565,19 @@ def test_a_signal_while_starting_is_one_line_too(synthetic, tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lora-merge: interrupted by SIGTERM"), err
     assert_clean(out)
+
+
+def test_a_base_differing_from_the_unfiltered_lora_outside_the_sampled_rows_is_refused(tmp_path, capsys):
+    root = copy_fixture("pp2_fp32_unfiltered", tmp_path)
+    key = "decoder.layers.0.mlp.linear_fc2.weight"
+
+    def one_row(state):
+        if key in state["model"]:
+            state["model"][key] = state["model"][key].clone()
+            state["model"][key][1] += 0.5  # neither the first, middle nor last row
+
+    for f in rank_files(root / "base"):
+        rewrite(f, one_row)
+    out = tmp_path / "out"
+    run_failing(copied_args(root, out), capsys, "its own base weights differ from --base", key)
+    assert_clean(out)
