@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -157,6 +158,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier adapter) and --report if they exist")
+    p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with merge (no progress bar here)")
     _lora_options(p)
     return p
 
@@ -393,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
     opts = PARSERS[command]().parse_args(argv)
+    if getattr(opts, "out", None) is not None and command != "verify":
+        opts.out = Path(os.path.abspath(opts.out))  # `--out .` or `--out ..` name a directory, not a link
     PUBLISHED.clear()
     with signals_raise():
         try:

@@ -57,7 +57,7 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
     notes = []
     for option, given, stored, name in (("--lora-r", r, arg_r, "lora_r"), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
         if given is not None and stored is not None and _differs(given, stored):
-            notes.append(f"{option} {given:g} overrides args.{name}={stored} of the LoRA checkpoint")
+            notes.append(f"{option} {given!r} overrides args.{name}={stored!r} of the LoRA checkpoint")
     source = "command line" if (r is not None and alpha is not None) else (
         "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
     return LoraSettings(r=final_r, alpha=final_alpha, source=source, warnings=tuple(notes))

@@ -28,6 +28,8 @@ from lora_merge.pages import release_pages
 
 # Real pickles are a few MB even for a rank file with optimizer state (tensors are separate members).
 MAX_PICKLE_BYTES = 64 << 20
+# One member per tensor storage plus a few: a rank file of a 671B model at EP=16 has some thousands.
+MAX_MEMBERS = 200_000
 CRC_CHUNK_BYTES = 16 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
@@ -147,6 +149,10 @@ class TorchArchive:
     def _read_directory(self) -> dict[str, Record]:
         try:
             with open(self.file.path, "rb") as f:
+                end = zipfile._EndRecData(_FileSlice(f, self.offset, self.length))
+                if end and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:
+                    raise MergeError(f"{self.where}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members; "
+                                     f"a torch checkpoint holds one per tensor storage (refusing more than {MAX_MEMBERS})")
                 with zipfile.ZipFile(_FileSlice(f, self.offset, self.length)) as archive:
                     infos = archive.infolist()
                 return {info.filename: self._record(f, info) for info in infos}

@@ -468,7 +468,7 @@ def test_overrides_that_change_checkpoint_values_warn(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(merge_args("tp2_fp32_filtered", out) + ["--lora-alpha", "16", "--lora-r", "4"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["lora-merge: warning: --lora-alpha 16 overrides args.lora_alpha=12 of the LoRA checkpoint"]
+    assert err == ["lora-merge: warning: --lora-alpha 16.0 overrides args.lora_alpha=12 of the LoRA checkpoint"]
 
 
 @pytest.mark.parametrize("option,value,expected", [
@@ -580,4 +580,21 @@ def test_a_base_differing_from_the_unfiltered_lora_outside_the_sampled_rows_is_r
         rewrite(f, one_row)
     out = tmp_path / "out"
     run_failing(copied_args(root, out), capsys, "its own base weights differ from --base", key)
+    assert_clean(out)
+
+
+def test_a_report_named_like_an_output_file_is_refused_up_front(tmp_path, capsys):
+    out = tmp_path / "out"
+    for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+        run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(out / name), "--dry-run"], capsys,
+                    "writes a file of that name itself")
+    assert_clean(out)
+
+
+def test_an_archive_listing_absurdly_many_members_is_refused(tmp_path, capsys, monkeypatch):
+    from lora_merge import torch_archive
+
+    monkeypatch.setattr(torch_archive, "MAX_MEMBERS", 10)  # the real cap is 200000; the fixtures hold ~40
+    out = tmp_path / "out"
+    run_failing(merge_args("tp2_fp32_filtered", out), capsys, "members", "refusing more than 10")
     assert_clean(out)

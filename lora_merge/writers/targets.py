@@ -8,6 +8,7 @@ counts as where it leads. `--force` never overrides this: it only allows replaci
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from lora_merge.errors import MergeError
@@ -80,11 +81,20 @@ def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out:
             raise MergeError(f"{report}: already exists (pass --force to replace the report)")
     parent = _resolve(report).parent
     if inside_out:
+        if OUTPUT_NAME.match(report.name):
+            raise MergeError(f"{report}: the output writes a file of that name itself; name the report e.g. "
+                             "merge-report.json")
         return  # written into the staging directory, published with the output
     if not parent.is_dir():
         raise MergeError(f"{report}: the report's directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise MergeError(f"{report}: the report's directory {parent} is not writable")
+
+
+# Names the output may hold besides a report (shards, index, configs, tokenizer files).
+OUTPUT_NAME = re.compile(r"^(model.*\.safetensors(\.index\.json)?|adapter_model\.safetensors|(adapter_)?config\.json|"
+                         r"generation_config\.json|tokenizer.*|special_tokens_map\.json|vocab\.json|merges\.txt|"
+                         r"added_tokens\.json|chat_template\..*|preprocessor_config\.json|.*\.py|README\.md)$")
 
 
 def report_inside_output(report: Path | None, out: Path) -> bool:
