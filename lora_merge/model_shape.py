@@ -44,6 +44,9 @@ HF_DEFAULTS = {
     "mixtral": {**_COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": None,
                 "sliding_window": None, "max_position_embeddings": 131072, **MOE_DEFAULTS["mixtral"]},
 }
+CAUSAL_LM_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                   "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 # Which family a model type's attention and sliding-window fields follow.
 FAMILY = {"qwen2": "qwen", "qwen3": "qwen", "qwen2_moe": "qwen", "qwen3_moe": "qwen", "llama": "llama",
           "mistral": "mistral", "mixtral": "mistral"}
@@ -84,6 +87,10 @@ _HARMLESS = frozenset({
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
 })
+
+_BOOLEAN_SWITCHES = frozenset({"use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
+                               "is_decoder", "is_encoder_decoder", "tie_encoder_decoder", "output_router_logits",
+                               "use_bfloat16", "add_cross_attention"})
 
 # Keys transformers reads from a rope_scaling / rope_parameters dict (4.x and 5.x).
 _ROPE_KEYS = frozenset({
@@ -241,6 +248,21 @@ def _check_known_fields(cfg: dict, model_type: str, path: Path) -> None:
         if key not in known:
             raise MergeError(f"{path}: unknown field {key!r} for {model_type}; it may change what the model computes "
                              "(remove it if it does not)")
+    # Harmless to the weights, but transformers 5 refuses a config whose switches are not booleans, and a
+    # special token outside the vocabulary names no token.
+    for key in _BOOLEAN_SWITCHES & cfg.keys():
+        if not isinstance(cfg[key], bool):
+            raise MergeError(f"{path}: {key!r} must be true or false, found {cfg[key]!r}")
+    vocab = cfg.get("vocab_size")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id") & cfg.keys():
+        ids = cfg[key] if isinstance(cfg[key], list) else [cfg[key]]
+        for token in ids:
+            if token is None and not isinstance(cfg[key], list):
+                continue
+            if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0) or \
+                    (isinstance(vocab, int) and token >= vocab):
+                raise MergeError(f"{path}: {key}={cfg[key]!r}; expected token ids in 0..{vocab if isinstance(vocab, int) else '?'}"
+                                 f"{'' if not isinstance(vocab, int) else ' (vocab_size)'} or null")
 
 
 class _Fields:
@@ -367,6 +389,10 @@ def _check_layer_types(fields: _Fields, model_type: str, path: Path) -> None:
         return
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise fields._bad("layer_types", "a list of strings or null")
+    layers = fields.cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and len(types) != layers:
+        raise MergeError(f"{path}: layer_types has {len(types)} entries for num_hidden_layers={layers}; transformers "
+                         "refuses such a config")
     for i, kind in enumerate(types):
         if kind != "full_attention":
             raise MergeError(f"{path}: layer_types[{i}]={kind!r}: {_NO_SWA} (expected only 'full_attention')")
@@ -392,10 +418,11 @@ def _check_architectures(fields: _Fields, model_type: str, path: Path) -> None:
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise fields._bad("architectures", "a list of class names or null")
     # Loaders such as vLLM pick the model class from here; the merged weights are a causal LM's.
+    expected = CAUSAL_LM_CLASS[model_type]
     for name in names:
-        if not name.endswith("ForCausalLM"):
-            raise MergeError(f"{path}: architectures names {name!r}; the merged weights are a causal LM's "
-                             "(expected a *ForCausalLM class)")
+        if name != expected:
+            raise MergeError(f"{path}: architectures names {name!r}; a {model_type} causal LM is {expected!r} "
+                             "(loaders such as vLLM pick the model class from this field)")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 
 def write_config(tmp_path: Path, config, name: str = "hf") -> Path:
+    from lora_merge.model_shape import CAUSAL_LM_CLASS
+
+    if isinstance(config, dict) and config.get("architectures") == ["Qwen2ForCausalLM"] and \
+            config.get("model_type") in CAUSAL_LM_CLASS:  # tests that change model_type mean the matching class
+        config = {**config, "architectures": [CAUSAL_LM_CLASS[config["model_type"]]]}
     hf = tmp_path / name
     hf.mkdir(exist_ok=True)
     (hf / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
@@ -644,3 +649,13 @@ def test_vocab_size_against_the_tokenizer(tmp_path):
         read_hf_config(hf)
     write_tokenizer(hf, {"model": {"vocab": {"a": 0}}, "added_tokens": [{"id": 249}]})
     assert read_hf_config(hf)[0].tokenizer_vocab == 250
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"architectures": ["LlamaForCausalLM"]}, ("'LlamaForCausalLM'", "'Qwen2ForCausalLM'")),
+    ({"use_cache": "yes"}, ("'use_cache' must be true or false",)),
+    ({"layer_types": ["full_attention"] * 2}, ("layer_types has 2 entries", "num_hidden_layers=4")),
+    ({"bos_token_id": 300}, ("bos_token_id=300", "vocab_size")),
+])
+def test_configs_transformers_would_refuse_or_misread_are_refused(tmp_path, changes, words):
+    refused(tmp_path, *words, config={**SMALL_QWEN2, **changes})
