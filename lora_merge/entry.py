@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from lora_merge.interrupts import Interrupted, ignore_signals, signals_raise
+from lora_merge.interrupts import RECEIVED, Interrupted, ignore_signals, signals_raise
 
 
 def main() -> int:
@@ -19,6 +19,10 @@ def main() -> int:
         except KeyboardInterrupt:
             print("lora-merge: interrupted while starting; no output was written", file=sys.stderr)
             return 130
+        if RECEIVED:  # raised inside an import that swallowed it
+            exc = Interrupted(RECEIVED[0])
+            print(f"lora-merge: interrupted by {exc.name} while starting; no output was written", file=sys.stderr)
+            return exc.exit_code
         code = run()
         ignore_signals()
         return code

@@ -25,8 +25,14 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum  # what a shell reports for a process killed by the signal
 
 
+# Signals received: library code may swallow the exception (a bare `except:` while torch imports), so the
+# caller also checks this.
+RECEIVED: list[int] = []
+
+
 def _raise(signum, frame):
     ignore_signals()
+    RECEIVED.append(signum)
     raise Interrupted(signum)
 
 
