@@ -95,7 +95,3 @@ def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out:
 OUTPUT_NAME = re.compile(r"^(model.*\.safetensors(\.index\.json)?|adapter_model\.safetensors|(adapter_)?config\.json|"
                          r"generation_config\.json|tokenizer.*|special_tokens_map\.json|vocab\.json|merges\.txt|"
                          r"added_tokens\.json|chat_template\..*|preprocessor_config\.json|.*\.py|README\.md)$")
-
-
-def report_inside_output(report: Path | None, out: Path) -> bool:
-    return report is not None and _resolve(report).parent == _resolve(out)
