@@ -278,7 +278,9 @@ def test_publishing_never_replaces_a_directory_that_appeared(tmp_path):
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
 def test_signals_remove_the_staging_dir(synthetic, tmp_path, sig, code):
     out = tmp_path / "merged"
-    proc = subprocess.Popen(_merge_cmd(synthetic, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The child must not inherit an ignored signal (CI started under nohup ignores SIGHUP; the tool respects that).
+    proc = subprocess.Popen(_merge_cmd(synthetic, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if list(tmp_path.glob(".merged.partial-*/model-*.safetensors")):
@@ -557,7 +559,8 @@ def test_a_signal_ignored_by_nohup_stays_ignored(synthetic, tmp_path):
 
 def test_a_signal_while_starting_is_one_line_too(synthetic, tmp_path):
     out = tmp_path / "merged"
-    proc = subprocess.Popen(_merge_cmd(synthetic, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_merge_cmd(synthetic, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     time.sleep(0.3)  # importing torch
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate()[1]
