@@ -44,7 +44,7 @@ def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, set
             continue
         factors = remaining.pop(module)
         check_factor_shapes(rule, factors, shape, settings.r, module)
-        check_records(factors.a + factors.b)
+        check_records(factors.refs)
         for hf_name, (b, a) in hf_factors(rule, factors, shape, module).items():
             key = PEFT_PREFIX + prefix + hf_name.removesuffix(".weight")
             for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b)):

@@ -106,6 +106,9 @@ def single(t: torch.Tensor) -> list[RowBlock]:
     return [RowBlock((t,))]
 
 
+SPLIT_DIM = {"column": 0, "row": 1}  # the dimension each kind of parallel layer splits
+
+
 # --- rules ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class Rule:
     aliases: tuple[str, ...] = ()  # other names of the same parameter (TransformerEngine spec, torch_dist)
     layers: str = "all"  # in which decoder layers: "all", "dense" (plain MLP) or "moe" (routed experts)
     parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)
+
+    @property
+    def split_dim(self) -> int | None:
+        return SPLIT_DIM.get(self.parallel)
 
     @property
     def per_expert(self) -> bool:
@@ -156,7 +163,7 @@ class Rule:
 
 
 def expected_shard_shape(parallel: str, global_shape: tuple[int, ...], tp: int, where: str) -> tuple[int, ...]:
-    split_dim = {"column": 0, "row": 1}.get(parallel)
+    split_dim = SPLIT_DIM.get(parallel)
     if split_dim is None:
         return global_shape
     if global_shape[split_dim] % tp:

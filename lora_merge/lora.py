@@ -78,7 +78,7 @@ def _differs(given, stored) -> bool:
 
 def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int, module: str) -> None:
     out_dim, in_dim = rule.global_shape(shape)
-    a_shapes, b_shapes = [ref.shape for ref in lora.a], [ref.shape for ref in lora.b]
+    a_shapes, b_shapes = lora.a.shapes, lora.b.shapes
     if len(a_shapes[0]) != 2 or len(b_shapes[0]) != 2:
         raise MergeError(f"{lora.a[0].where}: lora_A/lora_B of {module} must be matrices, "
                          f"found shapes {list(a_shapes[0])} and {list(b_shapes[0])}")

@@ -1,5 +1,8 @@
 """The merge itself: plan every output tensor from the layout table (checking every shape before any
-data is read), then stream: read shards → un-shard → apply LoRA → HF names → writer."""
+data is read), then stream: read pieces → un-shard → apply LoRA → HF names → writer.
+
+A task is one Megatron parameter, from however many pieces (rank files, torch_dist chunks, a singleton
+save's weight_w and weight_v), becoming however many HF tensors its rule names."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.layout import Rule, Skip, check_shards
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
 from lora_merge.model_shape import ModelShape
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, TensorRef, joined_ref, release_pages
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces, release_pages
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
 
@@ -26,10 +29,9 @@ class Task:
     rule: Rule
     megatron: str
     hf_prefix: str
-    shards: list[TensorRef]
+    pieces: Pieces
     outputs: list[PlannedTensor]
     lora: LoraModule | None = None
-    global_pieces: bool = False  # shards are pieces of the global tensor (torch_dist), not TP ranks
 
     @property
     def lora_module(self) -> str:
@@ -91,18 +93,17 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
             raise MergeError(f"{base.path}: missing {names[0]}, which a {shape.model_type} model with this "
                              "config needs")
         unclaimed.discard(megatron)
-        shards = fitted_shards(base, megatron, rule)
-        check_shards([s.shape for s in shards], rule.parallel, rule.global_shape(shape, [s.shape for s in shards]),
-                     f"{megatron} ({shards[0].where})")
+        pieces = fitted_pieces(base, megatron, rule)
+        check_shards(pieces.shapes, rule.parallel, rule.global_shape(shape, pieces.shapes), f"{megatron} ({pieces[0].where})")
         if lora is not None and lora is not base and megatron in lora.params:
-            theirs = fitted_shards(lora, megatron, rule)
-            check_same_base(rule, megatron, shards, theirs, shape, base, lora)
-            if [(r.shape, r.dtype) for r in shards] == [(r.shape, r.dtype) for r in theirs]:
+            theirs = fitted_pieces(lora, megatron, rule)
+            check_same_base(rule, megatron, pieces, theirs, shape, base, lora)
+            if [(r.shape, r.dtype) for r in pieces] == [(r.shape, r.dtype) for r in theirs]:
                 # split alike: every byte is compared while merging, not only the sampled rows
                 plan.replicas += [(mine, copy, f"{lora.path}: its own base weights differ from --base {base.path} "
                                    f"({megatron}); give the base it was trained on, or omit --base")
-                                  for mine, copy in zip(shards, theirs)]
-        task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, shards=shards, global_pieces=base.global_layout,
+                                  for mine, copy in zip(pieces, theirs)]
+        task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, pieces=pieces,
                     outputs=[PlannedTensor(hf_prefix + name, dims, dtype) for name, dims in rule.hf_shapes(shape).items()])
         if megatron.endswith(".weight") and task.lora_module in adapters:
             task.lora = adapters.pop(task.lora_module)
@@ -119,19 +120,12 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
     return plan
 
 
-def fitted_shards(ckpt: Checkpoint, name: str, rule: Rule) -> list[TensorRef]:
-    """The shards a rule gets. Global-layout pieces serve as they are when they are cut along the dimension
-    the rule splits (rows for column-parallel, columns for row-parallel); otherwise they are joined."""
-    refs = ckpt.params[name]
-    if not ckpt.global_layout or len(refs) == 1:
-        return refs
-    dim = ckpt.split_dims.get(name)
-    if dim == {"column": 0, "row": 1}.get(rule.parallel):
-        return refs
-    return [joined_ref(refs, dim)]
+def fitted_pieces(ckpt: Checkpoint, name: str, rule: Rule) -> Pieces:
+    """The pieces of parameter `name` as `rule` can use them (see `Pieces.fitted`)."""
+    return ckpt.params[name].fitted(rule.split_dim)
 
 
-def check_same_base(rule: Rule, name: str, base_refs: list[TensorRef], lora_refs: list[TensorRef], shape: ModelShape,
+def check_same_base(rule: Rule, name: str, base_refs: Pieces, lora_refs: Pieces, shape: ModelShape,
                     base: Checkpoint, lora: Checkpoint) -> None:
     """An unfiltered LoRA checkpoint carries the base it was trained on; a --base with other weights would
     give a model nobody trained. The first, middle and last rows of every HF tensor are compared in HF
@@ -140,12 +134,12 @@ def check_same_base(rule: Rule, name: str, base_refs: list[TensorRef], lora_refs
                         "trained on another base; give the base it was trained on, or omit --base to use the LoRA "
                         "checkpoint's own")
     try:
-        check_shards([r.shape for r in lora_refs], rule.parallel, rule.global_shape(shape, [r.shape for r in lora_refs]),
+        check_shards(lora_refs.shapes, rule.parallel, rule.global_shape(shape, lora_refs.shapes),
                      f"{name} ({lora_refs[0].where})")
     except MergeError as exc:
         raise differ from exc
-    mine = rule.hf_blocks([r.load() for r in base_refs], shape, name, base.global_layout)
-    theirs = rule.hf_blocks([r.load() for r in lora_refs], shape, name, lora.global_layout)
+    mine = rule.hf_blocks([r.load() for r in base_refs], shape, name, base_refs.is_global)
+    theirs = rule.hf_blocks([r.load() for r in lora_refs], shape, name, lora_refs.is_global)
     for hf_name, blocks in mine.items():
         rows = sum(b.rows for b in blocks)
         for i in sorted({0, rows // 2, rows - 1}):
@@ -153,7 +147,7 @@ def check_same_base(rule: Rule, name: str, base_refs: list[TensorRef], lora_refs
             common = a.dtype if a.dtype.itemsize <= b.dtype.itemsize else b.dtype
             if a.shape != b.shape or not torch.equal(a.to(common), b.to(common)):
                 raise differ
-    for ref in base_refs + lora_refs:
+    for ref in base_refs.refs + lora_refs.refs:
         ref.release()
 
 
@@ -167,7 +161,7 @@ def _row(blocks, i: int) -> torch.Tensor:
 
 def check_copy(copy, original, name: str, original_name: str) -> None:
     """A tensor skipped as a copy of another must look like one (same shards, same first and last rows)."""
-    if original is None or [r.shape for r in copy] != [r.shape for r in original]:
+    if original is None or copy.shapes != original.shapes:
         raise MergeError(f"{copy[0].where}: {name} should be a copy of {original_name}, but their shapes differ")
     for mine, theirs in zip(copy, original):
         a, b = mine.load(), theirs.load()
@@ -211,7 +205,7 @@ def execute(plan: MergePlan, write, progress=None) -> None:
         due = 0
         for task in plan.tasks:
             checker.advance(due)
-            due += sum(ref.nbytes for ref in task.shards)
+            due += sum(ref.nbytes for ref in task.pieces)
             _execute_task(plan, task, write, progress)
         checker.finish()
     finally:
@@ -224,30 +218,26 @@ def _crc_jobs(plan: MergePlan):
         replicas.setdefault(id(pair[0]), []).append(pair)
     due = 0
     for task in plan.tasks:
-        refs = (task.lora.a + task.lora.b if task.lora is not None else []) + task.shards
+        refs = (task.lora.refs if task.lora is not None else ()) + task.pieces.refs
         yield due, refs, [pair for ref in refs for pair in replicas.pop(id(ref), [])]
-        due += sum(ref.nbytes for ref in task.shards)
+        due += sum(ref.nbytes for ref in task.pieces)
     yield due, [], [pair for pairs in replicas.values() for pair in pairs]  # copies of skipped tensors
 
 
 def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:
     shape = plan.shape
-    where = f"{task.megatron} ({task.shards[0].where})"
-    mapped = all(ref.mapped for ref in task.shards)
-    blocks = task.rule.hf_blocks([ref.load() for ref in task.shards], shape, where, task.global_pieces)
+    where = f"{task.megatron} ({task.pieces[0].where})"
+    blocks = task.rule.hf_blocks([ref.load() for ref in task.pieces], shape, where, task.pieces.is_global)
     factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
     for planned in task.outputs:
         name = planned.name[len(task.hf_prefix):]
-        for piece, then in _pieces(blocks[name], factors.get(name), plan, planned.name, mapped):
+        for piece, then in _pieces(blocks[name], factors.get(name), plan, planned.name, task.pieces.mapped):
             write(planned.name, piece, then)
             if progress is not None:
                 progress(piece.nbytes)
     del blocks
-    for ref in task.shards:  # replicated copies on other ranks, and the LoRA factors' pages
-        ref.release()
-    if task.lora is not None:
-        for ref in task.lora.a + task.lora.b:
-            ref.release()
+    for ref in task.pieces.refs + (task.lora.refs if task.lora is not None else ()):
+        ref.release()  # replicated copies on other ranks, and the LoRA factors' pages
 
 
 def _release_all(views) -> None:

@@ -30,7 +30,7 @@ from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.layout import RowBlock, Skip
 from lora_merge.lora import LoraSettings, hf_factors
-from lora_merge.merge import fitted_shards
+from lora_merge.merge import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
@@ -349,9 +349,9 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             factors = hf_factors(rule, lora.lora[module], shape, module)
         megatron_blocks = None
         if not ref and base is not None and megatron in base.params:
-            refs = fitted_shards(base, megatron, rule)
-            blocks = rule.hf_blocks([r.load() for r in refs], shape, megatron, base.global_layout)
-            megatron_blocks = {n: _BlockRows(b, all(r.mapped for r in refs)) for n, b in blocks.items()}
+            pieces = fitted_pieces(base, megatron, rule)
+            blocks = rule.hf_blocks([r.load() for r in pieces], shape, megatron, pieces.is_global)
+            megatron_blocks = {n: _BlockRows(b, pieces.mapped) for n, b in blocks.items()}
         for name, dims in rule.hf_shapes(shape).items():
             full = prefix + name
             expected_names.add(full)

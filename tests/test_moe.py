@@ -117,3 +117,30 @@ def test_export_adapter_refuses_expert_lora(tmp_path, capsys):
     root = MOE / "qwen3moe_ep2"
     _failing(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
               str(tmp_path / "adapter")], capsys, "routed experts", "merge it instead")
+
+
+def test_every_parameter_says_how_it_was_split():
+    """Both formats describe a parameter's pieces alike: the group that split them and, for torch_dist's
+    global slices, the dimension; LoRA factors too."""
+    from lora_merge.readers import open_checkpoint as read_checkpoint
+    from lora_merge.readers.checkpoint import EXPERT_TP, GLOBAL, TP
+
+    legacy = read_checkpoint(MOE / "qwen2moe_tp2ep2" / "base")
+    expert = legacy.params["decoder.layers.1.mlp.experts.3.linear_fc2.weight"]
+    dense = legacy.params["decoder.layers.0.self_attention.linear_proj.weight"]
+    assert (expert.group, len(expert)) == (EXPERT_TP, legacy.experts.etp)
+    assert (dense.group, len(dense)) == (TP, 2) and dense.dim is None
+    adapters = read_checkpoint(MOE / "qwen2moe_tp2ep2" / "lora").lora
+    assert {(m.a.group, len(m.b)) for name, m in adapters.items() if ".experts." in name} == {(EXPERT_TP, 2)}
+
+    dist = read_checkpoint(MOE / "qwen3moe_dist_ep2" / "base")
+    assert {p.group for p in dist.params.values()} == {GLOBAL}
+    fc2 = dist.params["decoder.layers.0.mlp.experts.1.linear_fc2.weight"]
+    assert fc2.dim in (None, 0, 1)
+    # a rule splitting along another dimension gets one joined piece, never mislabelled slices
+    for pieces in dist.params.values():
+        if len(pieces) > 1:
+            other = 1 - pieces.dim
+            joined = pieces.fitted(other)
+            assert len(joined) == 1 and torch.equal(joined[0].load(), torch.cat([r.load() for r in pieces], pieces.dim))
+            assert pieces.fitted(pieces.dim) is pieces

@@ -1,8 +1,10 @@
-"""What every reader produces: a checkpoint's parameters by global Megatron name, still TP-sharded.
+"""What every reader produces: a checkpoint's parameters by global Megatron name, each as the pieces it
+was saved in (`Pieces`), described the same way whatever the format.
 
-Names use HF layer numbers (`decoder.layers.{i}.…`, pipeline stages resolved) and drop PEFT's
-`.base_layer`, so a base checkpoint and an unfiltered LoRA checkpoint name base weights alike. LoRA
-weights are grouped by the module they adapt. Tensors are references: nothing is read until `load()`.
+Names use HF layer numbers (`decoder.layers.{i}.…`, pipeline stages resolved) and global expert numbers
+(`….mlp.experts.{e}.…`, see `experts.py`), and drop PEFT's `.base_layer`, so a base checkpoint and an
+unfiltered LoRA checkpoint name base weights alike. LoRA weights are grouped by the module they adapt.
+Tensors are references: nothing is read until `load()`.
 """
 
 from __future__ import annotations
@@ -68,13 +70,65 @@ def joined_ref(refs: list[TensorRef], dim: int | None) -> TensorRef:
                      loader=load, records=lambda: tuple(rec for r in refs for rec in r.records()))
 
 
-Shards = list  # list[TensorRef], one per tensor-parallel rank
+# What split a parameter into its pieces.
+TP = "TP"  # one piece per tensor-parallel rank, in rank order, each in that rank's own layout
+EXPERT_TP = "expert TP"  # the same over the expert-tensor-parallel ranks (ETP = 1 or TP)
+GLOBAL = "global"  # consecutive slices of the global tensor along `dim`, as torch_dist saves them
+# Expert parallelism never splits a parameter: it decides which file holds an expert, and each expert
+# is its own parameter under its global number. Replicated parameters are rank pieces that must agree;
+# which it is, and how a rank lays out its share of a fused tensor, is the layout rule's business.
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One parameter as stored: its pieces, the group that split it and, for global slices, along which
+    dimension. Rank pieces are in each rank's own layout (a TP rank's fused gate/up holds its gate rows
+    then its up rows), which is not always a slice of the global tensor; global slices always are."""
+
+    refs: tuple[TensorRef, ...]
+    group: str = TP
+    dim: int | None = None  # GLOBAL only: the dimension the slices are cut along (None: a single piece)
+
+    def __post_init__(self):
+        object.__setattr__(self, "refs", tuple(self.refs))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __iter__(self):
+        return iter(self.refs)
+
+    def __getitem__(self, i: int) -> TensorRef:
+        return self.refs[i]
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [r.shape for r in self.refs]
+
+    @property
+    def is_global(self) -> bool:
+        return self.group == GLOBAL
+
+    @property
+    def mapped(self) -> bool:
+        return all(r.mapped for r in self.refs)
+
+    def fitted(self, split_dim: int | None) -> "Pieces":
+        """These pieces as a rule that splits along `split_dim` (0 column, 1 row, None replicated) can use
+        them: rank pieces always; global slices as they are when cut along that dimension, else joined."""
+        if not self.is_global or len(self.refs) == 1 or self.dim == split_dim:
+            return self
+        return Pieces((joined_ref(list(self.refs), self.dim),), GLOBAL)
 
 
 @dataclass
 class LoraModule:
-    a: Shards
-    b: Shards
+    a: Pieces
+    b: Pieces
+
+    @property
+    def refs(self) -> tuple[TensorRef, ...]:
+        return self.a.refs + self.b.refs
 
 
 @dataclass
@@ -86,7 +140,7 @@ class Checkpoint:
     tp: int
     pp: int
     vpp: int
-    params: dict[str, Shards] = field(default_factory=dict)
+    params: dict[str, Pieces] = field(default_factory=dict)
     lora: dict[str, LoraModule] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)  # reason -> number of entries deliberately not used
     adapter_name: str | None = None
@@ -94,20 +148,16 @@ class Checkpoint:
     files: list = field(default_factory=list)  # (file, tensors, bytes) for each file read
     sources: list = field(default_factory=list)  # every file and directory read below `path`
     note: str = ""  # anything else a user should know about the layout
-    # torch_dist: params hold pieces of the *global* (TP=1) tensor instead of per-rank shards, cut along
-    # split_dims[name] (0 or 1; None for a single piece).
-    global_layout: bool = False
-    split_dims: dict = field(default_factory=dict)
     experts: object = None  # experts.ExpertLayout of a Mixture-of-Experts checkpoint, else None
     # (first, other) copies of a tensor that several files hold (each expert-parallel rank's file repeats
     # the dense part); checked equal when the merge reads them.
     replicas: list = field(default_factory=list)
 
-    def shards_of(self, name: str) -> int:
-        """How many tensor-parallel shards parameter `name` is saved in."""
-        if self.global_layout:
-            return 1
-        return self.experts.etp if self.experts is not None and is_expert_name(name) else self.tp
+    def rank_group(self, name: str) -> tuple[str, int]:
+        """(group, size) of the ranks a per-rank checkpoint splits parameter `name` over."""
+        if self.experts is not None and is_expert_name(name):
+            return EXPERT_TP, self.experts.etp
+        return TP, self.tp
 
     def describe(self) -> str:
         parts = self.note or (f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else ""))
@@ -153,7 +203,8 @@ class LoraCollector:
         slot[rank] = (ref, copy)
         return True
 
-    def finish(self, ckpt: "Checkpoint") -> None:
+    def finish(self, ckpt: "Checkpoint", group_of: Callable[[str], tuple[str, int]]) -> None:
+        """`group_of(module)`: the (group, size) its factors are split over (`GLOBAL`, 1 when whole)."""
         if len(self.adapters) > 1:
             raise MergeError(f"{self.where}: several LoRA adapters ({', '.join(sorted(self.adapters))}); expected one")
         ckpt.adapter_name = next(iter(self.adapters), None)
@@ -162,14 +213,17 @@ class LoraCollector:
             if not a or not b:
                 have, lack = ("lora_A", "lora_B") if a else ("lora_B", "lora_A")
                 raise MergeError(f"{self.where}: {module} has {have} but no {lack}")
-            tp = ckpt.shards_of(module)
-            ckpt.lora[module] = LoraModule(a=all_ranks(f"{module}.lora_A", {r: x for r, (x, _) in a.items()}, tp, self.where),
-                                           b=all_ranks(f"{module}.lora_B", {r: x for r, (x, _) in b.items()}, tp, self.where))
+            group = group_of(module)
+            ckpt.lora[module] = LoraModule(
+                a=all_ranks(f"{module}.lora_A", {r: x for r, (x, _) in a.items()}, group, self.where),
+                b=all_ranks(f"{module}.lora_B", {r: x for r, (x, _) in b.items()}, group, self.where))
         ckpt.replicas += self.replicas
 
 
-def all_ranks(name: str, by_rank: dict[int, TensorRef], tp: int, where) -> list[TensorRef]:
-    missing = [t for t in range(tp) if t not in by_rank]
+def all_ranks(name: str, by_rank: dict[int, TensorRef], group: tuple[str, int], where) -> Pieces:
+    """The pieces of every rank of `group` (kind, size); each must be present."""
+    kind, size = group
+    missing = [t for t in range(size) if t not in by_rank]
     if missing:
-        raise MergeError(f"{where}: {name} is missing on TP rank(s) {missing} (present on {sorted(by_rank)})")
-    return [by_rank[t] for t in range(tp)]
+        raise MergeError(f"{where}: {name} is missing on {kind} rank(s) {missing} (present on {sorted(by_rank)})")
+    return Pieces(tuple(by_rank[t] for t in range(size)), kind)

@@ -182,9 +182,9 @@ def read_legacy(path: Path) -> Checkpoint:
                     _place(ckpt, slots[name.replace(".base_layer.", ".")], shard, copy, ref)
 
     ckpt.vpp = vpp
-    ckpt.params = {name: all_ranks(name, {r: ref for r, (ref, _) in by_rank.items()}, ckpt.shards_of(name), it_dir)
+    ckpt.params = {name: all_ranks(name, {r: ref for r, (ref, _) in by_rank.items()}, ckpt.rank_group(name), it_dir)
                    for name, by_rank in slots.items()}
-    lora.finish(ckpt)
+    lora.finish(ckpt, ckpt.rank_group)
     ckpt.numbering = numbering
     return ckpt
 

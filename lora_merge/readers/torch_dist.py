@@ -27,7 +27,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import numbering_from_args
-from lora_merge.readers.checkpoint import Checkpoint, LoraCollector, TensorRef, joined_ref, release_pages
+from lora_merge.readers.checkpoint import GLOBAL, Checkpoint, LoraCollector, Pieces, TensorRef, joined_ref, release_pages
 from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, Record, TorchArchive
@@ -196,8 +196,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1,
-                      global_layout=True)
+    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
     ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
     ckpt.numbering = numbering_from_args(args, pp, vpp)
     ckpt.experts = expert_layout(args, tp, str(it_dir))  # informational: tensors are global (one shard each)
@@ -237,8 +236,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
         name = name.replace(".base_layer.", ".")
         if name in ckpt.params:
             raise MergeError(f"{where}: parameter stored twice")
-        ckpt.params[name] = refs
-        ckpt.split_dims[name] = dim
+        ckpt.params[name] = Pieces(refs, GLOBAL, dim)
 
     for key, info in sorted(entries.items()):
         if key.startswith(SKIPPED_PREFIXES) or key.endswith("_extra_state") or "._extra_state" in key:
@@ -272,7 +270,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
             emit(name, where, info["shape"], chunks)
 
     _join_singleton_fc1(ckpt)
-    lora.finish(ckpt)
+    lora.finish(ckpt, lambda module: (GLOBAL, 1))
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
     ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt",
                     *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
@@ -326,14 +324,9 @@ def _join_singleton_fc1(ckpt: Checkpoint) -> None:
             raise MergeError(f"{ckpt.params[name][0].where}: {name} without its {other}")
         if base in ckpt.params:
             raise MergeError(f"{ckpt.params[name][0].where}: {base} stored both whole and as weight_w/weight_v")
-        w, v = ckpt.params.pop(name), ckpt.params.pop(other)
-        w_dim, v_dim = ckpt.split_dims.pop(name), ckpt.split_dims.pop(other)
-        if w_dim not in (0, None):  # cut across rows: only whole rows can be stacked as pieces
-            w = [joined_ref(w, w_dim)]
-        if v_dim not in (0, None):
-            v = [joined_ref(v, v_dim)]
-        ckpt.params[base] = w + v
-        ckpt.split_dims[base] = 0
+        # cut across rows: only whole rows can be stacked as pieces
+        w, v = ckpt.params.pop(name).fitted(0), ckpt.params.pop(other).fitted(0)
+        ckpt.params[base] = Pieces(w.refs + v.refs, GLOBAL, 0)
 
 
 def _common_args(it_dir: Path, entries: dict, storage: dict):
