@@ -12,12 +12,15 @@ their rows laid out alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite
-from lora_merge.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from lora_merge.model_shape import ModelShape
 
 
 def named_dims(shape: ModelShape) -> dict[str, int]:

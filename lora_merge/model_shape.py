@@ -4,8 +4,9 @@ the Megatron args, so that a mismatch stops the merge instead of producing a wro
 Every top-level key of config.json is either read and checked here, or known not to change what the
 model computes; anything else is refused, because a key transformers reads that we ignore could make the
 published model compute something other than what was trained. A key that is absent takes the value
-transformers' own config class would give it (HF_DEFAULTS), so the checks compare against what the HF
-model will actually use.
+transformers' own config class would give it (the architecture module's `HfConfig.defaults`), so the
+checks compare against what the HF model will actually use. What differs between model types (defaults,
+their own keys, biases, q/k norms, experts) is declared by each architecture module.
 """
 
 from __future__ import annotations
@@ -17,39 +18,22 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import noop_layers
-from lora_merge.moe_shape import MOE_CONFIG_KEYS, MOE_DEFAULTS, TRAINING_ONLY_KEYS, MoeShape, check_moe_args, read_moe
+from lora_merge.moe_shape import MoeShape, check_moe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# What each transformers config class uses when config.json leaves a key out (same in 4.x and 5.x;
-# tests/test_config_checks.py compares it with the installed classes). None: computed from other keys
-# (num_key_value_heads → num_attention_heads, head_dim → hidden_size / num_attention_heads).
-_COMMON_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
-                    "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0}
-HF_DEFAULTS = {
-    "qwen2": {**_COMMON_DEFAULTS, "num_key_value_heads": 32, "head_dim": None, "use_sliding_window": False,
-              "max_position_embeddings": 32768},
-    "qwen3": {**_COMMON_DEFAULTS, "num_key_value_heads": 32, "head_dim": 128, "use_sliding_window": False,
-              "max_position_embeddings": 32768},
-    "llama": {**_COMMON_DEFAULTS, "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
-    # MistralConfig turns sliding-window attention on (4096) unless the config says null.
-    "mistral": {**_COMMON_DEFAULTS, "num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096,
-                "max_position_embeddings": 131072},
-    "qwen3_moe": {**_COMMON_DEFAULTS, "num_key_value_heads": 4, "head_dim": None, "use_sliding_window": False,
-                  "max_position_embeddings": 32768, **MOE_DEFAULTS["qwen3_moe"]},
-    "qwen2_moe": {**_COMMON_DEFAULTS, "num_key_value_heads": 16, "head_dim": None, "use_sliding_window": False,
-                  "max_position_embeddings": 32768, **MOE_DEFAULTS["qwen2_moe"]},
-    "mixtral": {**_COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": None,
-                "sliding_window": None, "max_position_embeddings": 131072, **MOE_DEFAULTS["mixtral"]},
-}
-CAUSAL_LM_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                   "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-# Which family a model type's attention and sliding-window fields follow.
-FAMILY = {"qwen2": "qwen", "qwen3": "qwen", "qwen2_moe": "qwen", "qwen3_moe": "qwen", "llama": "llama",
-          "mistral": "mistral", "mixtral": "mistral"}
+def _config_of(model_type: str) -> HfConfig | None:
+    """The architecture module's HfConfig for a model type (None if unsupported)."""
+    arch = ARCHITECTURES.get(model_type)
+    return arch.config if arch is not None else None
+
+
+def _supported_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
 
 # Keys read and checked below, for every supported model type.
 _CHECKED = frozenset({
@@ -59,16 +43,9 @@ _CHECKED = frozenset({
     "partial_rotary_factor", "max_position_embeddings", "quantization_config", "attn_logit_softcapping",
     "final_logit_softcapping", "pruned_heads",
 })
-# Keys checked only where the model type's config class has them (elsewhere they are unknown).
-_CHECKED_BY_TYPE = {
-    "qwen2": {"sliding_window", "use_sliding_window", "layer_types"},
-    "qwen3": {"sliding_window", "use_sliding_window", "layer_types"},
-    "mistral": {"sliding_window", "layer_types"},
-    "llama": set(),
-    **{t: {"sliding_window", "use_sliding_window", "layer_types", "max_window_layers", *keys, *TRAINING_ONLY_KEYS}
-       for t, keys in MOE_CONFIG_KEYS.items() if t != "mixtral"},
-    "mixtral": {"sliding_window", "layer_types", *MOE_CONFIG_KEYS["mixtral"], *TRAINING_ONLY_KEYS},
-}
+# Keys checked where the model type's family has them (elsewhere they are unknown), besides its own.
+_FAMILY_KEYS = {"qwen": {"sliding_window", "use_sliding_window", "layer_types"},
+                "mistral": {"sliding_window", "layer_types"}, "llama": set()}
 # What PretrainedConfig writes in transformers 5.x and 4.x (metadata, labels, token ids, output switches,
 # the generation settings 4.x kept in config.json) and the model classes' training-only or numerically
 # neutral keys: none of them changes the function the weights compute. max_window_layers only matters
@@ -160,10 +137,11 @@ def read_hf_config(hf_dir: Path) -> tuple[ModelShape, dict]:
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         raise MergeError(f"{path}: multimodal configs are not supported")
     model_type = _model_type(cfg, path)
-    _check_known_fields(cfg, model_type, path)
-    fields = _Fields(cfg, path, HF_DEFAULTS[model_type])
-    _refuse_unsupported_computation(fields, model_type)
-    shape = _shape(fields, model_type)
+    spec = _config_of(model_type)
+    _check_known_fields(cfg, spec, path)
+    fields = _Fields(cfg, path, spec.all_defaults)
+    _refuse_unsupported_computation(fields, spec)
+    shape = _shape(fields, spec)
     if shape.heads % shape.groups:
         raise MergeError(f"{path}: num_attention_heads={shape.heads} is not a multiple of "
                          f"num_key_value_heads={shape.groups}")
@@ -174,16 +152,16 @@ def read_hf_config(hf_dir: Path) -> tuple[ModelShape, dict]:
     return shape, cfg
 
 
-def _shape(fields: _Fields, model_type: str) -> ModelShape:
+def _shape(fields: _Fields, spec: HfConfig) -> ModelShape:
     heads = fields.positive_int("num_attention_heads")
     hidden = fields.positive_int("hidden_size")
     groups = fields.positive_int("num_key_value_heads", nullable=True)
-    head_dim = fields.positive_int("head_dim", nullable=FAMILY[model_type] != "qwen" or model_type.endswith("_moe"))
+    head_dim = fields.positive_int("head_dim", nullable=not spec.head_dim_required)
     max_positions = fields.positive_int("max_position_embeddings")
     rope_theta, rope_scaling = _rope(fields.cfg, fields.path, max_positions)
     num_layers = fields.positive_int("num_hidden_layers")
     return ModelShape(
-        model_type=model_type,
+        model_type=spec.model_type,
         num_layers=num_layers,
         hidden=hidden,
         heads=heads,
@@ -192,10 +170,9 @@ def _shape(fields: _Fields, model_type: str) -> ModelShape:
         ffn=fields.positive_int("intermediate_size"),
         vocab=fields.positive_int("vocab_size"),
         tied=fields.flag("tie_word_embeddings"),
-        # Qwen2 always has q/k/v biases; Llama-family configs say so with attention_bias.
-        qkv_bias=model_type == "qwen2" or fields.flag("qkv_bias" if model_type == "qwen2_moe" else "attention_bias"),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        moe=read_moe(fields, model_type, num_layers),
+        qkv_bias=spec.qkv_bias if isinstance(spec.qkv_bias, bool) else fields.flag(spec.qkv_bias),
+        qk_norm=spec.qk_norm,
+        moe=spec.read_moe(fields, num_layers) if spec.read_moe else None,
         dtype=_dtype(fields),
         rope_theta=fields.default("rope_theta") if rope_theta is None else rope_theta,
         norm_eps=fields.number("rms_norm_eps"),
@@ -236,17 +213,17 @@ def _json_kind(value) -> str:
 
 def _model_type(cfg: dict, path: Path) -> str:
     model_type = cfg.get("model_type")
-    if not isinstance(model_type, str) or model_type not in HF_DEFAULTS:
+    if not isinstance(model_type, str) or _config_of(model_type) is None:
         what = f"model_type {model_type!r} is not supported" if "model_type" in cfg else "no model_type"
-        raise MergeError(f"{path}: {what} (expected one of {', '.join(sorted(HF_DEFAULTS))})")
+        raise MergeError(f"{path}: {what} (expected one of {', '.join(_supported_types())})")
     return model_type
 
 
-def _check_known_fields(cfg: dict, model_type: str, path: Path) -> None:
-    known = _CHECKED | _CHECKED_BY_TYPE[model_type] | _HARMLESS
+def _check_known_fields(cfg: dict, spec: HfConfig, path: Path) -> None:
+    known = _CHECKED | _FAMILY_KEYS[spec.family] | spec.own_keys | _HARMLESS
     for key in cfg:
         if key not in known:
-            raise MergeError(f"{path}: unknown field {key!r} for {model_type}; it may change what the model computes "
+            raise MergeError(f"{path}: unknown field {key!r} for {spec.model_type}; it may change what the model computes "
                              "(remove it if it does not)")
     # Harmless to the weights, but transformers 5 refuses a config whose switches are not booleans, and a
     # special token outside the vocabulary names no token.
@@ -343,25 +320,24 @@ def _dtype(fields: _Fields) -> torch.dtype | None:
 # Config fields that change the function and that Megatron cannot have trained: refused outright
 
 
-def _refuse_unsupported_computation(fields: _Fields, model_type: str) -> None:
-    path = fields.path
+def _refuse_unsupported_computation(fields: _Fields, spec: HfConfig) -> None:
     for check in (_check_activation, _check_biases, _check_sliding_window, _check_layer_types, _check_extras,
                   _check_architectures):
-        check(fields, model_type, path)
+        check(fields, spec, fields.path)
 
 
-def _check_activation(fields: _Fields, model_type: str, path: Path) -> None:
+def _check_activation(fields: _Fields, spec: HfConfig, path: Path) -> None:
     act = fields.text("hidden_act")
     if act != "silu":
-        raise MergeError(f"{path}: hidden_act={act!r}, but the {model_type} MLP Megatron trains is swiglu "
+        raise MergeError(f"{path}: hidden_act={act!r}, but the {spec.model_type} MLP Megatron trains is swiglu "
                          "(args.swiglu: silu-gated); expected 'silu'")
 
 
-def _check_biases(fields: _Fields, model_type: str, path: Path) -> None:
-    if model_type not in ("qwen2", "qwen2_moe") and fields.flag("attention_bias"):
+def _check_biases(fields: _Fields, spec: HfConfig, path: Path) -> None:
+    if spec.qkv_bias is False and fields.flag("attention_bias"):
         # In HF Llama/Mistral/Qwen3 attention_bias also gives o_proj a bias, which Megatron's
         # add_qkv_bias does not have: writing one would be inventing weights.
-        raise MergeError(f"{path}: attention_bias=true for {model_type} (q/k/v *and* o_proj biases) is not supported")
+        raise MergeError(f"{path}: attention_bias=true for {spec.model_type} (q/k/v *and* o_proj biases) is not supported")
     if fields.flag("mlp_bias"):
         raise MergeError(f"{path}: mlp_bias=true is not supported")
 
@@ -369,21 +345,21 @@ def _check_biases(fields: _Fields, model_type: str, path: Path) -> None:
 _NO_SWA = "sliding-window attention is not supported: Megatron trained full attention"
 
 
-def _check_sliding_window(fields: _Fields, model_type: str, path: Path) -> None:
-    if FAMILY[model_type] == "qwen":
+def _check_sliding_window(fields: _Fields, spec: HfConfig, path: Path) -> None:
+    if spec.family == "qwen":
         # Qwen's sliding_window is only used when use_sliding_window is on (Qwen2-MoE writes 0 for none).
         if fields.cfg.get("sliding_window") != 0:
             fields.positive_int("sliding_window", nullable=True)
         if fields.flag("use_sliding_window"):
             raise MergeError(f"{path}: use_sliding_window=true: {_NO_SWA} (expected false)")
-    elif FAMILY[model_type] == "mistral":
+    elif spec.family == "mistral":
         window = fields.positive_int("sliding_window", nullable=True)
         if window is not None:
             absent = "" if "sliding_window" in fields.cfg else " (MistralConfig's default when the key is absent)"
             raise MergeError(f"{path}: sliding_window={window}{absent}: {_NO_SWA} (expected \"sliding_window\": null)")
 
 
-def _check_layer_types(fields: _Fields, model_type: str, path: Path) -> None:
+def _check_layer_types(fields: _Fields, spec: HfConfig, path: Path) -> None:
     types = fields.null_or("layer_types")
     if types is None:
         return
@@ -398,7 +374,7 @@ def _check_layer_types(fields: _Fields, model_type: str, path: Path) -> None:
             raise MergeError(f"{path}: layer_types[{i}]={kind!r}: {_NO_SWA} (expected only 'full_attention')")
 
 
-def _check_extras(fields: _Fields, model_type: str, path: Path) -> None:
+def _check_extras(fields: _Fields, spec: HfConfig, path: Path) -> None:
     if "quantization_config" in fields.cfg:
         raise MergeError(f"{path}: has a quantization_config: the reference is a quantized model; expected the "
                          "unquantized HF model the Megatron base was converted from")
@@ -411,17 +387,17 @@ def _check_extras(fields: _Fields, model_type: str, path: Path) -> None:
                          "supported; expected none")
 
 
-def _check_architectures(fields: _Fields, model_type: str, path: Path) -> None:
+def _check_architectures(fields: _Fields, spec: HfConfig, path: Path) -> None:
     names = fields.null_or("architectures")
     if names is None:
         return
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise fields._bad("architectures", "a list of class names or null")
     # Loaders such as vLLM pick the model class from here; the merged weights are a causal LM's.
-    expected = CAUSAL_LM_CLASS[model_type]
+    expected = spec.causal_lm
     for name in names:
         if name != expected:
-            raise MergeError(f"{path}: architectures names {name!r}; a {model_type} causal LM is {expected!r} "
+            raise MergeError(f"{path}: architectures names {name!r}; a {spec.model_type} causal LM is {expected!r} "
                              "(loaders such as vLLM pick the model class from this field)")
 
 

@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts part of a model: read from the HF config and checked against the Megatron args,
-so that routing computes what was trained (same experts per layer, same top-k, same normalisation)."""
+"""The Mixture-of-Experts part of a model (read from the HF config by its architecture module) and its
+check against the Megatron args, so that routing computes what was trained (same experts per layer, same
+top-k, same normalisation)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,6 @@ import ast
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
-
-# HF config keys each MoE model type reads (besides the dense ones); router_aux_loss_coef,
-# output_router_logits and router_jitter_noise only act in training.
-MOE_CONFIG_KEYS = {
-    "qwen3_moe": {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "decoder_sparse_step", "mlp_only_layers"},
-    "qwen2_moe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias"},
-    "mixtral": {"num_local_experts", "num_experts_per_tok"},
-}
-TRAINING_ONLY_KEYS = {"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"}
-# transformers' defaults for them (Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig)
-MOE_DEFAULTS = {
-    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                  "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "norm_topk_prob": False,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [], "shared_expert_intermediate_size": 5632,
-                  "qkv_bias": True},
-    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
-}
-
 
 @dataclass(frozen=True)
 class MoeShape:
@@ -42,34 +22,6 @@ class MoeShape:
     def __str__(self) -> str:
         return (f"{self.num_experts} experts, top-{self.topk}, expert ffn {self.ffn}"
                 + (f", shared expert ffn {self.shared_ffn}" if self.shared_ffn else ""))
-
-
-def read_moe(fields, model_type: str, num_layers: int) -> MoeShape | None:
-    """`fields`: model_shape's typed config access (defaults already those of the model type)."""
-    if model_type not in MOE_CONFIG_KEYS:
-        return None
-    path = fields.path
-    if model_type == "mixtral":
-        return MoeShape(fields.positive_int("num_local_experts"), fields.positive_int("num_experts_per_tok"),
-                        fields.positive_int("intermediate_size"), 0, False, True, frozenset(range(num_layers)))
-    experts = _num_experts(fields, path)
-    step = fields.positive_int("decoder_sparse_step")
-    dense = fields.null_or("mlp_only_layers") or []
-    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-        raise MergeError(f"{path}: 'mlp_only_layers' must be a list of layer numbers, found {dense!r}")
-    layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    shared = fields.positive_int("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
-    return MoeShape(experts, fields.positive_int("num_experts_per_tok"), fields.positive_int("moe_intermediate_size"),
-                    shared, model_type == "qwen2_moe", fields.flag("norm_topk_prob"), layers)
-
-
-def _num_experts(fields, path) -> int:
-    # transformers 5 names Qwen3-MoE's count num_local_experts; released configs say num_experts
-    stated = {k: fields.positive_int(k) for k in ("num_experts", "num_local_experts") if k in fields.cfg}
-    if len(set(stated.values())) > 1:
-        raise MergeError(f"{path}: num_experts={stated['num_experts']} and num_local_experts="
-                         f"{stated['num_local_experts']} disagree; expected one number of experts")
-    return next(iter(stated.values()), None) or fields.positive_int("num_experts")
 
 
 def megatron_moe_layers(args, num_layers: int, where: str) -> frozenset[int]:

@@ -20,8 +20,8 @@ from test_errors import (
 
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
+from lora_merge.architectures import ARCHITECTURES
 from lora_merge.model_shape import (
-    HF_DEFAULTS,
     check_against_args,
     read_hf_config,
     tokenizer_vocab_size,
@@ -36,11 +36,9 @@ LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 
 def write_config(tmp_path: Path, config, name: str = "hf") -> Path:
-    from lora_merge.model_shape import CAUSAL_LM_CLASS
-
     if isinstance(config, dict) and config.get("architectures") == ["Qwen2ForCausalLM"] and \
-            config.get("model_type") in CAUSAL_LM_CLASS:  # tests that change model_type mean the matching class
-        config = {**config, "architectures": [CAUSAL_LM_CLASS[config["model_type"]]]}
+            config.get("model_type") in ARCHITECTURES:  # tests that change model_type mean the matching class
+        config = {**config, "architectures": [ARCHITECTURES[config["model_type"]].config.causal_lm]}
     hf = tmp_path / name
     hf.mkdir(exist_ok=True)
     (hf / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
@@ -338,10 +336,12 @@ def _rope_theta(hf_config) -> float:
 
 
 @pytest.mark.parametrize("model_type,cls", [("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config"),
-                                            ("llama", "LlamaConfig"), ("mistral", "MistralConfig")])
+                                            ("llama", "LlamaConfig"), ("mistral", "MistralConfig"),
+                                            ("qwen3_moe", "Qwen3MoeConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
+                                            ("mixtral", "MixtralConfig")])
 def test_defaults_table_matches_transformers(model_type, cls):
     hf = getattr(transformers, cls)()
-    table = HF_DEFAULTS[model_type]
+    table = ARCHITECTURES[model_type].config.all_defaults
     assert table["rope_theta"] == _rope_theta(hf)
     for key in ("rms_norm_eps", "hidden_act", "tie_word_embeddings", "max_position_embeddings"):
         assert table[key] == getattr(hf, key), key
@@ -351,11 +351,15 @@ def test_defaults_table_matches_transformers(model_type, cls):
     # num_key_value_heads and head_dim: None in the table means "computed from the heads"
     small = getattr(transformers, cls)(hidden_size=64, num_attention_heads=16)
     assert small.num_key_value_heads == (table["num_key_value_heads"] or 16)
-    assert getattr(small, "head_dim", 64 // 16) == (table["head_dim"] or 64 // 16)
+    assert (getattr(small, "head_dim", None) or 64 // 16) == (table["head_dim"] or 64 // 16)  # None: computed
     if model_type == "mistral":
         assert table["sliding_window"] == hf.sliding_window == 4096
     if model_type in ("qwen2", "qwen3"):
         assert hf.sliding_window is None  # unused while use_sliding_window is off
+    # the Mixture-of-Experts sizes and routing switches (transformers 5 calls Qwen3-MoE's count num_local_experts)
+    for key in set(table) - set(ARCHITECTURES["qwen2"].config.all_defaults):
+        attr = key if hasattr(hf, key) else {"num_experts": "num_local_experts"}.get(key, key)
+        assert table[key] == getattr(hf, attr), key
 
 
 # --- what transformers writes, and real configs

@@ -1,22 +1,19 @@
-"""Architectures, each a short module with its table of layout rules (see `base.Architecture`)."""
+"""Architectures, each a short module owning how its HF config reads and its table of layout rules
+(see `base.Architecture`)."""
 
 from __future__ import annotations
 
-from lora_merge.architectures import mixtral, qwen2_moe, qwen3_moe
-from lora_merge.architectures.base import Architecture, iter_rules, pick_name  # noqa: F401
-from lora_merge.architectures.dense import DENSE_DECODER
-from lora_merge.errors import MergeError
-from lora_merge.model_shape import ModelShape
+from typing import TYPE_CHECKING
 
-ARCHITECTURES = {
-    "llama": DENSE_DECODER,
-    "mistral": DENSE_DECODER,
-    "qwen2": DENSE_DECODER,
-    "qwen3": DENSE_DECODER,
-    "qwen3_moe": qwen3_moe.ARCHITECTURE,
-    "qwen2_moe": qwen2_moe.ARCHITECTURE,
-    "mixtral": mixtral.ARCHITECTURE,
-}
+from lora_merge.architectures import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from lora_merge.architectures.base import Architecture, HfConfig, iter_rules, pick_name  # noqa: F401
+from lora_merge.errors import MergeError
+
+if TYPE_CHECKING:
+    from lora_merge.model_shape import ModelShape
+
+ARCHITECTURES = {module.ARCHITECTURE.name: module.ARCHITECTURE
+                 for module in (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral)}
 
 
 def architecture_for(shape: ModelShape) -> Architecture:

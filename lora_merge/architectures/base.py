@@ -1,15 +1,47 @@
-"""What an architecture is: a table of layout rules, expanded over layers and experts in output order."""
+"""What an architecture is: how its HF config reads (`HfConfig`) and a table of layout rules, expanded
+over layers and experts in output order."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from lora_merge.errors import MergeError
 from lora_merge.layout import Rule
-from lora_merge.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from lora_merge.model_shape import ModelShape
 
 MEGATRON_LAYER = "decoder.layers.{i}."
 HF_LAYER = "model.layers.{i}."
+
+
+# What transformers' decoder config classes use when config.json leaves a key out (same in 4.x and 5.x;
+# tests/test_config_checks.py compares each table with the installed classes). In a table, None means
+# computed from other keys (num_key_value_heads → num_attention_heads, head_dim → hidden / heads).
+COMMON_HF_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                      "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0}
+
+
+@dataclass(frozen=True)
+class HfConfig:
+    """How one HF model type's config.json describes the model (read by `model_shape`, which checks every
+    field against the Megatron args and refuses fields it does not know)."""
+
+    model_type: str
+    causal_lm: str  # the class `architectures` must name (loaders such as vLLM pick the model by it)
+    family: str  # "qwen", "llama" or "mistral": which attention and sliding-window fields it has
+    defaults: dict  # the config class's values for absent keys, beyond COMMON_HF_DEFAULTS
+    own_keys: frozenset = frozenset()  # keys only this type has that are read and checked (e.g. MoE sizes)
+    qkv_bias: bool | str = False  # q/k/v biases: always (True), never, or as this key says
+    qk_norm: bool = False
+    head_dim_required: bool = False  # head_dim may not be null (its class has a number as default)
+    # (typed config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
+    read_moe: Callable | None = None
+    all_defaults: dict = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "all_defaults", {**COMMON_HF_DEFAULTS, **self.defaults})
 
 
 @dataclass(frozen=True)
@@ -18,6 +50,11 @@ class Architecture:
     before_layers: tuple[Rule, ...]  # full names
     layer_rules: tuple[Rule, ...]  # names relative to MEGATRON_LAYER / HF_LAYER; `{expert}` per routed expert
     after_layers: tuple[Rule, ...]
+    config: HfConfig | None = None  # the HF model type it is; None for shared tables (dense.DENSE_DECODER)
+
+    def of(self, config: HfConfig) -> "Architecture":
+        """This table for one HF model type."""
+        return Architecture(config.model_type, self.before_layers, self.layer_rules, self.after_layers, config)
 
     def active(self, rules: tuple[Rule, ...], shape: ModelShape) -> list[Rule]:
         return [r for r in rules if r.requires is None or r.requires in shape.features]

@@ -1,9 +1,20 @@
-"""Mixtral: Mistral attention, every layer routed experts under `block_sparse_moe` (w1 gate, w3 up, w2 down)."""
+"""Mixtral: Mistral attention, every layer routed experts under `block_sparse_moe` (w1 gate, w3 up, w2 down),
+the top-k probabilities always renormalised."""
 
-from lora_merge.architectures.moe import moe_decoder, routed_experts
+from lora_merge.architectures.moe import moe_config, moe_decoder, routed_experts
+from lora_merge.moe_shape import MoeShape
+
+
+def read_moe(fields, num_layers):
+    return MoeShape(fields.positive_int("num_local_experts"), fields.positive_int("num_experts_per_tok"),
+                    fields.positive_int("intermediate_size"), 0, False, True, frozenset(range(num_layers)))
+
 
 ARCHITECTURE = moe_decoder(
-    "mixtral",
+    moe_config("mixtral", causal_lm="MixtralForCausalLM", family="mistral",
+               defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": None, "sliding_window": None,
+                         "max_position_embeddings": 131072, "num_local_experts": 8, "num_experts_per_tok": 2},
+               own_keys={"num_local_experts", "num_experts_per_tok"}, read_moe=read_moe),
     *routed_experts(router="block_sparse_moe.gate.weight", gate="block_sparse_moe.experts.{expert}.w1.weight",
                     up="block_sparse_moe.experts.{expert}.w3.weight", down="block_sparse_moe.experts.{expert}.w2.weight"),
 )

@@ -1,4 +1,5 @@
-"""Building blocks of the Mixture-of-Experts tables: a routed-expert MLP under any HF naming.
+"""Building blocks of the Mixture-of-Experts architectures: a routed-expert MLP under any HF naming, and
+the config fields MoE model types share.
 
 Expert rules are templates over `{expert}`; readers present every expert layout (SequentialMLP,
 GroupedMLP, TEGroupedMLP, MindSpeed's grouped LoRA) as `mlp.experts.{expert}.linear_fc1/fc2` with global
@@ -9,9 +10,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lora_merge.architectures.base import Architecture
+from lora_merge.architectures.base import Architecture, HfConfig
 from lora_merge.architectures.dense import ATTENTION, DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
+from lora_merge.errors import MergeError
 from lora_merge.layout import GatedColumn, Replicated, RowParallel
+from lora_merge.moe_shape import MoeShape
+
+# Read by the MoE config classes but acting only in training (load-balancing loss, router noise).
+TRAINING_ONLY_KEYS = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"})
+# Qwen's MoE configs: which layers have experts, and how many experts of what size.
+QWEN_MOE_KEYS = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "decoder_sparse_step", "mlp_only_layers"})
 
 
 def routed_experts(router: str, gate: str, up: str, down: str) -> tuple:
@@ -36,9 +45,36 @@ def shared_expert(gate: str, up: str, down: str, gate_weight: str) -> tuple:
     )
 
 
-def moe_decoder(name: str, *moe_rules) -> Architecture:
+def moe_decoder(config: HfConfig, *moe_rules) -> Architecture:
     """A decoder whose layers are dense or MoE as the config says (mlp_only_layers, decoder_sparse_step)."""
     dense = tuple(replace(rule, layers="dense") for rule in DENSE_MLP)
     # torch_dist names a MoE layer's pre-MLP norm linear_fc1.layer_norm_weight too (PRE_MLP_NORM's alias).
-    return Architecture(name=name, before_layers=EMBEDDING, layer_rules=(*ATTENTION, PRE_MLP_NORM, *dense, *moe_rules),
-                        after_layers=FINAL)
+    return Architecture(name=config.model_type, before_layers=EMBEDDING,
+                        layer_rules=(*ATTENTION, PRE_MLP_NORM, *dense, *moe_rules), after_layers=FINAL, config=config)
+
+
+def qwen_moe(fields, num_layers: int, shared_ffn: int = 0, shared_gate: bool = False) -> MoeShape:
+    """Qwen2-MoE / Qwen3-MoE: experts in the layers not in `mlp_only_layers` whose number + 1 is a multiple
+    of `decoder_sparse_step`."""
+    step = fields.positive_int("decoder_sparse_step")
+    dense = fields.null_or("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise MergeError(f"{fields.path}: 'mlp_only_layers' must be a list of layer numbers, found {dense!r}")
+    layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoeShape(_num_experts(fields), fields.positive_int("num_experts_per_tok"),
+                    fields.positive_int("moe_intermediate_size"), shared_ffn, shared_gate, fields.flag("norm_topk_prob"),
+                    layers)
+
+
+def _num_experts(fields) -> int:
+    # transformers 5 names Qwen3-MoE's count num_local_experts; released configs say num_experts
+    stated = {k: fields.positive_int(k) for k in ("num_experts", "num_local_experts") if k in fields.cfg}
+    if len(set(stated.values())) > 1:
+        raise MergeError(f"{fields.path}: num_experts={stated['num_experts']} and num_local_experts="
+                         f"{stated['num_local_experts']} disagree; expected one number of experts")
+    return next(iter(stated.values()), None) or fields.positive_int("num_experts")
+
+
+def moe_config(model_type: str, causal_lm: str, family: str, defaults: dict, own_keys, read_moe, **more) -> HfConfig:
+    return HfConfig(model_type, causal_lm=causal_lm, family=family, defaults=defaults,
+                    own_keys=frozenset(own_keys) | TRAINING_ONLY_KEYS, read_moe=read_moe, **more)

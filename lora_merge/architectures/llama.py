@@ -1,0 +1,9 @@
+"""Llama (and so Llama-architecture fine-tunes such as DeepSeek-R1-Distill-Llama): the dense decoder."""
+
+from lora_merge.architectures.base import HfConfig
+from lora_merge.architectures.dense import DENSE_DECODER
+
+ARCHITECTURE = DENSE_DECODER.of(HfConfig(
+    "llama", causal_lm="LlamaForCausalLM", family="llama",
+    defaults={"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+))
