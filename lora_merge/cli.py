@@ -192,7 +192,7 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         check_against_args(shape, ckpt.args, str(ckpt.path))
     settings = None
     if lora is not None:
-        check_lora_targets(lora, shape.num_layers, getattr(opts, "allow_partial_lora", False))
+        check_lora_targets(lora, arch, shape, getattr(opts, "allow_partial_lora", False))
         settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
         for warning in settings.warnings:
             print(f"lora-merge: warning: {warning}", file=sys.stderr)

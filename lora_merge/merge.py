@@ -170,25 +170,34 @@ def check_copy(copy, original, name: str, original_name: str) -> None:
                              "as the HF config says")
 
 
-LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\..*?([^.]+)$")
-
-
-def check_lora_targets(lora: Checkpoint, num_layers: int, allow_partial: bool = False) -> None:
-    """Every target the training run named must have adapters in every layer (PEFT adapts all matching
-    modules), or the checkpoint lost some on the way."""
+def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, allow_partial: bool = False) -> None:
+    """PEFT adapts every module whose name ends with a target, so every such linear of the table (each
+    layer, each routed expert, the shared expert) must have its factors, or the checkpoint lost some on
+    the way."""
     if not lora.lora:
         raise MergeError(f"{lora.path}: no LoRA weights (no *.lora_A.*/*.lora_B.* keys) in this checkpoint")
-    found = {(int(m.group(1)), m.group(2)) for m in map(LAYER_MODULE.match, lora.lora) if m}
-    targets = list(getattr(lora.args, "lora_target_modules", None) or []) or sorted({t for _, t in found})
+    found = {module.rsplit(".", 1)[-1] for module in lora.lora}
+    targets = list(getattr(lora.args, "lora_target_modules", None) or []) or sorted(found)
     for target in targets:
-        if not any(t == target for _, t in found):
+        if target not in found:
             raise MergeError(f"{lora.path}: args.lora_target_modules lists {target!r} but the checkpoint has no "
                              f"LoRA weights for it")
-    missing = [(i, t) for t in targets for i in range(num_layers) if (i, t) not in found]
+    modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, shape)
+               if not isinstance(rule, Skip) and names[0].endswith(".weight"))
+    expected = [m for m in modules if m.rsplit(".", 1)[-1] in targets]
+    missing = [m for m in expected if m not in lora.lora]
     if missing and not allow_partial:
-        shown = ", ".join(f"layer {i} {t}" for i, t in missing[:4]) + (" …" if len(missing) > 4 else "")
-        raise MergeError(f"{lora.path}: LoRA weights missing for {len(missing)} (layer, target) pairs ({shown}); "
-                         "the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
+        shown = ", ".join(_module_label(m) for m in missing[:4]) + (" …" if len(missing) > 4 else "")
+        raise MergeError(f"{lora.path}: LoRA weights missing for {len(missing)} of {len(expected)} adapted modules "
+                         f"({shown}); the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
+
+
+def _module_label(module: str) -> str:
+    m = LAYER_MODULE.match(module)
+    return f"layer {m.group(1)} {m.group(2)}" if m else module
+
+
+LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 # Rows are merged and written in chunks of about this many float32 bytes, so memory stays bounded

@@ -287,7 +287,8 @@ def test_lora_missing_in_some_layers(tmp_path, capsys):
             rewrite(f, lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items() if "lora" not in k}))
     out = tmp_path / "out"
     args = copied_args(root, out)
-    run_failing(args, capsys, "missing for 8 (layer, target) pairs", "layer 2 linear_qkv", "--allow-partial-lora")
+    run_failing(args, capsys, "missing for 8 of 16 adapted modules", "layer 2 self_attention.linear_qkv",
+                "--allow-partial-lora")
     assert_nothing_written(out)
     assert main(args + ["--allow-partial-lora", "--no-progress"]) == 0
 

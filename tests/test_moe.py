@@ -144,3 +144,18 @@ def test_every_parameter_says_how_it_was_split():
             joined = pieces.fitted(other)
             assert len(joined) == 1 and torch.equal(joined[0].load(), torch.cat([r.load() for r in pieces], pieces.dim))
             assert pieces.fitted(pieces.dim) is pieces
+
+
+def test_one_expert_without_its_lora_is_an_error(tmp_path, capsys):
+    """PEFT adapts every expert; a checkpoint missing one expert's factors lost them on the way (global
+    expert 3 is EP rank 1's local expert 1)."""
+    from test_errors import rewrite
+    root = _copy("qwen3moe_ep2", tmp_path)
+    prefix = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.lora_"
+    rewrite(root / "lora" / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt",
+            lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items() if not k.startswith(prefix)}))
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    _failing(args, capsys, "LoRA weights missing for 1 of", "layer 1 mlp.experts.3.linear_fc2")
+    assert not (tmp_path / "out").exists()
+    assert main(args + ["--allow-partial-lora"]) == 0
