@@ -22,8 +22,7 @@ import torch
 
 from lora_merge import __version__
 from lora_merge.describe import describe
-from lora_merge.export_adapter import (VLLM_DEFAULT_MAX_LORA_RANK, adapter_config, adapter_tensors,
-                                       check_every_layer_adapted, target_modules, write_adapter)
+from lora_merge.export_adapter import EXPERT_FORMATS, VLLM_DEFAULT_MAX_LORA_RANK, adapter_config, build_adapter, write_adapter
 from lora_merge.architectures import Architecture, architecture_for
 from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings, resolve_settings
@@ -157,6 +156,10 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", type=Path, help="optional base Megatron checkpoint, only cross-checked against the config")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="per-expert",
+                   help="routed experts' LoRA: per-expert = one LoRA per expert and projection under the HF checkpoint "
+                        "names (vLLM; PEFT for qwen3_moe and mixtral); fused = one LoRA per transformers-5 fused "
+                        "expert parameter (PEFT target_parameters, every MoE model type)")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier adapter) and --report if they exist")
     p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with merge (no progress bar here)")
     _lora_options(p)
@@ -334,13 +337,14 @@ def run_export(opts) -> dict:
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
-    tensors = adapter_tensors(inp.lora, inp.shape, inp.arch, inp.settings, dtype)
-    check_every_layer_adapted(tensors, inp.shape, str(opts.lora))
-    targets = target_modules(tensors)
+    adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format)
+    tensors, targets = adapter.tensors, adapter.target_modules + adapter.target_parameters
+    for warning in adapter.warnings:
+        print(f"lora-merge: warning: {warning}", file=sys.stderr)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     with StagedOutput(opts.out, opts.force, inputs) as stage:
-        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, targets, inp.hf_config, opts.hf_ref))
+        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, inp.hf_config, opts.hf_ref))
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(stage.dir, files), None))
     return {"targets": targets, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),

@@ -4,38 +4,67 @@ PEFT, vLLM and SGLang load on top of the HF base model.
 A fused Megatron LoRA maps onto HF's separate projections exactly: linear_qkv's A is shared by
 q_proj/k_proj/v_proj and its B rows are regrouped like the weight's; linear_fc1 likewise becomes
 gate_proj/up_proj. No arithmetic is done, so the factors keep their bits.
+
+Routed experts come in one of two namings (`EXPERT_FORMATS`):
+- "per-expert": `…mlp.experts.{e}.gate_proj.lora_A.weight` and so on, the HF checkpoint naming. vLLM's
+  MoE LoRA loads this; PEFT converts it onto transformers 5's fused experts for qwen3_moe and mixtral.
+- "fused": one LoRA per fused 3-D expert parameter of transformers 5 (`mlp.experts.gate_up_proj`
+  [E, 2F, H], `mlp.experts.down_proj` [E, H, F]) as PEFT's `target_parameters` stores it: lora_A
+  [E·r, in] expert-major, lora_B [out, r·E] rank-major (column j·E + e is expert e's B column j). Each
+  expert keeps its own rank-r factors; fc1's shared A makes gate_up one rank-r LoRA per expert.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from lora_merge.architectures import Architecture
+from lora_merge.architectures import Architecture, iter_rules
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite, check_records
+from lora_merge.layout import GatedColumn, RowParallel
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
-from lora_merge.architectures import iter_rules
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.readers.experts import is_expert_name
 
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16
+EXPERT_FORMATS = ("per-expert", "fused")
+
+
+@dataclass
+class Adapter:
+    tensors: dict[str, torch.Tensor]
+    target_modules: list[str]
+    target_parameters: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
+                  dtype: torch.dtype | None, expert_format: str = "per-expert") -> Adapter:
+    tensors = adapter_tensors(lora, shape, arch, settings, dtype)
+    check_every_layer_adapted(tensors, shape, str(lora.path))
+    experts = expert_keys(tensors, arch)
+    if not experts:
+        return Adapter(tensors, target_modules(tensors))
+    if expert_format == "fused":
+        return fuse_experts(tensors, experts, arch, shape, str(lora.path))
+    warnings = []
+    if arch.name == "qwen2_moe":
+        warnings.append("PEFT (0.21) does not convert per-expert qwen2_moe adapters onto transformers 5's fused "
+                        "experts and drops them without an error; load this adapter with vLLM, or export with "
+                        "--expert-format fused for PEFT")
+    return Adapter(tensors, target_modules(tensors), warnings=warnings)
 
 
 def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """PEFT-named lora_A/lora_B tensors for every adapted HF projection, in HF layout."""
-    experts = sorted(m for m in lora.lora if is_expert_name(m))
-    if experts:
-        # transformers 5 fuses each layer's experts into 3-D parameters, onto which PEFT does not load
-        # per-expert LoRA keys: the expert deltas would be dropped without an error. Merging is exact.
-        raise MergeError(f"{lora.path}: LoRA on routed experts ({len(experts)} modules, e.g. {experts[0]}) cannot be "
-                         "exported as an adapter that PEFT applies to transformers' fused experts; merge it instead")
+    """PEFT-named lora_A/lora_B tensors for every adapted HF projection, in HF layout (experts per expert)."""
     tensors = {}
     remaining = dict(lora.lora)
     for rule, names, prefix in iter_rules(arch, shape):
@@ -48,7 +77,8 @@ def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, set
         for hf_name, (b, a) in hf_factors(rule, factors, shape, module).items():
             key = PEFT_PREFIX + prefix + hf_name.removesuffix(".weight")
             for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b)):
-                tensors[name] = factor.to(dtype or factor.dtype).clone()  # q/k/v share A: one copy each
+                # q/k/v share A: one copy each; grouped experts are transposed views, saved row-major
+                tensors[name] = factor.to(dtype or factor.dtype).clone(memory_format=torch.contiguous_format)
                 check_finite(tensors[name], name, "non-finite values (NaN or Inf) in the LoRA factor"
                              + ("" if dtype is None or dtype == factor.dtype else
                                 f" as {str(dtype).removeprefix('torch.')}"))
@@ -56,6 +86,65 @@ def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, set
         raise MergeError(f"{lora.path}: LoRA weights for modules that have no HF counterpart: "
                          f"{', '.join(sorted(remaining)[:3])}")
     return tensors
+
+
+def expert_keys(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, tuple[int, int, str]]:
+    """Adapter keys of routed experts: key -> (layer, expert, role), role "gate", "up" or "down"."""
+    patterns = []
+    for rule in arch.layer_rules:
+        if rule.per_expert and isinstance(rule, GatedColumn):
+            patterns += [(rule.gate, "gate"), (rule.up, "up")]
+        elif rule.per_expert and isinstance(rule, RowParallel):
+            patterns.append((rule.hf, "down"))
+    compiled = [(re.compile(rf"^{re.escape(PEFT_PREFIX)}model\.layers\.(\d+)\."
+                            + re.escape(name.removesuffix(".weight")).replace(re.escape("{expert}"), r"(\d+)")
+                            + r"\.lora_[AB]\.weight$"), role) for name, role in patterns]
+    found = {}
+    for key in tensors:
+        for pattern, role in compiled:
+            if m := pattern.match(key):
+                found[key] = (int(m.group(1)), int(m.group(2)), role)
+    return found
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architecture, shape: ModelShape,
+                 where: str) -> Adapter:
+    """The per-expert factors as one LoRA per fused expert parameter (see the module docstring)."""
+    factors: dict[tuple[int, str], dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
+    for key, (layer, expert, role) in experts.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight")
+            fused = "down_proj" if role == "down" else "gate_up_proj"
+            factors.setdefault((layer, fused), {}).setdefault(expert, {})[role] = (
+                tensors[f"{module}.lora_B.weight"], tensors[key])
+    out = {k: v for k, v in tensors.items() if k not in experts}
+    path, count = arch.config.fused_experts, shape.moe.num_experts
+    for (layer, fused), by_expert in sorted(factors.items()):
+        absent = sorted(set(range(count)) - set(by_expert))
+        if absent:
+            raise MergeError(f"{where}: layer {layer}: experts {absent[:5]} have no LoRA for {fused}; a fused adapter "
+                             "needs every expert (use --expert-format per-expert)")
+        a_list, b_list = [], []
+        for expert in range(count):
+            roles = by_expert[expert]
+            parts = [roles[r] for r in (("down",) if fused == "down_proj" else ("gate", "up"))]
+            a = parts[0][1]
+            if any(not torch.equal(part[1], a) for part in parts[1:]):  # Megatron's fc1 LoRA shares one A
+                raise MergeError(f"{where}: layer {layer} expert {expert}: gate and up LoRA have different A factors; "
+                                 "they cannot be one fused LoRA (use --expert-format per-expert)")
+            a_list.append(a)
+            b_list.append(torch.cat([b for b, _ in parts], dim=0))  # gate_up_proj holds [gate; up] rows
+        a_stack, b_stack = torch.stack(a_list), torch.stack(b_list)  # [E, r, in], [E, out, r]
+        # PEFT wraps the experts module once per target parameter, gate_up_proj innermost: with both, its
+        # LoRA lives under `base_layer`.
+        owner = f"{PEFT_PREFIX}model.layers.{layer}.{path}"
+        if fused == "gate_up_proj" and (layer, "down_proj") in factors:
+            owner += ".base_layer"
+        out[f"{owner}.lora_A.weight"] = a_stack.reshape(-1, a_stack.shape[-1]).contiguous()
+        out[f"{owner}.lora_B.weight"] = b_stack.permute(1, 2, 0).reshape(b_stack.shape[1], -1).contiguous()
+    present = {fused for _, fused in factors}
+    others = {k: v for k, v in tensors.items() if k not in experts}
+    return Adapter(out, target_modules(others), [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present])
 
 
 def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -73,14 +162,14 @@ def check_every_layer_adapted(tensors: dict[str, torch.Tensor], shape: ModelShap
                              "targets every layer")
 
 
-def adapter_config(settings: LoraSettings, targets: list[str], hf_config: dict, hf_ref: Path) -> dict:
-    return {
+def adapter_config(settings: LoraSettings, adapter: Adapter, hf_config: dict, hf_ref: Path) -> dict:
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": hf_config.get("_name_or_path") or str(hf_ref),
         "r": settings.r,
         "lora_alpha": settings.alpha,
-        "target_modules": targets,
+        "target_modules": adapter.target_modules,
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": False,
@@ -93,6 +182,9 @@ def adapter_config(settings: LoraSettings, targets: list[str], hf_config: dict, 
         "init_lora_weights": True,
         "inference_mode": True,
     }
+    if adapter.target_parameters:
+        config["target_parameters"] = adapter.target_parameters
+    return config
 
 
 def write_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> list[str]:

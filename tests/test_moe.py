@@ -113,10 +113,69 @@ def test_moe_config_must_match_the_args(tmp_path, capsys, field, value, expected
     _failing(args, capsys, expected)
 
 
-def test_export_adapter_refuses_expert_lora(tmp_path, capsys):
-    root = MOE / "qwen3moe_ep2"
-    _failing(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
-              str(tmp_path / "adapter")], capsys, "routed experts", "merge it instead")
+@pytest.fixture(scope="module")
+def base_model_dirs(tmp_path_factory):
+    """Each fixture's base model in HF form (LoRA scaled to nothing; the merge tests check it)."""
+    from conftest import BASE_ONLY
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp("moe_base") / name
+            assert main(moe_args(name, out) + BASE_ONLY) == 0
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
+ADAPTER_CASES = [(name, "fused") for name in NAMES] + \
+    [(name, "per-expert") for name in NAMES if not name.startswith("qwen2moe")]
+
+
+@pytest.mark.parametrize("name,expert_format", ADAPTER_CASES)
+def test_peft_loads_the_expert_adapter_and_merges_it_as_we_do(name, expert_format, tmp_path, merged, base_model_dirs,
+                                                              capsys):
+    """PEFT's own loading and merge_and_unload on the exported adapter: the adapted model computes what
+    Megatron+LoRA computed, and PEFT's merged weights equal ours (transformers 5 fused experts included)."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, adapter = MOE / name, tmp_path / "adapter"
+    assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(adapter),
+                 "--expert-format", expert_format]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_model_dirs(name), dtype=torch.float32).eval()
+
+    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
+    loaded = probe.load_adapter(adapter, adapter_name="probe")
+    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]  # PEFT drops unexpected keys silently
+    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
+
+    model = PeftModel.from_pretrained(base(), adapter).eval()
+    ref = torch.load(root / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        adapted = model(ref["input_ids"]).logits
+    assert (adapted - ref["logits_lora"]).abs().max() <= 1e-4
+    assert (adapted - ref["logits_base"]).abs().max() > 0.1
+
+    theirs = model.merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(merged(name), dtype=torch.float32).state_dict()
+    assert theirs.keys() == ours.keys()
+    worst = max((theirs[k] - ours[k]).abs().max().item() for k in ours)
+    print(f"\n{name} ({expert_format}): max |PEFT merge_and_unload - ours| = {worst:.2e}, "
+          f"max |PEFT adapted logits - Megatron+LoRA| = {(adapted - ref['logits_lora']).abs().max():.2e}")
+    assert worst <= 1e-5
+
+
+def test_per_expert_qwen2_moe_adapter_warns_that_peft_drops_it(tmp_path, capsys):
+    root = MOE / "qwen2moe_tp2ep2"
+    assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+                 str(tmp_path / "adapter")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: PEFT (0.21) does not convert per-expert qwen2_moe adapters" in err and "--expert-format fused" in err
 
 
 def test_every_parameter_says_how_it_was_split():
@@ -159,3 +218,21 @@ def test_one_expert_without_its_lora_is_an_error(tmp_path, capsys):
     _failing(args, capsys, "LoRA weights missing for 1 of", "layer 1 mlp.experts.3.linear_fc2")
     assert not (tmp_path / "out").exists()
     assert main(args + ["--allow-partial-lora"]) == 0
+
+
+def test_per_expert_adapter_has_every_expert_projection_as_vllm_packs_them(tmp_path):
+    """vLLM's MoE LoRA packs each expert's gate/up/down from the per-expert HF names and needs all three."""
+    from safetensors import safe_open
+    root, adapter = MOE / "qwen3moe_ep2", tmp_path / "adapter"
+    assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+                 str(adapter)]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert "target_parameters" not in config
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    for layer in range(4):
+        for expert in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for factor in ("lora_A", "lora_B"):
+                    assert f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{proj}.{factor}.weight" in keys

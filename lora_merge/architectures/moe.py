@@ -77,4 +77,5 @@ def _num_experts(fields) -> int:
 
 def moe_config(model_type: str, causal_lm: str, family: str, defaults: dict, own_keys, read_moe, **more) -> HfConfig:
     return HfConfig(model_type, causal_lm=causal_lm, family=family, defaults=defaults,
-                    own_keys=frozenset(own_keys) | TRAINING_ONLY_KEYS, read_moe=read_moe, **more)
+                    own_keys=frozenset(own_keys) | TRAINING_ONLY_KEYS, read_moe=read_moe,
+                    fused_experts="mlp.experts", **more)  # Mixtral's too (transformers 5 renamed block_sparse_moe)
