@@ -266,9 +266,11 @@ def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
         for start in range(0, block.rows, step):
             stop = min(start + step, block.rows)
             sources = [part[start:stop] for part in block.parts]
-            for source in sources:
-                check_finite(source, name, f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}.."
-                             f"{offset + stop - 1}; the checkpoint is damaged or training diverged")
+            damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
+                       "the checkpoint is damaged or training diverged")
+            if factors is None:
+                for source in sources:
+                    check_finite(source, name, damaged)
             if factors is None and len(sources) == 1 and sources[0].dtype == plan.dtype:
                 # unchanged bytes: straight from the mapped checkpoint to the file, released once written
                 yield sources[0], (lambda views=sources: _release_all(views)) if mapped else None
@@ -279,8 +281,15 @@ def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
                 check_finite(piece, name, f"values overflow {str(plan.dtype).removeprefix('torch.')}; choose "
                              "--dtype bfloat16 or float32")
             else:
+                # NaN/Inf in W carries into W + ΔW, so the merged rows are checked once; only if they fail is
+                # the source checked, to say which of the two is at fault.
                 b, a = factors
-                piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, plan.dtype, name)
+                try:
+                    piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, plan.dtype, name)
+                except MergeError:
+                    for source in sources:
+                        check_finite(source, name, damaged)
+                    raise
             if mapped:
                 _release_all(sources)
             yield piece, None

@@ -419,6 +419,23 @@ def test_a_flipped_bit_in_a_torch_dist_chunk_fails_the_run(tmp_path, capsys):
     assert_clean(out)
 
 
+def test_nan_in_a_merged_weight_is_named_as_the_checkpoints(tmp_path, capsys):
+    """A merged weight is checked once, after the merge; a NaN that came from the checkpoint is still
+    reported as the checkpoint's, with its rows."""
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    key = "decoder.layers.1.self_attention.linear_proj.weight"
+
+    def poison(state):
+        state["model"][key] = state["model"][key].clone()
+        state["model"][key][7, 3] = float("nan")
+
+    rewrite(rank_files(root / "base")[0], poison)
+    out = tmp_path / "out"
+    run_failing(copied_args(root, out), capsys, "model.layers.1.self_attn.o_proj.weight",
+                "non-finite values (NaN or Inf) in the checkpoint, rows 0..")
+    assert_clean(out)
+
+
 @pytest.mark.parametrize("key,shown", [("decoder.layers.2.input_layernorm.weight", "layers.2.input_layernorm.weight"),
                                        ("embedding.word_embeddings.weight", "model.embed_tokens.weight")])
 def test_nan_in_an_untouched_tensor_is_an_error_in_merge_and_export(tmp_path, capsys, key, shown):
