@@ -87,6 +87,19 @@ def test_missing_expert_parallel_rank_is_an_error(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_sparse_rank_grid_must_still_cover_every_rank(tmp_path, capsys):
+    """ETP=1 under TP=2: only mp_rank_00_000 and mp_rank_01_001 exist; losing one loses a TP shard and
+    two experts, and is named."""
+    import shutil
+    root = _copy("qwen3moe_tp2etp1_ep2", tmp_path)
+    shutil.rmtree(root / "base" / "iter_0000001" / "mp_rank_01_001")
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    _failing(args, capsys, "rank directories do not match TP=2 PP=1 EP=2 ETP=1", "a mp_rank_01_EEE dir",
+             "an mp_rank_TT_001 dir (experts of EP rank 1)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_dense_copies_that_differ_between_expert_parallel_files_are_an_error(tmp_path, capsys):
     from test_errors import rewrite
     root = _copy("qwen3moe_ep2", tmp_path)

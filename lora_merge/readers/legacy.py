@@ -75,7 +75,10 @@ def _check_rank_grid(it_dir: Path, dirs: dict, tp: int, pp: int, experts: Expert
     missing = [_dir_name(t, p, 0, pp, ep) if ep == 1 else f"a {_dir_name(t, p, 0, pp, 1)}_EEE dir"
                for t in range(tp) for p in range(pp) if not any(r[:2] == (t, p) for r in ranks)]
     if experts:
-        missing += [_dir_name(t, p, e, pp, ep) for p in range(pp) for e in range(ep) for t in range(experts.etp)
+        # with ETP=1 any TP rank's file may hold an EP rank's experts
+        missing += [_dir_name(t, p, e, pp, ep) if experts.etp == experts.tp else
+                    f"an {_dir_name(0, p, e, pp, ep).replace('mp_rank_00', 'mp_rank_TT')} dir (experts of EP rank {e})"
+                    for p in range(pp) for e in range(ep) for t in range(experts.etp)
                     if not any(r[1:] == (p, e) and experts.etp_rank(r[0]) == t for r in ranks)]
     if missing or extra:
         detail = (f"missing {', '.join(dict.fromkeys(missing))}" if missing else "") + \
