@@ -249,3 +249,24 @@ def test_per_expert_adapter_has_every_expert_projection_as_vllm_packs_them(tmp_p
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 for factor in ("lora_A", "lora_B"):
                     assert f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{proj}.{factor}.weight" in keys
+
+
+def test_an_unused_identical_copy_is_not_read(tmp_path, merged):
+    """EP rank 1's copy of the embedding has the same stored CRC32 as rank 0's, so it is identical as
+    written and only rank 0's (CRC-checked as it is read) is used: damage to the unused copy cannot reach
+    the output, and the output is byte for byte the same."""
+    from test_trust import _flip_in_member
+    from lora_merge.safe_load import load_archive
+    from lora_merge.torch_archive import MappedFile, TorchArchive
+
+    root = _copy("qwen3moe_ep2", tmp_path)
+    victim = root / "base" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt"
+    archive = TorchArchive(MappedFile(victim))
+    member = archive.record_of(load_archive(archive)["model"]["embedding.word_embeddings.weight"]).name
+    del archive
+    _flip_in_member(victim, member)
+    out = tmp_path / "out"
+    assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out), "--no-progress"]) == 0
+    for shard in merged("qwen3moe_ep2").glob("*.safetensors"):
+        assert (out / shard.name).read_bytes() == shard.read_bytes()
