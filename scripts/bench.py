@@ -3,7 +3,8 @@
 Generates a synthetic checkpoint with DeepSeek-R1-Distill-Qwen-32B layer shapes (hidden 5120, 40 heads,
 8 query groups, ffn 27648, vocab 152064, bf16, TP=4, LoRA r=8 on all four targets) for each layer count,
 then measures, each in a fresh process:
-  copy   `cp -r` of the input checkpoint files (the I/O floor: read and write every byte once)
+  copy   `cp -r` of the input checkpoint files, then `sync` (the I/O floor: read and write every byte
+         once, durably — the merge fsyncs its output before publishing it)
          (copy and merge run alternately --repeat times; the fastest of each counts)
   ours   `lora-merge` (peak RSS of the process)
   peft   the usual way: transformers from_pretrained + PEFT get_peft_model + merge_and_unload +
@@ -83,7 +84,7 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
     if moe_layout:
         subprocess.run([sys.executable, str(HERE / "synthetic_moe_checkpoint.py"), str(root), "--layers", str(layers),
                         "--ep", "4", "--layout", moe_layout], check=True)
-        skip_peft = True  # PEFT cannot apply per-expert LoRA to transformers' fused experts
+        skip_peft = True  # the PEFT route below is written for dense models
     else:
         subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", "qwen32b",
                         "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
@@ -95,7 +96,7 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
                               str(root / "hf_ref"), "--out", str(root / "merged"), "--no-progress"]
     copy, ours = best_of(
         repeat,
-        (["cp", "-r", str(root / "base"), str(root / "lora"), str(root / "copy_target") + "/"],
+        (["sh", "-c", 'cp -r "$0" "$1" "$2"/ && sync', str(root / "base"), str(root / "lora"), str(root / "copy_target")],
          lambda: (root / "copy_target").mkdir(), lambda: drop(root / "copy_target")),
         (merge_cmd, lambda: drop(root / "merged"), lambda: None))
     out_bytes = dir_bytes(root / "merged")
