@@ -97,6 +97,12 @@ BUILT = {
         moe_layer_freq=1, pre_softmax=False, shared=None, shared_gate=False,
         base_seed=11000, lora_seed=12000, router_std=0.3, base_format="torch_dist",
     ),
+    # singleton_local_shards: per-layer keys, each expert its own `mlp.experts.experts.{e}.linear_fc1.weight_w/_v`
+    "qwen3moe_dist_singleton_ep2": dict(
+        family="qwen3_moe", tp=1, ep=2, etp=1, num_experts=4, kv_channels=16,
+        moe_layer_freq=1, pre_softmax=False, shared=None, shared_gate=False,
+        base_seed=11000, lora_seed=12000, router_std=0.3, base_format="torch_dist", singleton=True,
+    ),
     "qwen2moe_tp2ep2": dict(
         family="qwen2_moe", tp=2, ep=2, etp=2, num_experts=4, kv_channels=8,
         moe_layer_freq=[0, 1, 1, 1], pre_softmax=True, shared=48, shared_gate=True,
@@ -561,7 +567,9 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
     args = make_moe_args(torch, spec, BASE_ITER, world, lora=False, filtered=False,
                          load=f"/data/ckpt/{name}/hf-converted", save=f"/data/ckpt/{name}/base")
     if dist_base:
-        mf.save_dist_checkpoint(torch, base_root, BASE_ITER, args, model, False, mf.make_rng_state(torch, 2))
+        mf.save_dist_checkpoint(torch, base_root, BASE_ITER, args, model, spec.get("singleton", False),
+                                mf.make_rng_state(torch, 2))
+    if dist_base and not spec.get("singleton", False):
         # Megatron's own GroupedMLP layout: a GroupedMLP model (legacy GroupedMLP, construction only:
         # grouped_gemm is not needed to build it) loads this torch_dist base via dist_checkpointing.
         from megatron.core import dist_checkpointing
@@ -583,7 +591,7 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
         assert not [m for m in missing if not m.endswith("_extra_state")], missing
         torch.save({k: v.clone() for k, v in gmodel.state_dict().items() if ".mlp.experts." in k},
                    out / f".megatron_grouped_{dirname}.pt")
-    elif saves:
+    if not dist_base and saves:
         save_legacy(torch, base_root, BASE_ITER, dirname, args, base_sd)
 
     # ---------- PEFT, as MindSpeed-LLM's model_provider_func_wrapper ----------

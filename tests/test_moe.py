@@ -270,3 +270,40 @@ def test_an_unused_identical_copy_is_not_read(tmp_path, merged):
                  "--out", str(out), "--no-progress"]) == 0
     for shard in merged("qwen3moe_ep2").glob("*.safetensors"):
         assert (out / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_inspect_and_dry_run_show_the_experts(capsys, tmp_path):
+    root = MOE / "qwen2moe_tp2ep2"
+    assert main(["inspect", str(root / "base")]) == 0
+    assert "experts: 4 experts, EP=2 ETP=2, SequentialMLP; MoE layers [1, 2, 3]" in capsys.readouterr().out
+    assert main(["inspect", str(MOE / "qwen3moe_mindspeed_grouped_lora_ep2" / "lora")]) == 0
+    assert "MindSpeed grouped LoRA" in capsys.readouterr().out
+    assert main(moe_args("qwen2moe_tp2ep2", tmp_path / "out") + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "experts: 4 experts, top-2, expert ffn 32, shared expert ffn 48 in layers [1, 2, 3]" in out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe_tp2ep2", "qwen3moe_dist_singleton_ep2", "mixtral_ep2"])
+def test_verify_checks_every_expert_against_the_megatron_base(name, merged, tmp_path, capsys):
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    root = MOE / name
+    check = ["verify", None, "--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+             str(root / "hf_ref")]
+    check[1] = str(merged(name))
+    assert main(check) == 0, capsys.readouterr()
+    capsys.readouterr()
+
+    out = tmp_path / "out"
+    shutil.copytree(merged(name), out)
+    (shard,) = out.glob("*.safetensors")
+    tensors = load_file(shard)
+    victim = next(k for k in sorted(tensors) if ".layers.1." in k and ".experts.2." in k)
+    tensors[victim] = tensors[victim].clone()
+    tensors[victim][0, 0] += 1e-3
+    save_file(tensors, shard, metadata={"format": "pt"})
+    check[1] = str(out)
+    assert main(check) == 1
+    assert victim in capsys.readouterr().out

@@ -38,6 +38,8 @@ SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_sta
 SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
 GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)$")
+# singleton_local_shards saves each expert on its own, numbered globally (fc1 as weight_w/weight_v)
+SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.weight(?:_[wv])?)$")
 
 
 def is_torch_dist_iteration(path: Path) -> bool:
@@ -259,6 +261,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
                 for e in range(shape[0]):
                     add(f"{m.group(1)}.{e}.{m.group(2)}", f"{where}[expert {e}]", shape[1:], info["dtype"],
                         _pieces(_select(chunks, e)))
+            elif m := SINGLETON_EXPERT.match(name):
+                add(f"{m.group(1)}.{m.group(2)}.{m.group(3)}", where, shape, info["dtype"], _pieces(chunks))
             else:
                 add(name, where, shape, info["dtype"], _pieces(chunks))
 
