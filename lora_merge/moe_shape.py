@@ -5,6 +5,7 @@ top-k, same normalisation)."""
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
@@ -18,6 +19,12 @@ class MoeShape:
     shared_gate: bool  # the shared expert's output is scaled by sigmoid(x·gate)
     norm_topk: bool  # the top-k probabilities are renormalised (Megatron: moe_router_pre_softmax=False)
     layers: frozenset[int]  # decoder layers with routed experts; the others have a dense MLP
+    # Routing beyond top-k of softmax scores (DeepSeek-V3): sigmoid scores, a bias added for the choice
+    # only (aux-free balancing), group-limited choice (n_group, topk_group), scaled probabilities.
+    score: str = "softmax"
+    expert_bias: bool = False
+    groups: tuple[int, int] | None = None
+    scaling: float = 1.0
 
     def __str__(self) -> str:
         return (f"{self.num_experts} experts, top-{self.topk}, expert ffn {self.ffn}"
@@ -70,16 +77,30 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
     if trained != moe.layers:
         raise MergeError(f"{where}: the args put routed experts in layers {sorted(trained)}, the HF config in "
                          f"{sorted(moe.layers)} (mlp_only_layers / decoder_sparse_step)")
-    pre_softmax = bool(arg("moe_router_pre_softmax", False))
-    if pre_softmax == moe.norm_topk:
-        raise MergeError(f"{where}: args.moe_router_pre_softmax={pre_softmax} but the HF config "
-                         f"{'renormalises' if moe.norm_topk else 'does not renormalise'} the top-k probabilities "
-                         f"(norm_topk_prob); routing would differ")
-    for name, allowed, what in (("moe_router_score_function", (None, "softmax"), "router score function"),
-                                ("moe_router_topk_scaling_factor", (None, 1, 1.0), "top-k scaling"),
-                                ("moe_router_enable_expert_bias", (None, False), "router expert bias"),
-                                ("moe_router_num_groups", (None, 0, 1), "grouped routing"),
-                                ("moe_expert_capacity_factor", (None,), "token dropping (capacity factor)")):
-        value = getattr(args, name, None)
-        if value not in allowed:
-            raise MergeError(f"{where}: args.{name}={value!r}: this {what} has no equivalent in the HF model")
+    score = arg("moe_router_score_function", "softmax")
+    if score != moe.score:
+        raise MergeError(f"{where}: args.moe_router_score_function={score!r} but the HF model scores experts with "
+                         f"{moe.score}; routing would differ")
+    # Megatron renormalises the top-k probabilities unless softmax comes first (moe_router_pre_softmax);
+    # sigmoid scores are always renormalised (top-k > 1).
+    renormalised = not bool(arg("moe_router_pre_softmax", False)) if score == "softmax" else moe.topk > 1
+    if renormalised != moe.norm_topk:
+        raise MergeError(f"{where}: the args {'renormalise' if renormalised else 'do not renormalise'} the top-k "
+                         f"probabilities (moe_router_pre_softmax={arg('moe_router_pre_softmax', False)}, "
+                         f"{score} scores) but the HF config has norm_topk_prob={moe.norm_topk}; routing would differ")
+    bias = bool(arg("moe_router_enable_expert_bias", False))
+    if bias != moe.expert_bias:
+        raise MergeError(f"{where}: args.moe_router_enable_expert_bias={bias} but the HF model "
+                         f"{'adds a' if moe.expert_bias else 'has no'} router expert bias (e_score_correction_bias)")
+    groups = arg("moe_router_num_groups", 1) or 1
+    theirs = (int(groups), int(arg("moe_router_group_topk", 1) or 1)) if int(groups) > 1 else None
+    if theirs != moe.groups:
+        raise MergeError(f"{where}: args.moe_router_num_groups/moe_router_group_topk={theirs} but the HF config's "
+                         f"n_group/topk_group give {moe.groups}; routing would differ")
+    scaling = float(arg("moe_router_topk_scaling_factor", 1.0))
+    if not math.isclose(scaling, moe.scaling, rel_tol=1e-6):
+        raise MergeError(f"{where}: args.moe_router_topk_scaling_factor={scaling:g} but the HF config's "
+                         f"routed_scaling_factor is {moe.scaling:g}")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        raise MergeError(f"{where}: args.moe_expert_capacity_factor={args.moe_expert_capacity_factor!r}: token "
+                         "dropping (capacity factor) has no equivalent in the HF model")

@@ -307,3 +307,21 @@ def test_verify_checks_every_expert_against_the_megatron_base(name, merged, tmp_
     check[1] = str(out)
     assert main(check) == 1
     assert victim in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arg,value,expected", [
+    ("moe_router_score_function", "sigmoid", "args.moe_router_score_function='sigmoid' but the HF model scores experts with softmax"),
+    ("moe_router_enable_expert_bias", True, "args.moe_router_enable_expert_bias=True but the HF model has no router expert bias"),
+    ("moe_router_num_groups", 2, "moe_router_num_groups/moe_router_group_topk=(2, 1)"),
+    ("moe_router_topk_scaling_factor", 2.5, "args.moe_router_topk_scaling_factor=2.5 but the HF config's routed_scaling_factor is 1"),
+    ("moe_expert_capacity_factor", 1.0, "token dropping"),
+])
+def test_routing_the_hf_model_does_not_do_is_refused(tmp_path, capsys, arg, value, expected):
+    from test_errors import rank_files, rewrite
+    root = _copy("qwen3moe_ep2", tmp_path)
+    for part in ("base", "lora"):
+        for f in rank_files(root / part):
+            rewrite(f, lambda s: setattr(s["args"], arg, value))
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    _failing(args, capsys, expected)
