@@ -27,6 +27,9 @@ def named_dims(shape: ModelShape) -> dict[str, int]:
     q, kv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
     dims = {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
             "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab, "one": 1}
+    mla = getattr(shape, "mla", None)
+    if mla is not None:
+        dims.update(mla.dims(shape.heads))
     moe = getattr(shape, "moe", None)
     if moe is not None:
         dims.update(experts=moe.num_experts, moe_ffn=moe.ffn, gated_moe_ffn=2 * moe.ffn,
@@ -123,6 +126,7 @@ class Rule:
     requires: str | None = None  # a ModelShape feature this parameter exists only with
     aliases: tuple[str, ...] = ()  # other names of the same parameter (TransformerEngine spec, torch_dist)
     layers: str = "all"  # in which decoder layers: "all", "dense" (plain MLP) or "moe" (routed experts)
+    keep_dtype: torch.dtype | None = None  # written in this dtype whatever --dtype says (a routing bias)
     parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)
 
     @property
@@ -315,3 +319,4 @@ class Skip(Rule):
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
         return {}
+

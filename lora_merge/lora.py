@@ -3,7 +3,7 @@
 LoRA factors are brought into HF layout first (B's rows regrouped exactly like W's), so the merge is
 independent of how either checkpoint was sharded, and the same factors serve an adapter export.
 PEFT's tensor-parallel layout: column layers (qkv, fc1) replicate A and shard B on dim 0; row layers
-(proj, fc2) shard A on dim 1 and replicate B.
+(proj, fc2) shard A on dim 1 and replicate B; replicated layers (MLA's down-projections) replicate both.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int,
     if a_shapes[0][0] != r or b_shapes[0][1] != r:
         raise MergeError(f"{lora.a[0].where}: {module} has LoRA rank {a_shapes[0][0]} (lora_A) / {b_shapes[0][1]} "
                          f"(lora_B), but r={r}")
-    a_split, b_split = ("replicated", "column") if rule.parallel == "column" else ("row", "replicated")
+    a_split, b_split = {"column": ("replicated", "column"), "row": ("row", "replicated")}.get(
+        rule.parallel, ("replicated", "replicated"))  # a replicated linear's LoRA is replicated too
     check_shards(a_shapes, a_split, (r, in_dim), f"{module}.lora_A ({lora.a[0].where})")
     check_shards(b_shapes, b_split, (out_dim, r), f"{module}.lora_B ({lora.b[0].where})")
 
@@ -101,7 +102,10 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
         b = unshard_replicated(b_shards, f"{module}.lora_B")
         (name,) = rule.hf_names()
         return {name: (b, unshard_row(a_shards))}
-    raise MergeError(f"{module}: LoRA on a {rule.parallel} parameter is not supported")
+    # a replicated linear (MLA's down-projections): both factors whole on every rank
+    a = unshard_replicated(a_shards, f"{module}.lora_A")
+    b = unshard_replicated(b_shards, f"{module}.lora_B")
+    return {name: (b_rows, a) for name, b_rows in rule.to_hf([b], shape, f"{module}.lora_B").items()}
 
 
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,

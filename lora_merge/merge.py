@@ -105,7 +105,8 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
                                    f"({megatron}); give the base it was trained on, or omit --base")
                                   for mine, copy in zip(pieces, theirs)]
         task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, pieces=pieces,
-                    outputs=[PlannedTensor(hf_prefix + name, dims, dtype) for name, dims in rule.hf_shapes(shape).items()])
+                    outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
+                             for name, dims in rule.hf_shapes(shape).items()])
         if megatron.endswith(".weight") and task.lora_module in adapters:
             task.lora = adapters.pop(task.lora_module)
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
@@ -254,7 +255,7 @@ def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:
     factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
     for planned in task.outputs:
         name = planned.name[len(task.hf_prefix):]
-        for piece, then in _pieces(blocks[name], factors.get(name), plan, planned.name, task.pieces.mapped):
+        for piece, then in _pieces(blocks[name], factors.get(name), plan, planned, task.pieces.mapped):
             write(planned.name, piece, then)
             if progress is not None:
                 progress(piece.nbytes)
@@ -268,12 +269,13 @@ def _release_all(views) -> None:
         release_pages(view)
 
 
-def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
+def _pieces(blocks, factors, plan: MergePlan, planned: PlannedTensor, mapped: bool):
     """(rows, then) pieces of one HF tensor in output dtype, merged with its LoRA factors if it has them.
 
     Each piece covers at most CHUNK_BYTES of float32, and the checkpoint pages it came from are released
     as soon as they are no longer needed, so resident memory stays at a few chunks.
     """
+    name, dtype = planned.name, planned.dtype
     offset = 0
     for block in blocks:
         step = max(1, CHUNK_BYTES // (4 * block.row_numel))
@@ -285,21 +287,21 @@ def _pieces(blocks, factors, plan: MergePlan, name: str, mapped: bool):
             if factors is None:
                 for source in sources:
                     check_finite(source, name, damaged)
-            if factors is None and len(sources) == 1 and sources[0].dtype == plan.dtype:
+            if factors is None and len(sources) == 1 and sources[0].dtype == dtype:
                 # unchanged bytes: straight from the mapped checkpoint to the file, released once written
                 yield sources[0], (lambda views=sources: _release_all(views)) if mapped else None
                 continue
             rows = block.take(start, stop)
             if factors is None:
-                piece = rows.to(plan.dtype)
-                check_finite(piece, name, f"values overflow {str(plan.dtype).removeprefix('torch.')}; choose "
+                piece = rows.to(dtype)
+                check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose "
                              "--dtype bfloat16 or float32")
             else:
                 # NaN/Inf in W carries into W + ΔW, so the merged rows are checked once; only if they fail is
                 # the source checked, to say which of the two is at fault.
                 b, a = factors
                 try:
-                    piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, plan.dtype, name)
+                    piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, dtype, name)
                 except MergeError:
                     for source in sources:
                         check_finite(source, name, damaged)

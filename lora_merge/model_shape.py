@@ -21,6 +21,7 @@ import torch
 from lora_merge.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import noop_layers
+from lora_merge.mla_shape import MlaShape, check_mla_args
 from lora_merge.moe_shape import MoeShape, check_moe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,6 +113,7 @@ class ModelShape:
     tokenizer_vocab: int | None = None  # ids tokenizer.json can produce, when the reference has one
     defaulted: frozenset[str] = frozenset()  # HF keys absent from config.json, so the config class's default
     moe: MoeShape | None = None  # routed experts, for a Mixture-of-Experts model
+    mla: MlaShape | None = None  # multi-latent attention (DeepSeek) instead of grouped-query attention
 
     @property
     def features(self) -> frozenset[str]:
@@ -119,7 +121,9 @@ class ModelShape:
         shared = self.moe is not None and self.moe.shared_ffn > 0
         return frozenset(name for name, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
                                                ("untied", not self.tied), ("tied", self.tied),
-                                               ("shared_expert", shared)) if on)
+                                               ("shared_expert", shared), ("mla", self.mla is not None),
+                                               ("q_lora", self.mla is not None and bool(self.mla.q_lora)),
+                                               ("no_q_lora", self.mla is not None and not self.mla.q_lora)) if on)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
@@ -173,6 +177,7 @@ def _shape(fields: _Fields, spec: HfConfig) -> ModelShape:
         qkv_bias=spec.qkv_bias if isinstance(spec.qkv_bias, bool) else fields.flag(spec.qkv_bias),
         qk_norm=spec.qk_norm,
         moe=spec.read_moe(fields, num_layers) if spec.read_moe else None,
+        mla=spec.read_mla(fields) if spec.read_mla else None,
         dtype=_dtype(fields),
         rope_theta=fields.default("rope_theta") if rope_theta is None else rope_theta,
         norm_eps=fields.number("rms_norm_eps"),
@@ -376,8 +381,14 @@ def _check_layer_types(fields: _Fields, spec: HfConfig, path: Path) -> None:
 
 def _check_extras(fields: _Fields, spec: HfConfig, path: Path) -> None:
     if "quantization_config" in fields.cfg:
-        raise MergeError(f"{path}: has a quantization_config: the reference is a quantized model; expected the "
-                         "unquantized HF model the Megatron base was converted from")
+        kind = fields.cfg["quantization_config"].get("quant_method") if isinstance(fields.cfg["quantization_config"],
+                                                                                 dict) else None
+        fix = (" (FP8 weights with weight_scale_inv, as DeepSeek-V3 is released): give the bf16 copy the Megatron base "
+               "was converted from (e.g. made with DeepSeek's fp8_cast_bf16.py), whose config has no "
+               "quantization_config" if kind == "fp8" else "; expected the unquantized HF model the Megatron base "
+               "was converted from")
+        raise MergeError(f"{path}: has a quantization_config ({kind or 'unknown method'}): the reference is a "
+                         f"quantized model{fix}")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if fields.cfg.get(key) is not None:
             raise MergeError(f"{path}: {key}={fields.cfg[key]!r}: logit soft-capping is not supported (Megatron "
@@ -573,9 +584,11 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
         ("num_layers", arg("num_layers"), shape.num_layers + _noop_count(args), "num_hidden_layers"),
         ("hidden_size", arg("hidden_size"), shape.hidden, "hidden_size"),
         ("num_attention_heads", heads, shape.heads, "num_attention_heads"),
-        ("num_query_groups", groups, shape.groups, "num_key_value_heads"),
-        ("kv_channels", arg("kv_channels", shape.hidden // heads if heads else None), shape.head_dim, "head_dim"),
     ]
+    if shape.mla is None:  # multi-latent attention has its own head sizes (check_mla_args)
+        checks += [("num_query_groups", groups, shape.groups, "num_key_value_heads"),
+                   ("kv_channels", arg("kv_channels", shape.hidden // heads if heads else None), shape.head_dim,
+                    "head_dim")]
     if shape.moe is None or len(shape.moe.layers) < shape.num_layers:  # only dense layers use it
         checks.append(("ffn_hidden_size", arg("ffn_hidden_size"), shape.ffn, "intermediate_size"))
     for arg_name, theirs, ours, hf_name in checks:
@@ -598,8 +611,13 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
     check_moe_args(shape.moe, args, shape.num_layers, where)
+    check_mla_args(shape.mla, args, where)
     _check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, arg, where)
+    if arg("mtp_num_layers"):
+        raise MergeError(f"{where}: args.mtp_num_layers={arg('mtp_num_layers')}: the checkpoint has multi-token-"
+                         "prediction layers (mtp.*), which this tool cannot map yet and will not drop; merge a "
+                         "checkpoint trained without MTP")
     if arg("swiglu") is False:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
 

@@ -362,9 +362,10 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 report.statuses[full] = "not checked: its file is missing or damaged"
                 continue
             got_shape, got_dtype = out.meta(full)
-            if got_shape != dims or got_dtype != want_dtype:
+            wanted = SAFETENSORS_DTYPES[rule.keep_dtype] if rule.keep_dtype else want_dtype
+            if got_shape != dims or got_dtype != wanted:
                 report.problems.append(f"{full}: shape {list(got_shape)} {got_dtype}, the config implies "
-                                       f"{list(dims)} {want_dtype}")
+                                       f"{list(dims)} {wanted}")
                 continue
             if ref and full in ref.file_of:
                 ref_shape, _ = ref.meta(full)

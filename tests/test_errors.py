@@ -296,7 +296,9 @@ def test_lora_missing_in_some_layers(tmp_path, capsys):
 @pytest.mark.parametrize("arg,value,expected", [("rotary_interleaved", True, "rotary_interleaved=True"),
                                                 ("rotary_base", 1000000, "rope_theta"),
                                                 ("norm_epsilon", 1e-5, "rms_norm_eps"),
-                                                ("normalization", "LayerNorm", "'RMSNorm'")])
+                                                ("normalization", "LayerNorm", "'RMSNorm'"),
+                                                ("mtp_num_layers", 1, "multi-token-prediction layers"),
+                                                ("multi_latent_attention", True, "ordinary attention")])
 def test_args_that_change_the_function_must_match_the_config(tmp_path, capsys, arg, value, expected):
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
     for f in rank_files(root / "base"):

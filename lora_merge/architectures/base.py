@@ -38,6 +38,7 @@ class HfConfig:
     head_dim_required: bool = False  # head_dim may not be null (its class has a number as default)
     # (typed config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None
+    read_mla: Callable | None = None  # (typed config fields) -> mla_shape.MlaShape, for multi-latent attention
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
     all_defaults: dict = field(init=False, repr=False)
 

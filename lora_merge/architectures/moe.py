@@ -34,15 +34,19 @@ def routed_experts(router: str, gate: str, up: str, down: str) -> tuple:
     )
 
 
-def shared_expert(gate: str, up: str, down: str, gate_weight: str) -> tuple:
-    return (
+def shared_expert(gate: str, up: str, down: str, gate_weight: str | None = None) -> tuple:
+    """The shared expert(s) of a MoE layer (Megatron fuses DeepSeek's several into one wider MLP, as HF
+    does); `gate_weight`: the HF name of Qwen2-MoE's sigmoid gate on its output."""
+    rules = (
         GatedColumn("mlp.shared_experts.linear_fc1.weight", ("gated_shared_ffn", "hidden"), gate=gate, up=up,
                     layers="moe", requires="shared_expert"),
         RowParallel("mlp.shared_experts.linear_fc2.weight", ("hidden", "shared_ffn"), hf=down, layers="moe",
                     requires="shared_expert"),
-        Replicated("mlp.shared_experts.gate_weight", ("one", "hidden"), hf=gate_weight, layers="moe",
-                   requires="shared_expert"),
     )
+    if gate_weight is None:
+        return rules
+    return rules + (Replicated("mlp.shared_experts.gate_weight", ("one", "hidden"), hf=gate_weight, layers="moe",
+                               requires="shared_expert"),)
 
 
 def moe_decoder(config: HfConfig, *moe_rules) -> Architecture:
