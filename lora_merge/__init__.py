@@ -1,3 +1,24 @@
-"""Merge a Megatron-Core / MindSpeed-LLM LoRA checkpoint into a HuggingFace model on a CPU host."""
+"""Merge a Megatron-Core / MindSpeed-LLM LoRA checkpoint into a HuggingFace model on a CPU host.
+
+    import lora_merge
+    result = lora_merge.merge(base="mcore/", lora="lora/", hf_ref="hf/", out="merged/")
+
+`merge`, `verify`, `inspect` and `export_adapter` are in `lora_merge.api`; bad input raises `MergeError`.
+They are imported on first use, so that `import lora_merge` stays light (the command handles signals
+before torch is imported).
+"""
 
 __version__ = "0.1.0"
+
+_API = {"merge", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
+__all__ = sorted(_API | {"MergeError", "__version__"})
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from lora_merge import api
+        return getattr(api, name)
+    if name == "MergeError":
+        from lora_merge.errors import MergeError
+        return MergeError
+    raise AttributeError(f"module 'lora_merge' has no attribute {name!r}")

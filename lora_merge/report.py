@@ -9,9 +9,9 @@ from pathlib import Path
 
 from lora_merge import __version__
 from lora_merge.writers.staged_dir import publish_file
-from lora_merge.merge import MergePlan
+from lora_merge.merge_plan import MergePlan
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.verify import VerifyReport
+from lora_merge.verification import VerifyReport
 
 
 def hash_files(directory: Path, names) -> dict[str, str]:

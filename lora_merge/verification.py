@@ -30,7 +30,7 @@ from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.layout import RowBlock, Skip
 from lora_merge.lora import LoraSettings, hf_factors
-from lora_merge.merge import fitted_pieces
+from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES

@@ -1,0 +1,348 @@
+"""The Python API: what the `lora-merge` command does, as functions.
+
+    import lora_merge
+    result = lora_merge.merge(base="mcore/", lora="out/", hf_ref="hf/", out="merged/")
+    report = lora_merge.verify("merged/", lora="out/", base="mcore/")
+
+Keyword arguments mirror the command-line options. Bad input raises `MergeError` (one message saying what,
+where and what was expected); nothing is printed — warnings go through `warnings.warn` (or `warn=`), and
+progress through `progress(done_bytes, total_bytes)` when given. The command line is a thin layer on this.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from lora_merge.architectures import Architecture, architecture_for
+from lora_merge.describe import describe
+from lora_merge.errors import MergeError
+from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapter, write_adapter
+from lora_merge.lora import LoraSettings, resolve_settings
+from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, execute
+from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
+from lora_merge.readers import open_checkpoint
+from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.report import hash_files, report_text, write_report
+from lora_merge.verification import VerifyReport, verify_output
+from lora_merge.writers.background import BackgroundWriter
+from lora_merge.writers.hf_files import COPIED_FILES, copy_reference_files, reference_files
+from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
+from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check_output_target,
+                                           remove_abandoned_side_files, remove_abandoned_staging)
+from lora_merge.writers.targets import InputPaths, check_report_path
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MIN_SHARD_BYTES = 10**6
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+def parse_size(text: str) -> int:
+    m = SIZE.match(text)
+    if not m or (m.group(2) or "").upper() not in UNITS:
+        raise MergeError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
+    return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
+
+
+def shard_size(value: int | str) -> int:
+    size = parse_size(value) if isinstance(value, str) else value
+    if not isinstance(size, int) or isinstance(size, bool) or size < MIN_SHARD_BYTES:
+        raise MergeError(f"max_shard_size {value!r} is below 1MB; a shard that small only multiplies files")
+    return size
+
+
+@dataclass
+class MergeResult:
+    """What a merge did (a dry run: what it would do, `plan` set and nothing written)."""
+
+    out: Path
+    base: str  # the base checkpoint, described
+    lora: str
+    dtype: str
+    tensors: int  # HF tensors written
+    bytes: int
+    lora_modules: int  # LoRA-adapted Megatron modules merged
+    r: int
+    alpha: float
+    scale: float
+    settings_source: str  # where r and alpha came from
+    skipped: dict[str, int]  # what was deliberately not written, by reason
+    files: list[str] = field(default_factory=list)
+    sha256: dict[str, str] = field(default_factory=dict)  # file -> digest (with checksums=True or a report)
+    seconds: float = 0.0
+    verified: bool = False
+    verify_report: VerifyReport | None = None
+    dry_run: bool = False
+    plan: MergePlan | None = None
+    inputs: object = None  # the opened inputs (for printing a dry-run plan)
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    lora: str
+    tensors: int
+    bytes: int
+    r: int
+    alpha: float
+    target_modules: list[str]
+    target_parameters: list[str]
+    files: list[str]
+
+
+class _Progress:
+    def __init__(self, callback, total: int):
+        self.callback, self.total, self.done = callback, total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.callback(self.done, self.total)
+
+
+def _path(value) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _abs(value) -> Path:
+    return Path(__import__("os").path.abspath(value))  # `out="."` names a directory, not a link
+
+
+def _warn_default(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def _dtype_choice(value: str) -> str:
+    if value != "auto" and value not in DTYPES:
+        raise MergeError(f"dtype {value!r}: expected auto, {', '.join(DTYPES)}")
+    return value
+
+
+def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
+          lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
+          force: bool = False, verify: bool = False, report=None, dry_run: bool = False, checksums: bool = False,
+          progress: Callable[[int, int], None] | None = None,
+          warn: Callable[[str], None] = _warn_default) -> MergeResult:
+    """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
+    opts = SimpleNamespace(base=_path(base), lora=_path(lora), hf_ref=_path(hf_ref), out=_abs(out),
+                           dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size), lora_r=lora_r,
+                           lora_alpha=lora_alpha, allow_partial_lora=allow_partial_lora, force=force, verify=verify,
+                           report=_path(report), dry_run=dry_run, checksums=checksums, progress=progress, warn=warn)
+    return run_merge(opts)
+
+
+def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_format: str = "per-expert",
+                   lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
+                   force: bool = False, report=None, warn: Callable[[str], None] = _warn_default) -> ExportResult:
+    """Write the LoRA as an unmerged PEFT adapter at `out` (see `lora-merge export-adapter --help`)."""
+    if expert_format not in EXPERT_FORMATS:
+        raise MergeError(f"expert_format {expert_format!r}: expected one of {', '.join(EXPERT_FORMATS)}")
+    opts = SimpleNamespace(base=_path(base), lora=_path(lora), hf_ref=_path(hf_ref), out=_abs(out),
+                           dtype=_dtype_choice(dtype), expert_format=expert_format, lora_r=lora_r,
+                           lora_alpha=lora_alpha, allow_partial_lora=allow_partial_lora, force=force,
+                           report=_path(report), warn=warn)
+    return run_export(opts)
+
+
+def verify(out, *, lora=None, base=None, hf_ref=None, lora_r: int | None = None, lora_alpha: float | None = None,
+           report=None, force: bool = False, warn: Callable[[str], None] = _warn_default) -> VerifyReport:
+    """Check a merged output (see `lora-merge verify --help`); problems are in the report's `problems`
+    (`ok` is False), bad input raises MergeError."""
+    opts = SimpleNamespace(out=Path(out), lora=_path(lora), base=_path(base), hf_ref=_path(hf_ref), lora_r=lora_r,
+                           lora_alpha=lora_alpha, report=_path(report), force=force, warn=warn)
+    return run_verify(opts)
+
+
+def inspect(checkpoint) -> str:
+    """What a Megatron checkpoint is (format, iteration, parallel layout, experts, LoRA, files), as text."""
+    return "\n".join(describe(open_checkpoint(Path(checkpoint))))
+
+
+# --- the runs, on an options namespace (the CLI's parsed arguments or the functions' keywords) ---
+
+@dataclass
+class Inputs:
+    shape: ModelShape
+    hf_config: dict
+    arch: Architecture
+    base: Checkpoint | None
+    lora: Checkpoint | None
+    settings: LoraSettings | None
+
+
+def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts, need_base: bool) -> Inputs:
+    shape, hf_config = read_hf_config(hf_dir)
+    arch = architecture_for(shape)
+    lora = open_checkpoint(lora_dir) if lora_dir else None
+    base = open_checkpoint(base_dir) if base_dir else lora
+    if base_dir and not base.params:
+        raise MergeError(f"{base_dir}: holds no base weights (is it a filtered LoRA checkpoint?)")
+    if need_base and base is lora and lora is not None and not lora.params:
+        raise MergeError(f"{lora_dir}: holds only LoRA weights (a filtered checkpoint); pass --base with the base model")
+    if base is not None and not base.params:
+        base = None
+    for ckpt in {id(c): c for c in (base, lora) if c is not None}.values():
+        check_against_args(shape, ckpt.args, str(ckpt.path))
+    settings = None
+    if lora is not None:
+        check_lora_targets(lora, arch, shape, getattr(opts, "allow_partial_lora", False))
+        settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
+        for warning in settings.warnings:
+            opts.warn(warning)
+    return Inputs(shape, hf_config, arch, base, lora, settings)
+
+
+def output_dtype(choice: str, shape: ModelShape, args) -> torch.dtype:
+    if choice != "auto":
+        return DTYPES[choice]
+    if shape.dtype is not None:
+        return shape.dtype
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def has_weights(hf_dir: Path | None) -> bool:
+    return hf_dir is not None and any(hf_dir.glob("*.safetensors"))
+
+
+def given_paths(*paths) -> InputPaths:
+    """The input paths as given, for the checks made before anything is opened."""
+    found = InputPaths()
+    for path in paths:
+        found.add(path)
+    return found
+
+
+def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | None) -> InputPaths:
+    """Every file and directory the run reads, for the checks on what it writes (`hf_dirs`: HF-layout dirs
+    read: the reference, and for verify the output being checked)."""
+    found = given_paths(base_dir, lora_dir)
+    for ckpt in (inp.base, inp.lora):
+        if ckpt is not None:
+            found.add_tree(ckpt.path, ckpt.sources)
+    for hf_dir in [hf_dirs] if isinstance(hf_dirs, Path) else hf_dirs:
+        if hf_dir is not None and hf_dir.is_dir():
+            found.add_tree(hf_dir, [hf_dir / name for name in ("config.json", "model.safetensors.index.json",
+                                                               *COPIED_FILES)] + sorted(hf_dir.iterdir()))
+    return found
+
+
+class VerificationFailed(MergeError):
+    def __init__(self, out: Path, report: VerifyReport, published: bool):
+        self.report, self.out = report, out
+        what = "" if published else ", nothing published"
+        super().__init__(f"{out}: verification failed ({len(report.problems)} problem(s)){what}")
+
+
+def run_merge(opts) -> MergeResult:
+    started = time.monotonic()
+    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, opts.force, roots, early=True)
+    check_report_path(opts.report, opts.force, roots, opts.out)
+    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
+    reference_files(opts.hf_ref)  # a broken reference file stops the run before any shard is written
+    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
+    check_output_target(opts.out, opts.force, inputs)
+    check_report_path(opts.report, opts.force, inputs, opts.out)
+    dtype = output_dtype(opts.dtype, inp.shape, inp.base.args)
+    plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+    writer_plan = plan.tensors
+    if opts.dry_run:
+        return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
+                           dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan),
+                           bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
+                           r=inp.settings.r, alpha=inp.settings.alpha, scale=inp.settings.scale,
+                           settings_source=inp.settings.source, skipped=dict(plan.skipped), dry_run=True, plan=plan,
+                           inputs=inp)
+
+    verify_report = None
+    # Space held by runs that were killed is given back before deciding whether there is enough.
+    remove_abandoned_staging(opts.out, inputs)
+    if opts.report:
+        remove_abandoned_side_files(opts.report, inputs)
+    check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
+    with StagedOutput(opts.out, opts.force, inputs) as stage:
+        staging = stage.dir
+        hashed = bool(opts.report) or opts.checksums
+        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=hashed)
+        progress = _Progress(opts.progress, writer.total_bytes) if opts.progress is not None else None
+        background = BackgroundWriter(writer.write)
+        try:
+            try:
+                execute(plan, background.write, progress.update if progress is not None else None)
+            finally:
+                background.close()
+            files = writer.finish()
+        finally:
+            writer.abort()
+        files += copy_reference_files(opts.hf_ref, staging, inp.hf_config, dtype)
+        if opts.verify:
+            verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
+                                          reference=opts.hf_ref if has_weights(opts.hf_ref) else None, base=inp.base)
+            if not verify_report.ok:
+                raise VerificationFailed(opts.out, verify_report, published=False)
+        hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256]) if hashed else {}
+        if opts.report:
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report))
+
+    return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
+                       dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
+                       lora_modules=plan.merged_modules, r=inp.settings.r, alpha=inp.settings.alpha,
+                       scale=inp.settings.scale, settings_source=inp.settings.source, skipped=dict(plan.skipped),
+                       files=files, sha256=hashes, seconds=time.monotonic() - started,
+                       verified=verify_report is not None, verify_report=verify_report)
+
+
+def run_export(opts) -> ExportResult:
+    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, opts.force, roots, early=True)
+    check_report_path(opts.report, opts.force, roots, opts.out)
+    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
+    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
+    check_output_target(opts.out, opts.force, inputs)
+    check_report_path(opts.report, opts.force, inputs, opts.out)
+    dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
+    adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format)
+    tensors = adapter.tensors
+    for warning in adapter.warnings:
+        opts.warn(warning)
+    if opts.report:
+        remove_abandoned_side_files(opts.report, inputs)
+    with StagedOutput(opts.out, opts.force, inputs) as stage:
+        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, inp.hf_config, opts.hf_ref))
+        if opts.report:
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(stage.dir, files), None))
+    return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
+                        bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
+                        target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,
+                        files=files)
+
+
+def run_verify(opts) -> VerifyReport:
+    out = opts.out
+    roots = given_paths(out, opts.base, opts.lora, opts.hf_ref)
+    check_report_path(opts.report, opts.force, roots)
+    if not (out / "config.json").is_file():
+        raise MergeError(f"{out}: no config.json; not a merged model directory")
+    inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
+    check_report_path(opts.report, opts.force, input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora))
+    dtype = inp.shape.dtype or torch.float32
+    reference = opts.hf_ref if has_weights(opts.hf_ref) else None
+    report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
+                           base=inp.base)
+    if opts.report:
+        files = sorted(p.name for p in out.iterdir() if p.is_file())
+        write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report),
+                     opts.force)
+    return report

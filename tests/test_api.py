@@ -1,0 +1,73 @@
+"""The Python API, called directly: the same merge as the command, results as objects, one exception type,
+progress through a callback, warnings through `warnings`, nothing printed."""
+
+import hashlib
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import lora_merge
+from conftest import FIXTURES
+
+NAME = "tp2pp2_fp32_filtered"
+ROOT = FIXTURES / NAME
+
+
+def test_merge_returns_what_it_did_and_matches_the_command(tmp_path, capsys, merged_fixture):
+    calls = []
+    result = lora_merge.merge(base=ROOT / "base", lora=str(ROOT / "lora"), hf_ref=ROOT / "hf_ref",
+                              out=tmp_path / "out", checksums=True, progress=lambda done, total: calls.append((done, total)))
+    assert capsys.readouterr() == ("", "")  # a library prints nothing
+    assert isinstance(result, lora_merge.MergeResult) and not result.dry_run
+    assert result.out == tmp_path / "out" and result.r == 4 and result.alpha == 12 and result.lora_modules == 16
+    assert result.skipped and result.tensors > 0 and result.dtype == "float32"
+    shards = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert shards and set(shards) <= set(result.files)
+    for name in result.files:  # every file written, hashed as it was written
+        assert result.sha256[name] == hashlib.sha256((tmp_path / "out" / name).read_bytes()).hexdigest()
+    assert calls and calls[-1] == (result.bytes, result.bytes) and all(a <= b for (a, _), (b, _) in zip(calls, calls[1:]))
+    for shard in shards:  # byte for byte what the command writes
+        assert (tmp_path / "out" / shard).read_bytes() == (merged_fixture(NAME) / shard).read_bytes()
+
+
+def test_dry_run_writes_nothing_and_describes_the_plan(tmp_path):
+    result = lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "out",
+                              dry_run=True)
+    assert result.dry_run and result.plan is not None and result.tensors == len(result.plan.tensors)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_raises_one_exception_type(tmp_path):
+    with pytest.raises(lora_merge.MergeError, match="does not exist"):
+        lora_merge.merge(base=tmp_path / "nope", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "out")
+    with pytest.raises(lora_merge.MergeError, match="below 1MB"):
+        lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
+                         max_shard_size="100KB")
+    with pytest.raises(lora_merge.MergeError, match="dtype 'fp8'"):
+        lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
+                         dtype="fp8")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_warnings_go_through_warnings(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "out",
+                         lora_alpha=16, dry_run=True)
+    assert any("--lora-alpha 16 overrides args.lora_alpha=12" in str(w.message) for w in caught)
+
+
+def test_verify_export_and_inspect(tmp_path, merged_fixture):
+    report = lora_merge.verify(merged_fixture(NAME), lora=ROOT / "lora", base=ROOT / "base", hf_ref=ROOT / "hf_ref")
+    assert report.ok and report.statuses and not report.problems
+
+    exported = lora_merge.export_adapter(lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "adapter")
+    assert exported.target_modules == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert len(list(f.keys())) == exported.tensors
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in f.keys())
+
+    text = lora_merge.inspect(ROOT / "lora")
+    assert "legacy Megatron checkpoint" in text and "TP=2 PP=2" in text
