@@ -127,6 +127,7 @@ class Rule:
     aliases: tuple[str, ...] = ()  # other names of the same parameter (TransformerEngine spec, torch_dist)
     layers: str = "all"  # in which decoder layers: "all", "dense" (plain MLP) or "moe" (routed experts)
     keep_dtype: torch.dtype | None = None  # written in this dtype whatever --dtype says (a routing bias)
+    instead_of: tuple[str, ...] = ()  # another naming: the rules (by Megatron name) it replaces when present
     parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)
 
     @property

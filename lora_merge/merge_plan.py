@@ -72,7 +72,7 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
     if lora is not None and lora is not base:
         plan.skipped.update(lora.skipped)
         if lora.params:
-            known = {name for _, names, _ in iter_rules(arch, shape) for name in names}
+            known = {name for _, names, _ in iter_rules(arch, shape, lora.has) for name in names}
             strays = set(lora.params) - known
             if strays:
                 raise MergeError(f"{lora.path}: holds tensors that are neither LoRA weights nor base weights of this "
@@ -112,7 +112,7 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
         plan.tasks.append(task)
 
-    for rule, names, hf_prefix in iter_rules(arch, shape):
+    for rule, names, hf_prefix in iter_rules(arch, shape, base.has):
         add(rule, names, hf_prefix)
 
     if unclaimed:
@@ -184,7 +184,7 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
         if target not in found:
             raise MergeError(f"{lora.path}: args.lora_target_modules lists {target!r} but the checkpoint has no "
                              f"LoRA weights for it")
-    modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, shape)
+    modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, shape, lora.has)
                if not isinstance(rule, Skip) and names[0].endswith(".weight"))
     expected = [m for m in modules if m.rsplit(".", 1)[-1] in targets]
     missing = [m for m in expected if m not in lora.lora]

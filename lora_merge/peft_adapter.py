@@ -67,7 +67,7 @@ def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, set
     """PEFT-named lora_A/lora_B tensors for every adapted HF projection, in HF layout (experts per expert)."""
     tensors = {}
     remaining = dict(lora.lora)
-    for rule, names, prefix in iter_rules(arch, shape):
+    for rule, names, prefix in iter_rules(arch, shape, lora.has):
         module = names[0].removesuffix(".weight")
         if not names[0].endswith(".weight") or module not in remaining:
             continue

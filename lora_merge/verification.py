@@ -339,7 +339,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
 
     expected_names = set()
     want_dtype = SAFETENSORS_DTYPES[dtype]
-    for rule, names, prefix in iter_rules(arch, shape):
+    for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c)):
         if isinstance(rule, Skip):
             continue
         megatron = (pick_name(names, base.params, base.path) if base is not None else None) or names[0]

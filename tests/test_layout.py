@@ -196,3 +196,21 @@ def test_deepseek_distill_qwen_32b_vocab_at_tp8():
     shape = shape_for(40, 8, hidden=hidden, vocab=vocab)
     check_shards([tuple(s.shape) for s in shards], "column", rule.global_shape(shape, [s.shape for s in shards]), "emb")
     assert torch.equal(rule.to_hf(shards, shape, "emb")["model.embed_tokens.weight"], table)
+
+
+def test_another_naming_replaces_the_rules_it_names_only_where_the_checkpoint_uses_it():
+    """MindSpeed fuses two projections into one parameter: the fused rule is used in a layer whose
+    checkpoint has its name and replaces the separate ones there; elsewhere the separate rules stand."""
+    from lora_merge.architectures.base import Architecture, iter_rules
+    from lora_merge.layout import Replicated
+
+    a = Replicated("attn.a.weight", ("hidden", "hidden"), hf="a.weight")
+    b = Replicated("attn.b.weight", ("hidden", "hidden"), hf="b.weight")
+    fused = Replicated("attn.ab.weight", ("hidden", "hidden"), hf="ab.weight", instead_of=("attn.a.weight", "attn.b.weight"))
+    arch = Architecture("toy", (), (a, b, fused), ())
+    shape = shape_for(4, 2)
+    names = lambda present: [names[0] for _, names, _ in iter_rules(arch, shape, present)]  # noqa: E731
+    assert names(None) == names(lambda n: False) == ["decoder.layers.0.attn.a.weight", "decoder.layers.0.attn.b.weight",
+                                                    "decoder.layers.1.attn.a.weight", "decoder.layers.1.attn.b.weight"]
+    assert names(lambda n: n == "decoder.layers.1.attn.ab.weight") == [
+        "decoder.layers.0.attn.a.weight", "decoder.layers.0.attn.b.weight", "decoder.layers.1.attn.ab.weight"]

@@ -62,15 +62,22 @@ class Architecture:
         return [r for r in rules if r.requires is None or r.requires in shape.features]
 
 
-def iter_rules(arch: Architecture, shape: ModelShape):
+def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], bool] | None = None):
     """(rule, full Megatron names it may have, HF name prefix) for every parameter, in output order; rules
-    with `{expert}` come once per routed expert, bound to its number."""
+    with `{expert}` come once per routed expert, bound to its number.
+
+    A rule with `instead_of` is another naming of some parameters (MindSpeed fusing two projections into
+    one): it is used in a layer where `present` says the checkpoint has its name, and then replaces the
+    rules it names; otherwise it is left out."""
     for rule in arch.active(arch.before_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
     for i in range(shape.num_layers):
         prefix, kind = MEGATRON_LAYER.format(i=i), "moe" if shape.is_moe_layer(i) else "dense"
-        for rule in arch.active(arch.layer_rules, shape):
-            if rule.layers not in ("all", kind):
+        rules = arch.active(arch.layer_rules, shape)
+        chosen = [r for r in rules if r.instead_of and present is not None and present(prefix + r.megatron)]
+        replaced = {name for r in chosen for name in r.instead_of}
+        for rule in rules:
+            if rule.layers not in ("all", kind) or rule.megatron in replaced or (rule.instead_of and rule not in chosen):
                 continue
             for bound in ([rule.bind(expert=e) for e in range(shape.moe.num_experts)] if rule.per_expert else [rule]):
                 yield bound, tuple(prefix + n for n in (bound.megatron, *bound.aliases)), HF_LAYER.format(i=i)

@@ -159,6 +159,10 @@ class Checkpoint:
             return EXPERT_TP, self.experts.etp
         return TP, self.tp
 
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds parameter `name`, as a base weight or as the module its LoRA adapts."""
+        return name in self.params or name.removesuffix(".weight") in self.lora
+
     def describe(self) -> str:
         parts = self.note or (f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else ""))
         return f"{self.format} checkpoint {self.path} (iteration {self.iteration}, {parts})"
