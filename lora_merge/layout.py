@@ -321,3 +321,28 @@ class Skip(Rule):
     def hf_blocks(self, shards, shape, where, global_pieces=False):
         return {}
 
+
+
+@dataclass(frozen=True)
+class ReplicatedRows(Rule):
+    """A replicated linear whose rows are several HF tensors stacked (MindSpeed's fused MLA down-projection:
+    [q_a_proj; kv_a_proj_with_mqa]): `parts` are (HF name, named row count) in order."""
+
+    parts: tuple[tuple[str, str], ...] = ()
+
+    def hf_names(self):
+        return tuple(name for name, _ in self.parts)
+
+    def hf_shapes(self, shape):
+        dims, rest = named_dims(shape), self.global_shape(shape)[1:]
+        return {name: (dims[rows], *rest) for name, rows in self.parts}
+
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        whole, dims, out, start = unshard_replicated(shards, where), named_dims(shape), {}, 0
+        if sum(dims[rows] for _, rows in self.parts) != whole.shape[0]:  # never leave rows unwritten
+            raise MergeError(f"{where}: {whole.shape[0]} rows, but its parts "
+                             f"{', '.join(f'{n} ({dims[r]})' for n, r in self.parts)} add up to another number")
+        for name, rows in self.parts:
+            out[name] = single(whole[start:start + dims[rows]])
+            start += dims[rows]
+        return out

@@ -214,3 +214,27 @@ def test_another_naming_replaces_the_rules_it_names_only_where_the_checkpoint_us
                                                     "decoder.layers.1.attn.a.weight", "decoder.layers.1.attn.b.weight"]
     assert names(lambda n: n == "decoder.layers.1.attn.ab.weight") == [
         "decoder.layers.0.attn.a.weight", "decoder.layers.0.attn.b.weight", "decoder.layers.1.attn.ab.weight"]
+
+
+def test_replicated_rows_split_a_fused_replicated_linear_and_its_lora_b_alike():
+    """MindSpeed's fused MLA down-projection [q_a; kv_a] is replicated on every rank; its LoRA has one A
+    (shared) and a B whose rows split exactly like the weight's."""
+    from lora_merge.layout import ReplicatedRows
+    from lora_merge.lora import hf_factors
+    from lora_merge.readers.checkpoint import LoraModule, Pieces, TensorRef
+
+    shape = shape_for(4, 2, hidden=3)  # q: heads·head_dim = 8 rows, kv: 2·2 = 4 rows in the toy dims
+    rule = ReplicatedRows("qkv.weight", ("qkv", "hidden"), parts=(("q_a.weight", "q"), ("kv_a.weight", "kv")))
+    weight = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)
+    out = rule.to_hf([weight, weight.clone()], shape, "t")
+    assert torch.equal(out["q_a.weight"], weight[:8]) and torch.equal(out["kv_a.weight"], weight[8:12])
+    with pytest.raises(MergeError, match="differs between TP rank 0 and TP rank 1"):
+        rule.to_hf([weight, weight + 1], shape, "t")
+    with pytest.raises(MergeError, match="16 rows, but its parts"):  # rows past the parts are never dropped
+        rule.to_hf([torch.zeros(16, 3)], shape, "t")
+
+    a, b = torch.randn(2, 3), torch.randn(12, 2)
+    ref = lambda t: TensorRef.of("t", t, mapped=False)  # noqa: E731
+    factors = hf_factors(rule, LoraModule(Pieces((ref(a), ref(a))), Pieces((ref(b), ref(b)))), shape, "qkv")
+    assert torch.equal(factors["q_a.weight"][0], b[:8]) and torch.equal(factors["kv_a.weight"][0], b[8:12])
+    assert all(torch.equal(f[1], a) for f in factors.values())

@@ -15,7 +15,7 @@ from lora_merge.architectures.dense import DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_
 from lora_merge.architectures.moe import TRAINING_ONLY_KEYS, routed_experts, shared_expert
 from lora_merge.architectures.base import Architecture
 from lora_merge.errors import MergeError
-from lora_merge.layout import ColumnParallel, Replicated, RowParallel
+from lora_merge.layout import ColumnParallel, Replicated, ReplicatedRows, RowParallel
 from lora_merge.mla_shape import MlaShape
 from lora_merge.moe_shape import MoeShape
 from dataclasses import replace
@@ -37,6 +37,12 @@ MLA_ATTENTION = (
     ColumnParallel(ATTN + "linear_kv_up_proj.weight", ("kv_heads", "kv_lora"), hf="self_attn.kv_b_proj.weight"),
     RowParallel(ATTN + "linear_proj.weight", ("hidden", "v_heads"), hf="self_attn.o_proj.weight"),
 )
+# MindSpeed-LLM's naming: one replicated linear for both down-projections (its LoRA: one A, B split at q_lora).
+MINDSPEED_QKV = ReplicatedRows(ATTN + "linear_qkv.weight", ("q_kv_down", "hidden"), requires="q_lora",
+                               parts=(("self_attn.q_a_proj.weight", "q_lora"),
+                                      ("self_attn.kv_a_proj_with_mqa.weight", "kv_down")),
+                               instead_of=(ATTN + "linear_q_down_proj.weight", ATTN + "linear_kv_down_proj.weight"))
+
 MOE = (
     *routed_experts(router="mlp.gate.weight", gate="mlp.experts.{expert}.gate_proj.weight",
                     up="mlp.experts.{expert}.up_proj.weight", down="mlp.experts.{expert}.down_proj.weight"),
@@ -96,5 +102,5 @@ CONFIG = HfConfig(
 
 ARCHITECTURE = Architecture(
     name="deepseek_v3", before_layers=EMBEDDING,
-    layer_rules=(*MLA_ATTENTION, PRE_MLP_NORM, *(replace(rule, layers="dense") for rule in DENSE_MLP), *MOE),
+    layer_rules=(*MLA_ATTENTION, MINDSPEED_QKV, PRE_MLP_NORM, *(replace(rule, layers="dense") for rule in DENSE_MLP), *MOE),
     after_layers=FINAL, config=CONFIG)
