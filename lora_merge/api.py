@@ -30,6 +30,7 @@ from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, exe
 from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
 from lora_merge.report import hash_files, report_text, write_report
 from lora_merge.verification import VerifyReport, verify_output
 from lora_merge.writers.background import BackgroundWriter
@@ -182,6 +183,16 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     shape, hf_config = read_hf_config(hf_dir)
     arch = architecture_for(shape)
     lora = open_checkpoint(lora_dir) if lora_dir else None
+    if base_dir is not None and is_hf_model_dir(base_dir):
+        if lora is None:
+            raise MergeError(f"{base_dir}: an HF model as --base needs a Megatron --lora to merge")
+        base = read_hf_model(base_dir)
+        check_against_args(shape, lora.args, str(lora.path))
+        check_lora_targets(lora, arch, shape, getattr(opts, "allow_partial_lora", False))
+        settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
+        for warning in settings.warnings:
+            opts.warn(warning)
+        return Inputs(shape, hf_config, arch, base, lora, settings)
     base = open_checkpoint(base_dir) if base_dir else lora
     if base_dir and not base.params:
         raise MergeError(f"{base_dir}: holds no base weights (is it a filtered LoRA checkpoint?)")
@@ -255,7 +266,7 @@ def run_merge(opts) -> MergeResult:
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
-    dtype = output_dtype(opts.dtype, inp.shape, inp.base.args)
+    dtype = output_dtype(opts.dtype, inp.shape, getattr(inp.base, "args", None) or inp.lora.args)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     writer_plan = plan.tensors
     if opts.dry_run:
@@ -288,8 +299,10 @@ def run_merge(opts) -> MergeResult:
             writer.abort()
         files += copy_reference_files(opts.hf_ref, staging, inp.hf_config, dtype)
         if opts.verify:
+            hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline
+            reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
-                                          reference=opts.hf_ref if has_weights(opts.hf_ref) else None, base=inp.base)
+                                          reference=reference, base=None if hf_base else inp.base)
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
         hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256]) if hashed else {}

@@ -16,10 +16,11 @@ import torch
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
-from lora_merge.layout import Rule, Skip, check_shards
+from lora_merge.layout import Rule, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces, release_pages
+from lora_merge.readers.hf_model import HfModel
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
 
@@ -62,8 +63,68 @@ def _preview(names) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+HF = "HF"  # the Pieces group of an HF base's tensors: already in HF layout
+
+
+@dataclass(frozen=True)
+class HfTensors:
+    """A rule whose HF tensors come from an HF base as they are: nothing to un-shard. Everything else (the
+    LoRA factors brought to HF layout, shapes, dtype) is the rule's own."""
+
+    rule: Rule
+
+    def __getattr__(self, name):
+        return getattr(self.rule, name)
+
+    def hf_blocks(self, tensors, shape, where, global_pieces=False):
+        return {name: single(t) for name, t in zip(self.rule.hf_shapes(shape), tensors)}
+
+
+def build_hf_base_plan(base: HfModel, lora: Checkpoint, shape: ModelShape, arch: Architecture,
+                       settings: LoraSettings, dtype: torch.dtype) -> MergePlan:
+    """The plan for a Megatron LoRA onto an HF base: every HF tensor of the table from the base, merged
+    with its module's factors where it has them."""
+    plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
+    plan.skipped.update(base.skipped)
+    plan.skipped.update(lora.skipped)
+    plan.replicas = list(lora.replicas)
+    if lora.params:
+        plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
+    unclaimed, adapters = set(base.tensors), dict(lora.lora)
+    for rule, names, hf_prefix in iter_rules(arch, shape, lora.has):
+        if isinstance(rule, Skip):
+            continue
+        refs = []
+        for name, dims in rule.hf_shapes(shape).items():
+            ref = base.tensors.get(hf_prefix + name)
+            if ref is None:
+                raise MergeError(f"{base.path}: missing {hf_prefix + name}, which a {shape.model_type} model with this "
+                                 "config has")
+            if tuple(ref.shape) != tuple(dims):
+                raise MergeError(f"{ref.where}: shape {list(ref.shape)}, the config implies {list(dims)}")
+            unclaimed.discard(hf_prefix + name)
+            refs.append(ref)
+        task = Task(rule=HfTensors(rule), megatron=names[0], hf_prefix=hf_prefix, pieces=Pieces(tuple(refs), HF),
+                    outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
+                             for name, dims in rule.hf_shapes(shape).items()])
+        theirs = pick_name(names, lora.params, lora.path)
+        if theirs is not None:  # an unfiltered LoRA checkpoint: its own base must be this one
+            check_same_base(rule, theirs, task.pieces, fitted_pieces(lora, theirs, rule), shape, base, lora)
+        if names[0].endswith(".weight") and task.lora_module in adapters:
+            task.lora = adapters.pop(task.lora_module)
+            check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
+        plan.tasks.append(task)
+    if unclaimed:
+        raise MergeError(f"{base.path}: tensors this {shape.model_type} layout does not know: {_preview(unclaimed)}")
+    if adapters:
+        raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
+    return plan
+
+
 def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
+    if isinstance(base, HfModel):
+        return build_hf_base_plan(base, lora, shape, arch, settings, dtype)
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
     plan.skipped.update(base.skipped)
     plan.replicas = base.replicas + (lora.replicas if lora is not None and lora is not base else [])
@@ -140,7 +201,8 @@ def check_same_base(rule: Rule, name: str, base_refs: Pieces, lora_refs: Pieces,
                      f"{name} ({lora_refs[0].where})")
     except MergeError as exc:
         raise differ from exc
-    mine = rule.hf_blocks([r.load() for r in base_refs], shape, name, base_refs.is_global)
+    mine = (HfTensors(rule) if base_refs.group == HF else rule).hf_blocks([r.load() for r in base_refs], shape, name,
+                                                                         base_refs.is_global)
     theirs = rule.hf_blocks([r.load() for r in lora_refs], shape, name, lora_refs.is_global)
     for hf_name, blocks in mine.items():
         rows = sum(b.rows for b in blocks)

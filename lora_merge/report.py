@@ -28,6 +28,8 @@ def hash_files(directory: Path, names) -> dict[str, str]:
 def _describe(ckpt: Checkpoint | None) -> dict | None:
     if ckpt is None:
         return None
+    if ckpt.format == "HF":
+        return {"path": str(ckpt.path), "format": "HF", "files": [str(p) for p in ckpt.sources]}
     return {"path": str(ckpt.path), "format": ckpt.format, "iteration": ckpt.iteration, "tp": ckpt.tp,
             "pp": ckpt.pp, "vpp": ckpt.vpp, "layout_note": ckpt.note or None, "adapter": ckpt.adapter_name}
 
