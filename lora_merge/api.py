@@ -31,6 +31,7 @@ from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
+from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
 from lora_merge.report import hash_files, report_text, write_report
 from lora_merge.verification import VerifyReport, verify_output
 from lora_merge.writers.background import BackgroundWriter
@@ -182,6 +183,8 @@ class Inputs:
 def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts, need_base: bool) -> Inputs:
     shape, hf_config = read_hf_config(hf_dir)
     arch = architecture_for(shape)
+    if lora_dir is not None and is_peft_adapter_dir(lora_dir):
+        return _open_peft(shape, hf_config, arch, hf_dir, base_dir, lora_dir, opts)
     lora = open_checkpoint(lora_dir) if lora_dir else None
     if base_dir is not None and is_hf_model_dir(base_dir):
         if lora is None:
@@ -209,6 +212,23 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         for warning in settings.warnings:
             opts.warn(warning)
     return Inputs(shape, hf_config, arch, base, lora, settings)
+
+
+def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora_dir: Path, opts) -> Inputs:
+    """A PEFT adapter goes onto HF weights: --base, or the reference's own when --base is not given."""
+    if opts.lora_r is not None or opts.lora_alpha is not None:
+        raise MergeError(f"{lora_dir}: --lora-r/--lora-alpha set a Megatron LoRA's settings; a PEFT adapter's r and "
+                         "lora_alpha (and rank/alpha patterns) come from its adapter_config.json")
+    base_dir = base_dir or hf_dir
+    if not is_hf_model_dir(base_dir):
+        raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
+                         "model dir with safetensors weights")
+    adapter = read_peft_adapter(lora_dir)
+    settings = LoraSettings(r=adapter.config["r"], alpha=float(adapter.config["lora_alpha"]),
+                            source="adapter_config.json" + (", rsLoRA" if adapter.config.get("use_rslora") else "")
+                            + (", per-module patterns" if adapter.config.get("rank_pattern")
+                               or adapter.config.get("alpha_pattern") else ""))
+    return Inputs(shape, hf_config, arch, read_hf_model(base_dir), adapter, settings)
 
 
 def output_dtype(choice: str, shape: ModelShape, args) -> torch.dtype:
@@ -266,7 +286,9 @@ def run_merge(opts) -> MergeResult:
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
-    dtype = output_dtype(opts.dtype, inp.shape, getattr(inp.base, "args", None) or inp.lora.args)
+    dtype = output_dtype(opts.dtype, inp.shape, getattr(inp.base, "args", None) or getattr(inp.lora, "args", None))
+    if opts.dtype == "auto" and inp.shape.dtype is None and isinstance(inp.base, HfModel):
+        dtype = inp.base.dtype  # the HF weights' own
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     writer_plan = plan.tensors
     if opts.dry_run:

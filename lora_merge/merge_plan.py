@@ -21,6 +21,7 @@ from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces, release_pages
 from lora_merge.readers.hf_model import HfModel
+from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
 
@@ -33,7 +34,8 @@ class Task:
     hf_prefix: str
     pieces: Pieces
     outputs: list[PlannedTensor]
-    lora: LoraModule | None = None
+    lora: LoraModule | None = None  # a Megatron LoRA module's factors (brought to HF layout by the rule)
+    delta: dict | None = None  # or factors already in HF layout, by HF name (a PEFT adapter's, with their scale)
 
     @property
     def lora_module(self) -> str:
@@ -55,7 +57,7 @@ class MergePlan:
 
     @property
     def merged_modules(self) -> int:
-        return sum(task.lora is not None for task in self.tasks)
+        return sum(task.lora is not None for task in self.tasks) + sum(len(task.delta or ()) for task in self.tasks)
 
 
 def _preview(names) -> str:
@@ -121,8 +123,47 @@ def build_hf_base_plan(base: HfModel, lora: Checkpoint, shape: ModelShape, arch:
     return plan
 
 
+def build_peft_plan(base: HfModel, adapter: PeftAdapter, shape: ModelShape, arch: Architecture,
+                    settings: LoraSettings, dtype: torch.dtype) -> MergePlan:
+    """A PEFT adapter onto an HF base: both in HF names, each adapted tensor merged with its own scale, a
+    trained bias replacing the base's."""
+    plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
+    plan.skipped.update(base.skipped)
+    unclaimed, factors, biases = set(base.tensors), dict(adapter.factors), dict(adapter.biases)
+    for rule, names, hf_prefix in iter_rules(arch, shape):
+        if isinstance(rule, Skip):
+            continue
+        refs, delta = [], {}
+        for name, dims in rule.hf_shapes(shape).items():
+            full = hf_prefix + name
+            ref = biases.pop(full, None) or base.tensors.get(full)
+            if ref is None:
+                raise MergeError(f"{base.path}: missing {full}, which a {shape.model_type} model with this config has")
+            if tuple(ref.shape) != tuple(dims):
+                raise MergeError(f"{ref.where}: shape {list(ref.shape)}, the config implies {list(dims)}")
+            unclaimed.discard(full)
+            refs.append(ref)
+            if full in factors:
+                f = factors.pop(full)
+                if (f.b.shape[0], f.a.shape[1]) != tuple(dims):
+                    raise MergeError(f"{f.a.where}: LoRA factors of {full} give [{f.b.shape[0]}, {f.a.shape[1]}], "
+                                     f"the weight is {list(dims)}")
+                delta[name] = f
+        plan.tasks.append(Task(rule=HfTensors(rule), megatron=names[0], hf_prefix=hf_prefix, pieces=Pieces(tuple(refs), HF),
+                               outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
+                                        for name, dims in rule.hf_shapes(shape).items()], delta=delta or None))
+    if unclaimed:
+        raise MergeError(f"{base.path}: tensors this {shape.model_type} layout does not know: {_preview(unclaimed)}")
+    if factors or biases:
+        raise MergeError(f"{adapter.path}: adapts tensors this {shape.model_type} model does not have: "
+                         f"{_preview(list(factors) + list(biases))}")
+    return plan
+
+
 def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
+    if isinstance(lora, PeftAdapter):
+        return build_peft_plan(base, lora, shape, arch, settings, dtype)
     if isinstance(base, HfModel):
         return build_hf_base_plan(base, lora, shape, arch, settings, dtype)
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
@@ -314,7 +355,11 @@ def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:
     shape = plan.shape
     where = f"{task.megatron} ({task.pieces[0].where})"
     blocks = task.rule.hf_blocks([ref.load() for ref in task.pieces], shape, where, task.pieces.is_global)
-    factors = hf_factors(task.rule, task.lora, shape, task.lora_module) if task.lora is not None else {}
+    if task.lora is not None:
+        factors = {name: (b, a, plan.settings.scale)
+                   for name, (b, a) in hf_factors(task.rule, task.lora, shape, task.lora_module).items()}
+    else:
+        factors = {name: (f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
     for planned in task.outputs:
         name = planned.name[len(task.hf_prefix):]
         for piece, then in _pieces(blocks[name], factors.get(name), plan, planned, task.pieces.mapped):
@@ -322,7 +367,8 @@ def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:
             if progress is not None:
                 progress(piece.nbytes)
     del blocks
-    for ref in task.pieces.refs + (task.lora.refs if task.lora is not None else ()):
+    delta = tuple(ref for f in (task.delta or {}).values() for ref in (f.a, f.b))
+    for ref in task.pieces.refs + (task.lora.refs if task.lora is not None else ()) + delta:
         ref.release()  # replicated copies on other ranks, and the LoRA factors' pages
 
 
@@ -361,9 +407,9 @@ def _pieces(blocks, factors, plan: MergePlan, planned: PlannedTensor, mapped: bo
             else:
                 # NaN/Inf in W carries into W + ΔW, so the merged rows are checked once; only if they fail is
                 # the source checked, to say which of the two is at fault.
-                b, a = factors
+                b, a, scale = factors
                 try:
-                    piece = merge_weight(rows, b[offset + start: offset + stop], a, plan.settings.scale, dtype, name)
+                    piece = merge_weight(rows, b[offset + start: offset + stop], a, scale, dtype, name)
                 except MergeError:
                     for source in sources:
                         check_finite(source, name, damaged)

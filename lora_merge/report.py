@@ -28,8 +28,8 @@ def hash_files(directory: Path, names) -> dict[str, str]:
 def _describe(ckpt: Checkpoint | None) -> dict | None:
     if ckpt is None:
         return None
-    if ckpt.format == "HF":
-        return {"path": str(ckpt.path), "format": "HF", "files": [str(p) for p in ckpt.sources]}
+    if ckpt.format in ("HF", "PEFT"):
+        return {"path": str(ckpt.path), "format": ckpt.format, "files": [str(p) for p in ckpt.sources]}
     return {"path": str(ckpt.path), "format": ckpt.format, "iteration": ckpt.iteration, "tp": ckpt.tp,
             "pp": ckpt.pp, "vpp": ckpt.vpp, "layout_note": ckpt.note or None, "adapter": ckpt.adapter_name}
 
@@ -43,7 +43,8 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
             for t in task.outputs:
                 tensors[t.name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                                    "file": file_of.get(t.name), "source": task.megatron,
-                                   "status": "merged with LoRA" if task.lora is not None else "converted"}
+                                   "status": "merged with LoRA" if task.lora is not None or
+                                   t.name[len(task.hf_prefix):] in (task.delta or {}) else "converted"}
     if verify is not None:
         for name, status in verify.statuses.items():
             tensors.setdefault(name, {})["verify"] = status

@@ -39,6 +39,14 @@ class HfModel:
     sources: list = field(default_factory=list)
     format: str = "HF"
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype most of its bytes have."""
+        weight: dict[torch.dtype, int] = {}
+        for ref in self.tensors.values():
+            weight[ref.dtype] = weight.get(ref.dtype, 0) + ref.nbytes
+        return max(weight, key=weight.get)
+
     def describe(self) -> str:
         return f"HF model {self.path} ({len(self.tensors)} tensors in {len(self.sources) - 1} file(s))"
 

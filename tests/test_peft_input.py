@@ -1,0 +1,114 @@
+"""A PEFT adapter as --lora, merged onto HF weights at constant memory: the tensors equal PEFT's own
+merge_and_unload, and the merged model computes what PEFT's unmerged model computes."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BASE_ONLY, FIXTURES, merge_args
+from lora_merge.cli import main
+
+NAME = "tp2pp2_fp32_filtered"  # Qwen2: q/k/v biases, 4 layers
+ROOT = FIXTURES / NAME
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "base"
+    assert main(merge_args(NAME, out) + BASE_ONLY) == 0
+    return out
+
+
+def make_adapter(base, out, dtype=torch.float32, **config):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    peft_model = get_peft_model(model, LoraConfig(**config))
+    torch.manual_seed(7)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name or (config.get("bias") == "all" and name.endswith(".bias")):
+            with torch.no_grad():
+                p.add_(torch.randn_like(p) * 0.1)  # a trained adapter (PEFT starts B at zero)
+    peft_model.save_pretrained(out)
+    return peft_model
+
+
+CONFIGS = {
+    "rslora_patterns_biases": dict(r=4, lora_alpha=8, use_rslora=True, bias="all",
+                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"],
+                                   rank_pattern={"o_proj": 2, r"layers\.1\.mlp\.up_proj": 6}, alpha_pattern={"down_proj": 3}),
+    "regex_layers": dict(r=8, lora_alpha=16, target_modules=r".*\.(q_proj|v_proj|down_proj)$"),
+    "layers_to_transform": dict(r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj"], layers_to_transform=[0, 2]),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_peft_adapter_merges_as_peft_does(name, hf_base, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    peft_model = make_adapter(hf_base, tmp_path / "adapter", **CONFIGS[name])
+    out = tmp_path / "out"
+    assert main(["--base", str(hf_base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref"),
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "PEFT adapter" in capsys.readouterr().out
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unmerged = peft_model(ids).logits
+        theirs = peft_model.merge_and_unload().state_dict()
+    ours = load_file(out / "model.safetensors")
+    base = load_file(hf_base / "model.safetensors")
+    assert set(ours) == set(theirs)
+    worst = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    changed = sum(not torch.equal(ours[k], base[k]) for k in ours)
+    assert worst <= 1e-6 and changed > 0, (worst, changed)
+    with torch.no_grad():
+        mine = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    assert (mine - unmerged).abs().max() <= 1e-4
+    print(f"\n{name}: {changed} tensors changed, max |ours - PEFT merge_and_unload| = {worst:.1e}, "
+          f"max |logits - PEFT unmerged| = {(mine - unmerged).abs().max():.1e}")
+
+
+def test_bf16_is_rounded_once(hf_base, tmp_path):
+    """bf16 weights: W + s·B·A computed in float32 and rounded once (PEFT rounds the delta first)."""
+    bf16 = tmp_path / "bf16"
+    assert main(merge_args(NAME, bf16) + BASE_ONLY + ["--dtype", "bfloat16"]) == 0
+    make_adapter(bf16, tmp_path / "adapter", dtype=torch.bfloat16, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    out = tmp_path / "out"
+    assert main(["--base", str(bf16), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(bf16),
+                 "--out", str(out), "--no-progress"]) == 0
+    ours, base = load_file(out / "model.safetensors"), load_file(bf16 / "model.safetensors")
+    factors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    key = "model.layers.1.mlp.down_proj"
+    a = factors[f"base_model.model.{key}.lora_A.weight"].float()
+    b = factors[f"base_model.model.{key}.lora_B.weight"].float()
+    exact = (base[f"{key}.weight"].float() + 2.0 * b @ a).to(torch.bfloat16)
+    assert ours[f"{key}.weight"].dtype == torch.bfloat16 and torch.equal(ours[f"{key}.weight"], exact)
+
+
+@pytest.mark.parametrize("change,expected", [({"use_dora": True}, "DoRA"),
+                                             ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                                             ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
+                                             ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+                                             ({"layer_replication": [[0, 2]]}, "layer_replication")])
+def test_what_peft_adds_beyond_plain_lora_is_refused(change, expected, hf_base, tmp_path, capsys):
+    make_adapter(hf_base, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj"])
+    capsys.readouterr()  # transformers' loading bar
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    code = main(["--base", str(hf_base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref"),
+                 "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_megatron_lora_options_are_refused_for_a_peft_adapter(hf_base, tmp_path, capsys):
+    make_adapter(hf_base, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj"])
+    code = main(["--base", str(hf_base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref"),
+                 "--out", str(tmp_path / "out"), "--no-progress", "--lora-alpha", "8"])
+    assert code == 2 and "adapter_config.json" in capsys.readouterr().err
