@@ -36,6 +36,7 @@ from lora_merge.report import hash_files, report_text, write_report
 from lora_merge.verification import VerifyReport, verify_output
 from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.hf_files import COPIED_FILES, copy_reference_files, reference_files
+from lora_merge.writers.model_card import model_card
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
@@ -79,7 +80,7 @@ class MergeResult:
     settings_source: str  # where r and alpha came from
     skipped: dict[str, int]  # what was deliberately not written, by reason
     files: list[str] = field(default_factory=list)
-    sha256: dict[str, str] = field(default_factory=dict)  # file -> digest (with checksums=True or a report)
+    sha256: dict[str, str] = field(default_factory=dict)  # file -> digest, hashed while writing (README.md aside)
     seconds: float = 0.0
     verified: bool = False
     verify_report: VerifyReport | None = None
@@ -130,14 +131,14 @@ def _dtype_choice(value: str) -> str:
 
 def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
-          force: bool = False, verify: bool = False, report=None, dry_run: bool = False, checksums: bool = False,
+          force: bool = False, verify: bool = False, report=None, dry_run: bool = False,
           progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
     opts = SimpleNamespace(base=_path(base), lora=_path(lora), hf_ref=_path(hf_ref), out=_abs(out),
                            dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size), lora_r=lora_r,
                            lora_alpha=lora_alpha, allow_partial_lora=allow_partial_lora, force=force, verify=verify,
-                           report=_path(report), dry_run=dry_run, checksums=checksums, progress=progress, warn=warn)
+                           report=_path(report), dry_run=dry_run, progress=progress, warn=warn)
     return run_merge(opts)
 
 
@@ -307,8 +308,7 @@ def run_merge(opts) -> MergeResult:
     check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
     with StagedOutput(opts.out, opts.force, inputs) as stage:
         staging = stage.dir
-        hashed = bool(opts.report) or opts.checksums
-        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=hashed)
+        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=True)
         progress = _Progress(opts.progress, writer.total_bytes) if opts.progress is not None else None
         background = BackgroundWriter(writer.write)
         try:
@@ -327,7 +327,10 @@ def run_merge(opts) -> MergeResult:
                                           reference=reference, base=None if hf_base else inp.base)
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
-        hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256]) if hashed else {}
+        hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
+        (staging / "README.md").write_text(model_card(opts.out.name, inp.base, inp.lora, inp.hf_config, inp.settings,
+                                                      str(dtype).removeprefix("torch."), plan.merged_modules, hashes))
+        files.append("README.md")
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report))
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(opts, "out", None) is not None and command != "verify":
         opts.out = Path(os.path.abspath(opts.out))  # `--out .` or `--out ..` name a directory, not a link
     PUBLISHED.clear()
-    opts.warn, opts.progress, opts.checksums = warn, None, False
+    opts.warn, opts.progress = warn, None
     with signals_raise():
         try:
             return _run(command, opts)

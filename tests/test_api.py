@@ -18,15 +18,19 @@ ROOT = FIXTURES / NAME
 def test_merge_returns_what_it_did_and_matches_the_command(tmp_path, capsys, merged_fixture):
     calls = []
     result = lora_merge.merge(base=ROOT / "base", lora=str(ROOT / "lora"), hf_ref=ROOT / "hf_ref",
-                              out=tmp_path / "out", checksums=True, progress=lambda done, total: calls.append((done, total)))
+                              out=tmp_path / "out", progress=lambda done, total: calls.append((done, total)))
     assert capsys.readouterr() == ("", "")  # a library prints nothing
     assert isinstance(result, lora_merge.MergeResult) and not result.dry_run
     assert result.out == tmp_path / "out" and result.r == 4 and result.alpha == 12 and result.lora_modules == 16
     assert result.skipped and result.tensors > 0 and result.dtype == "float32"
     shards = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
     assert shards and set(shards) <= set(result.files)
-    for name in result.files:  # every file written, hashed as it was written
-        assert result.sha256[name] == hashlib.sha256((tmp_path / "out" / name).read_bytes()).hexdigest()
+    for name in result.files:  # every file written, hashed as it was written (the model card aside)
+        if name != "README.md":
+            assert result.sha256[name] == hashlib.sha256((tmp_path / "out" / name).read_bytes()).hexdigest()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert card.startswith("---\n") and "library_name: transformers" in card and "r=4, alpha=12" in card
+    assert all(f"| {name} | `{digest}` |" in card for name, digest in result.sha256.items())
     assert calls and calls[-1] == (result.bytes, result.bytes) and all(a <= b for (a, _), (b, _) in zip(calls, calls[1:]))
     for shard in shards:  # byte for byte what the command writes
         assert (tmp_path / "out" / shard).read_bytes() == (merged_fixture(NAME) / shard).read_bytes()

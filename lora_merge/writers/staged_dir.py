@@ -52,7 +52,7 @@ def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool 
 # What an output of this tool holds: shards and index, configs and reports (*.json), the reference's
 # tokenizer, chat template and remote code. Anything else in a directory means it is someone's own.
 OUTPUT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|adapter_model\.safetensors|[^/]+\.json|[^/]+\.py|"
-                         r"merges\.txt|tokenizer\.model|chat_template\.jinja)$")
+                         r"merges\.txt|tokenizer\.model|chat_template\.jinja|README\.md)$")
 
 
 def _check_replaceable(out: Path) -> None:
