@@ -12,7 +12,7 @@ models with multi-latent attention (MLA):
   use_transformer_engine=False)``: ``MLASelfAttention`` (``linear_q_down_proj`` / ``q_layernorm`` /
   ``linear_q_up_proj`` or ``linear_q_proj``, ``linear_kv_down_proj`` / ``kv_layernorm`` /
   ``linear_kv_up_proj``, ``linear_proj``; the norms exist only with ``qk_layernorm=True``), layer 0 a
-  dense MLP (``moe_layer_freq=[0, 1, 1, 1]``), the others ``MoELayer`` = ``TopKRouter`` +
+  dense MLP (``moe_layer_freq=[0, 1, 1]``), the others ``MoELayer`` = ``TopKRouter`` +
   ``SequentialMLP`` + an ungated ``SharedExpertMLP``;
 * DeepSeek-V3 routing (sigmoid scores, aux-free ``router.expert_bias`` filled with non-zero random
   values, group-limited top-k, renormalised top-k weights times ``moe_router_topk_scaling_factor``)
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import shutil
 import sys
@@ -61,7 +60,7 @@ REPO_ROOT = SCRIPTS.parent
 # --------------------------------------------------------------------------------------------
 
 DS_MODEL = dict(
-    num_layers=4,
+    num_layers=3,
     hidden_size=64,
     num_attention_heads=4,
     ffn_hidden_size=96,          # the dense layer 0 (HF intermediate_size)
@@ -76,7 +75,7 @@ DS_MODEL = dict(
     rotary_base=10000,
     norm_epsilon=1e-6,
 )
-MOE_LAYER_FREQ = [0, 1, 1, 1]
+MOE_LAYER_FREQ = [0, 1, 1]
 LORA_R, LORA_ALPHA = mf.LORA_R, mf.LORA_ALPHA
 BASE_ITER, LORA_ITER, STALE_LORA_ITER = mf.BASE_ITER, mf.LORA_ITER, mf.STALE_LORA_ITER
 MIN_REL_MARGIN = 1e-3
@@ -89,14 +88,14 @@ BUILT = {
     "deepseek_v3_ep2": dict(
         family="deepseek_v3", tp=1, ep=2, etp=1, num_experts=16, topk=4, q_lora_rank=48,
         score="sigmoid", pre_softmax=False, expert_bias=True, groups=(4, 2), scaling=2.5, n_shared=1,
-        base_seed=21000, lora_seed=22000, router_std=0.3, router_seed=21004, bias_std=0.05, fused=True,
+        base_seed=21000, lora_seed=22000, router_std=0.3, router_seed=21014, bias_std=0.05, fused=True,
     ),
     # DeepSeek-V2-Lite: q_proj directly (q_lora_rank None), softmax over all experts then greedy top-2
     # (moe_router_pre_softmax=True: no renormalisation, HF norm_topk_prob=False), 8 experts, 2 shared.
     "deepseek_v2_lite_ep2": dict(
         family="deepseek_v2", tp=1, ep=2, etp=1, num_experts=8, topk=2, q_lora_rank=None,
         score="softmax", pre_softmax=True, expert_bias=False, groups=None, scaling=2.0, n_shared=2,
-        base_seed=23000, lora_seed=24000, router_std=0.3, router_seed=23004, bias_std=None, fused=False,
+        base_seed=23000, lora_seed=24000, router_std=0.3, router_seed=23081, bias_std=None, fused=False,
     ),
 }
 DERIVED = {
@@ -811,11 +810,10 @@ def to_fused_lora(sd: dict, fused_local: dict) -> dict:
     out = {}
     for k, v in sd.items():
         if ".self_attention.linear_q_down_proj.lora_" in k:
-            p = k.split("linear_q_down_proj.")[0]
-            if k.endswith("lora_A.default.weight"):
-                out[p + "linear_qkv.lora_A.default.weight"] = fused_local[p + "linear_qkv.lora_A.weight"].clone()
-            else:
-                out[p + "linear_qkv.lora_B.default.weight"] = fused_local[p + "linear_qkv.lora_B.weight"].clone()
+            nk = k.replace(".linear_q_down_proj.", ".linear_qkv.")  # (also lora_B's _extra_state: a column linear)
+            if k.endswith(".default.weight"):
+                v = fused_local[nk.replace(".default.", ".")].clone()
+            out[nk] = v
         elif ".self_attention.linear_kv_down_proj.lora_" in k:
             continue
         else:
@@ -1044,13 +1042,17 @@ def main():
         fx = {k: v for k, v in src.items() if k not in ("description", "hf_check", "megatron_keys", "megatron_to_hf",
                                                          "routing", "tokens_per_expert", "min_topk_margin_relative",
                                                          "peft_wrapped_modules_rank0", "lora_vs_base_max_abs",
-                                                         "stale_vs_lora_max_abs")}
+                                                         "stale_vs_lora_max_abs", "peft_layout")}
         fx["derived_from"] = src_name
         fx["naming"] = "MindSpeed-LLM pack_mla (fused self_attention.linear_qkv)"
         fx["targets"] = [t for t in targets(spec) if t not in ("linear_q_down_proj", "linear_kv_down_proj")] + ["linear_qkv"]
         fx["routing"] = dict(base=src["routing"]["base"], lora=fr["routing"])
         fx["tokens_per_expert"] = dict(base=src["tokens_per_expert"]["base"], lora=fr["tokens_per_expert"])
         fx["min_topk_margin_relative"] = min(v["min_rel_gap"] for r in fx["routing"].values() for v in r.values())
+        fx["peft_layout_note"] = ("linear_qkv as MindSpeed's ColumnParallelLinear at TP=1 under PEFT's LoraParallelLinear: "
+                                  "lora_A nn.Linear [r, H] (replicated), lora_B ColumnParallelLinear "
+                                  "[q_lora+kv_lora+rope, r] (hence lora_B.default._extra_state); other modules as in "
+                                  "the source's peft_layout")
         fx["fused_lora_vs_upstream_lora_logits_max_abs"] = fr["fused_vs_lora_max_abs"]
         fx["megatron_to_hf"] = [list(r) for r in hf_mapping(spec, fused_qkv=True)]
         fx["megatron_keys"] = key_listing(torch, d)
