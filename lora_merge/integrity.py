@@ -47,7 +47,10 @@ def same_stored_member(first, other) -> bool:
     """Whether two copies are each one whole archive member, of the same size and stored CRC32. Then the
     bytes were written identical (a copy from another run or iteration differs in its CRC with certainty
     but for 1 in 2^32), and the copy that is not used need not be read: the one that is used is
-    checked against its own CRC32 as it is read."""
+    checked against its own CRC32 as it is read. Equal bytes are not an equal tensor: a copy reshaped or
+    reinterpreted as another dtype stores the same bytes, so shape and dtype must agree first."""
+    if first.shape != other.shape or first.dtype != other.dtype:
+        return False
     records = first.records(), other.records()
     if any(len(r) != 1 or r[0] is None for r in records):
         return False

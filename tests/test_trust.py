@@ -463,6 +463,28 @@ def test_nan_in_an_untouched_tensor_is_an_error_in_merge_and_export(tmp_path, ca
     assert_clean(out)
 
 
+
+@pytest.mark.parametrize("change,shown", [("shape", "shape [128, 64]"), ("dtype", "torch.int32")])
+def test_a_copy_with_the_same_bytes_as_another_shape_or_dtype_is_compared(tmp_path, capsys, change, shown):
+    """Equal stored CRC32s say two members hold the same bytes, not the same tensor: a copy of a dense weight in
+    the other expert-parallel file, reshaped or reinterpreted without changing a byte, is refused."""
+    import shutil
+    root = tmp_path / "qwen3moe_ep2"
+    shutil.copytree(Path(__file__).parent / "fixtures_moe" / "qwen3moe_ep2", root)
+    key = "decoder.layers.2.self_attention.linear_proj.weight"  # [64, 128] in every EP rank's file
+
+    def same_bytes(state):
+        weight = state["model"][key].clone()
+        state["model"][key] = weight.reshape(128, 64) if change == "shape" else weight.view(torch.int32)
+
+    rewrite(rank_files(root / "base")[1], same_bytes)
+    before = tree_hashes(root)
+    out = tmp_path / "out"
+    run_failing(copied_args(root, out), capsys, key, shown, "its copy in")
+    assert_clean(out)
+    assert tree_hashes(root) == before
+
+
 # --- 7. the config and the base must be what was trained --------------------------------------------
 
 def test_unfiltered_lora_with_a_base_of_other_weights_is_refused(tmp_path, capsys):
