@@ -25,6 +25,13 @@ models with multi-latent attention (MLA):
 * for deepseek_v3_ep2 also runs the forward of MindSpeed's fused down-projection LoRA (one A shared by
   q_down and kv_down, B split at q_lora_rank) and derives ``deepseek_v3_mindspeed_fused_qkv_ep2``
   from it (MindSpeed naming ``self_attention.linear_qkv``);
+* deepseek_v3_yarn_ep2 (2 layers, 8 experts) trains with YaRN in MLA: MLATransformerConfig
+  rope_type="yarn" with the values that Megatron-LM 0.16.1's --rope-type / --rotary-scaling-factor /
+  --mscale / --mscale-all-dim give (recorded under those names in args; original_max_position_embeddings,
+  beta_fast and beta_slow have no argument and keep the config defaults 4096 / 32 / 1). Its hf_ref
+  config.json carries rope_scaling {"type": "yarn", ...} as the released DeepSeek-V3 config does; the HF
+  check also compares Megatron's and HF's YaRN numbers and runs controls (plain rope, wrong mscales,
+  wrong original_max_position_embeddings, ...), and the worker runs the base model with plain rope;
 * independent HF check: transformers' own DeepseekV3ForCausalLM / DeepseekV2ForCausalLM built from the
   canonical global tensors (LoRA merged in fp32), saved with per-expert names, reloaded with
   ``from_pretrained`` (no missing / unexpected keys) and compared with the Megatron logits.
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import sys
@@ -98,6 +106,21 @@ BUILT = {
         base_seed=23000, lora_seed=24000, router_std=0.3, router_seed=23081, bias_std=None, fused=False,
     ),
 }
+# DeepSeek-V3 with YaRN RoPE in MLA (MLATransformerConfig rope_type="yarn"). Smaller: 2 layers (dense,
+# MoE), 8 experts in 2 groups, 1 group per token, top-2. Only the YaRN knobs that Megatron-LM 0.16.1 has
+# command-line arguments for are chosen here (--rope-type, --rotary-scaling-factor, --mscale,
+# --mscale-all-dim); original_max_position_embeddings / beta_fast / beta_slow have no argument there, so
+# core_transformer_config_from_args leaves MLATransformerConfig's defaults (MLA_YARN_CONFIG_DEFAULTS).
+BUILT["deepseek_v3_yarn_ep2"] = dict(
+    family="deepseek_v3", tp=1, ep=2, etp=1, num_experts=8, topk=2, q_lora_rank=48,
+    score="sigmoid", pre_softmax=False, expert_bias=True, groups=(2, 1), scaling=2.5, n_shared=1,
+    base_seed=25000, lora_seed=26000, router_std=0.3, router_seed=25016, bias_std=0.05, fused=False,
+    num_layers=2, moe_layer_freq=[0, 1],
+    yarn=dict(rotary_scaling_factor=40.0, mscale=0.9, mscale_all_dim=0.7),
+)
+# MLATransformerConfig (megatron-core 0.16.1) defaults of the YaRN fields that no Megatron-LM argument sets
+# (checked against the built config in the worker)
+MLA_YARN_CONFIG_DEFAULTS = dict(original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
 DERIVED = {
     "deepseek_v3_mindspeed_fused_qkv_ep2": dict(source="deepseek_v3_ep2"),
 }
@@ -106,6 +129,11 @@ ALL = list(BUILT) + list(DERIVED)
 
 def dims(spec: dict) -> dict:
     d = dict(DS_MODEL)
+    if "num_layers" in spec:
+        d["num_layers"] = spec["num_layers"]
+    if spec.get("yarn"):  # HF checks max_position_embeddings == factor * original_max_position_embeddings
+        d["max_position_embeddings"] = int(spec["yarn"]["rotary_scaling_factor"]
+                                           * MLA_YARN_CONFIG_DEFAULTS["original_max_position_embeddings"])
     d["q_lora_rank"] = spec["q_lora_rank"]
     d["q_head_dim"] = d["qk_head_dim"] + d["qk_pos_emb_head_dim"]
     d["shared_ffn"] = spec["n_shared"] * d["moe_ffn_hidden_size"]
@@ -121,8 +149,19 @@ def targets(spec: dict) -> list:
     return attn_targets(spec) + MLP_TARGETS
 
 
-def moe_layers() -> list:
-    return [i for i, f in enumerate(MOE_LAYER_FREQ) if f == 1]
+def moe_freq(spec: dict) -> list:
+    return spec.get("moe_layer_freq", MOE_LAYER_FREQ)
+
+
+def moe_layers(spec: dict) -> list:
+    return [i for i, f in enumerate(moe_freq(spec)) if f == 1]
+
+
+def yarn_of(spec: dict) -> dict | None:
+    """The full YaRN parameters of a yarn fixture (Megatron names), or None for plain rope."""
+    if not spec.get("yarn"):
+        return None
+    return dict(spec["yarn"], **MLA_YARN_CONFIG_DEFAULTS)
 
 
 def padded_vocab() -> int:
@@ -166,7 +205,7 @@ def canonical_ds_base(torch, spec: dict, vpad: int) -> dict:
         if dm["q_lora_rank"]:
             t[p + "q_layernorm.weight"] = mf._randn(torch, seed, p + "qln", (dm["q_lora_rank"],), 0.1, 1.0)
         t[p + "kv_layernorm.weight"] = mf._randn(torch, seed, p + "kvln", (dm["kv_lora_rank"],), 0.1, 1.0)
-    for i in moe_layers():
+    for i in moe_layers(spec):
         p = f"decoder.layers.{i}.mlp."
         del t[p + "linear_fc1.weight"], t[p + "linear_fc2.weight"]
         t[p + "router.weight"] = mf._randn(torch, spec["router_seed"], p + "router", (E, H), spec["router_std"])
@@ -192,7 +231,7 @@ def lora_modules(spec: dict) -> dict:
         p = f"decoder.layers.{i}."
         for m, io in attn_shapes(spec).items():
             out[p + "self_attention." + m] = io
-        if i in moe_layers():
+        if i in moe_layers(spec):
             for e in range(spec["num_experts"]):
                 out[f"{p}mlp.experts.{e}.linear_fc1"] = (H, 2 * F)
                 out[f"{p}mlp.experts.{e}.linear_fc2"] = (F, H)
@@ -253,7 +292,7 @@ def hf_mapping(spec: dict, fused_qkv: bool = False) -> list:
     rows = [("embedding.word_embeddings.weight", "model.embed_tokens.weight", f"rows[:{V}] (drop vocab padding)"),
             ("decoder.final_layernorm.weight", "model.norm.weight", "copy"),
             ("output_layer.weight", "lm_head.weight", f"rows[:{V}] (drop vocab padding)")]
-    for i in (0, moe_layers()[0]):
+    for i in (0, moe_layers(spec)[0]):
         p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         a, ha = p + "self_attention.", h + "self_attn."
         rows.append((p + "input_layernorm.weight", h + "input_layernorm.weight", "copy"))
@@ -273,7 +312,7 @@ def hf_mapping(spec: dict, fused_qkv: bool = False) -> list:
         rows.append((a + "linear_kv_up_proj.weight", ha + "kv_b_proj.weight", "copy"))
         rows.append((a + "linear_proj.weight", ha + "o_proj.weight", "copy"))
         rows.append((p + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight", "copy"))
-        if i in moe_layers():
+        if i in moe_layers(spec):
             rows.append((p + "mlp.router.weight", h + "mlp.gate.weight", "copy"))
             if spec["expert_bias"]:
                 rows.append((p + "mlp.router.expert_bias", h + "mlp.gate.e_score_correction_bias", "copy (fp32)"))
@@ -327,7 +366,7 @@ def hf_state_dict(torch, spec: dict, base: dict, lora: dict | None, fused: dict 
             out[hname + ".up_proj.weight"] = u
             out[hname + ".down_proj.weight"] = W(mname + ".linear_fc2")
 
-        if i in moe_layers():
+        if i in moe_layers(spec):
             out[h + "mlp.gate.weight"] = base[p + "mlp.router.weight"]
             if spec["expert_bias"]:
                 out[h + "mlp.gate.e_score_correction_bias"] = base[p + "mlp.router.expert_bias"]
@@ -348,7 +387,7 @@ def make_ds_args(torch, spec, iteration, world, lora, filtered, load, save):
     dm = dims(spec)
     shim = dict(tp=spec["tp"], ep=spec["ep"], etp=spec["etp"], num_experts=spec["num_experts"],
                 kv_channels=dm["v_head_dim"], family="mixtral", pre_softmax=spec["pre_softmax"],
-                moe_layer_freq=MOE_LAYER_FREQ, shared=dm["shared_ffn"], shared_gate=False)
+                moe_layer_freq=moe_freq(spec), shared=dm["shared_ffn"], shared_gate=False)
     a = mmf.make_moe_args(torch, shim, iteration, world, lora=lora, filtered=filtered, load=load, save=save)
     a.num_layers = dm["num_layers"]
     a.hidden_size = dm["hidden_size"]
@@ -370,6 +409,22 @@ def make_ds_args(torch, spec, iteration, world, lora, filtered, load, save):
     a.rotary_scaling_factor = 1.0
     a.mscale = 1.0
     a.mscale_all_dim = 0.0
+    y = yarn_of(spec)
+    if y:
+        # Megatron-LM 0.16.1: --rope-type yarn --rotary-scaling-factor F --mscale M --mscale-all-dim A
+        # (_add_training_args / _add_mla_args; core_transformer_config_from_args copies every args
+        # attribute named like an MLATransformerConfig field). There is no argument for
+        # original_max_position_embeddings, beta_fast or beta_slow (MLATransformerConfig defaults), and
+        # --position-embedding-type has no "yarn" choice: DeepSeek recipes pass rope, which GPTModel
+        # ignores with MLA (MLA builds its own YarnRotaryEmbedding). --max-position-embeddings = F * 4096.
+        a.rope_type = "yarn"
+        a.rotary_scaling_factor = y["rotary_scaling_factor"]
+        a.mscale = y["mscale"]
+        a.mscale_all_dim = y["mscale_all_dim"]
+        a.max_position_embeddings = dm["max_position_embeddings"]
+        a.use_rope_scaling = False   # Llama-3.x rope scaling (GPTModel's RotaryEmbedding): off; its
+        a.rope_scaling_factor = 8.0  # --rope-scaling-factor keeps the default 8.0 and is unused
+        a.apply_rope_fusion = False  # --no-rope-fusion (the unfused MLA rope path ran here)
     a.moe_router_topk = spec["topk"]
     a.moe_router_score_function = spec["score"]
     a.moe_router_pre_softmax = spec["pre_softmax"]
@@ -405,6 +460,42 @@ def cpu_mla_core_attention():
             super().__init__(config, *a, **k)
 
     return MLADotProductAttention
+
+
+def yarn_internals(config, model, dm) -> dict:
+    """What Megatron's MLA actually uses for YaRN (read from the built model), and a check that the fields
+    no Megatron-LM argument sets kept MLATransformerConfig's defaults."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        _yarn_find_correction_range,
+        _yarn_get_mscale,
+    )
+
+    for k, v in MLA_YARN_CONFIG_DEFAULTS.items():
+        assert getattr(config, k) == v, (k, getattr(config, k), v)
+    sa = model.decoder.layers[0].self_attention
+    rpe = sa.rotary_pos_emb
+    assert isinstance(rpe, YarnRotaryEmbedding) and rpe.dim == dm["qk_pos_emb_head_dim"], rpe
+    emb, cs_mscale = rpe(dm["seq_length"])
+    half = rpe.dim // 2
+    low, high = _yarn_find_correction_range(rpe.beta_fast, rpe.beta_slow, rpe.dim, rpe.rotary_base,
+                                            rpe.original_max_position_embeddings, rpe.correction_range_round_to_int)
+    assert sa.core_attention.softmax_scale == sa.softmax_scale
+    return dict(
+        config={k: getattr(config, k) for k in ("rope_type", "rotary_base", "rotary_scaling_factor",
+                                                "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                                "mscale", "mscale_all_dim")},
+        rotary_class=type(rpe).__name__,
+        rotary_dim=rpe.dim,
+        correction_range_round_to_int=rpe.correction_range_round_to_int,
+        correction_range=[low, high],
+        inv_freq=[float(x) for x in emb[1, 0, 0, :half]],           # freqs at position 1
+        inv_freq_plain=[float(x) for x in rpe.inv_freq_extra],
+        cos_sin_mscale=float(cs_mscale),                            # mscale(f, mscale) / mscale(f, mscale_all_dim)
+        softmax_scale=float(sa.softmax_scale),                      # mscale(f, mscale_all_dim)^2 / sqrt(q_head_dim)
+        softmax_scale_over_plain=float(sa.softmax_scale * math.sqrt(sa.q_head_dim)),
+        mscale_all_dim_factor=_yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim),
+    )
 
 
 def routing_margins(torch, spec, logits, rmap):
@@ -497,17 +588,20 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
     vpad = padded_vocab()
     E_loc = E // EP
 
-    def make_config():
+    def make_config(yarn=True):
         kw = {}
         if spec["groups"]:
             kw.update(moe_router_num_groups=spec["groups"][0], moe_router_group_topk=spec["groups"][1])
+        rope = dict(rope_type="rope", rotary_scaling_factor=1.0)
+        if spec.get("yarn") and yarn:  # only what Megatron-LM's arguments can set (see make_ds_args)
+            rope = dict(rope_type="yarn", **spec["yarn"])
         return MLATransformerConfig(
             num_layers=dm["num_layers"], hidden_size=dm["hidden_size"],
             num_attention_heads=dm["num_attention_heads"], kv_channels=dm["v_head_dim"],
             ffn_hidden_size=dm["ffn_hidden_size"],
             q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"], qk_head_dim=dm["qk_head_dim"],
             qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"], qk_layernorm=True,
-            rope_type="rope", rotary_base=dm["rotary_base"], rotary_scaling_factor=1.0,
+            rotary_base=dm["rotary_base"], **rope,
             add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
             layernorm_epsilon=dm["norm_epsilon"], hidden_dropout=0.0, attention_dropout=0.0,
             tensor_model_parallel_size=TP, pipeline_model_parallel_size=1,
@@ -518,7 +612,7 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
             moe_router_topk_scaling_factor=spec["scaling"], moe_router_dtype="fp32",
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-            moe_layer_freq=copy.deepcopy(MOE_LAYER_FREQ),
+            moe_layer_freq=copy.deepcopy(moe_freq(spec)),
             moe_shared_expert_intermediate_size=dm["shared_ffn"], moe_shared_expert_gate=False,
             use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -526,16 +620,22 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
             **kw,
         )
 
-    config = make_config()
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     core_attention = cpu_mla_core_attention()
-    for ls in block.layer_specs:
-        ls.submodules.self_attention.submodules.core_attention = core_attention
-    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vpad,
+
+    def build(config):
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        for ls in block.layer_specs:
+            ls.submodules.self_attention.submodules.core_attention = core_attention
+        m = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vpad,
                      max_sequence_length=dm["max_position_embeddings"], pre_process=True, post_process=True,
                      parallel_output=True, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope", rotary_base=dm["rotary_base"])
-    model.eval()
+        m.eval()
+        return m
+
+    config = make_config()
+    model = build(config)
+    yarn_info = yarn_internals(config, model, dm) if spec.get("yarn") else None
 
     # ---------- routing records ----------
     route_log = []
@@ -672,6 +772,20 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
         logits_fused = forward()
         route_fused = routing_stats()
 
+    # ---------- YaRN control: the same base model with plain rope (rope_type="rope", factor 1) ----------
+    plain_vs_yarn = None
+    if spec.get("yarn"):
+        plain = build(make_config(yarn=False))
+        assert type(plain.decoder.layers[0].self_attention.rotary_pos_emb).__name__ == "RotaryEmbedding"
+        psd = plain.state_dict()
+        plain.load_state_dict({k: v if k.endswith("_extra_state") else base_local[k] for k, v in psd.items()},
+                              strict=True)
+        with torch.no_grad():
+            res = plain(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                        runtime_gather_output=True)
+        route_log.clear()
+        plain_vs_yarn = (res[..., : dm["vocab_size"]].float() - logits_base).abs().max().item()
+
     gathered = [torch.empty_like(logits_lora) for _ in range(world)]
     dist.all_gather(gathered, logits_lora)
     replica_diff = max((x - logits_lora).abs().max().item() for x in gathered)
@@ -697,6 +811,9 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
             stale_vs_lora_max_abs=(logits_stale - logits_lora).abs().max().item(),
             replica_logits_max_abs_diff=replica_diff,
         )
+        if yarn_info is not None:
+            summary["megatron_yarn"] = yarn_info
+            summary["megatron_plain_rope_base_vs_yarn_base_max_abs"] = plain_vs_yarn
         (out / ".summary.json").write_text(json.dumps(summary, indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()
@@ -706,10 +823,32 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
 # hf_ref and the HF check
 # --------------------------------------------------------------------------------------------
 
+def _num(x):
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def hf_rope_scaling(spec) -> dict | None:
+    """rope_scaling as in the released DeepSeek-V3 config.json (legacy key, "type": "yarn", integral
+    values written as ints) for a yarn fixture: Megatron's rotary_scaling_factor is HF's factor, the rest
+    keep their names."""
+    y = yarn_of(spec)
+    if y is None:
+        return None
+    return {"beta_fast": _num(y["beta_fast"]), "beta_slow": _num(y["beta_slow"]),
+            "factor": _num(y["rotary_scaling_factor"]), "mscale": _num(y["mscale"]),
+            "mscale_all_dim": _num(y["mscale_all_dim"]),
+            "original_max_position_embeddings": int(y["original_max_position_embeddings"]), "type": "yarn"}
+
+
 def hf_config(spec):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     dm = dims(spec)
+    rope = {"rope_type": "default", "rope_theta": float(dm["rotary_base"])}
+    if spec.get("yarn"):
+        rs = hf_rope_scaling(spec)
+        rope = dict({k: v for k, v in rs.items() if k != "type"}, rope_type="yarn", rope_theta=float(dm["rotary_base"]))
+        assert dm["max_position_embeddings"] == rs["factor"] * rs["original_max_position_embeddings"]
     common = dict(
         vocab_size=dm["vocab_size"], hidden_size=dm["hidden_size"], intermediate_size=dm["ffn_hidden_size"],
         moe_intermediate_size=dm["moe_ffn_hidden_size"], num_hidden_layers=dm["num_layers"],
@@ -718,13 +857,13 @@ def hf_config(spec):
         routed_scaling_factor=float(spec["scaling"]), kv_lora_rank=dm["kv_lora_rank"],
         q_lora_rank=dm["q_lora_rank"], qk_rope_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
         qk_nope_head_dim=dm["qk_head_dim"], num_experts_per_tok=spec["topk"],
-        first_k_dense_replace=MOE_LAYER_FREQ.index(1), hidden_act="silu",
+        first_k_dense_replace=moe_freq(spec).index(1), hidden_act="silu",
         max_position_embeddings=dm["max_position_embeddings"], rms_norm_eps=dm["norm_epsilon"],
         bos_token_id=1, eos_token_id=3, tie_word_embeddings=False, attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(dm["rotary_base"])},
+        rope_parameters=rope,
         dtype="float32", moe_layer_freq=1,
     )
-    assert MOE_LAYER_FREQ == [0] * common["first_k_dense_replace"] + [1] * (dm["num_layers"] - common["first_k_dense_replace"])
+    assert moe_freq(spec) == [0] * common["first_k_dense_replace"] + [1] * (dm["num_layers"] - common["first_k_dense_replace"])
     if spec["family"] == "deepseek_v3":
         G, GK = spec["groups"]
         assert spec["topk"] == 2 * GK  # HF's group score is the sum of the top 2 (Megatron's: top topk/GK)
@@ -744,6 +883,44 @@ def write_ds_hf_ref(spec, d: Path):
     hf_config(spec).save_pretrained(str(d))
     for f in d.iterdir():
         assert not f.name.endswith((".safetensors", ".bin")), f
+    if spec.get("yarn"):
+        # as the released DeepSeek-V3 config.json writes it: rope_theta + rope_scaling {"type": "yarn", ...}
+        # (transformers 5 would save rope_parameters; it reads both)
+        cfg = json.loads((d / "config.json").read_text())
+        rp = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = _num(rp["rope_theta"])
+        cfg["rope_scaling"] = hf_rope_scaling(spec)
+        (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        check_hf_yarn_config(spec, d)
+
+
+def check_hf_yarn_config(spec, d: Path):
+    """transformers' DeepseekV3Config reads the legacy rope_scaling into the intended rope_parameters,
+    without a rope-validation warning."""
+    import logging
+
+    from transformers import DeepseekV3Config, modeling_rope_utils
+
+    msgs = []
+
+    class H(logging.Handler):
+        def emit(self, r):
+            msgs.append(r.getMessage())
+
+    lg = logging.getLogger(modeling_rope_utils.__name__)
+    h = H()
+    lg.addHandler(h)
+    try:
+        c = DeepseekV3Config.from_pretrained(str(d))
+    finally:
+        lg.removeHandler(h)
+    rs = hf_rope_scaling(spec)
+    want = dict({k: v for k, v in rs.items() if k != "type"}, rope_type="yarn", rope_theta=float(DS_MODEL["rotary_base"]))
+    got = {k: v for k, v in c.rope_parameters.items() if k != "type"}
+    assert got == want, (got, want)
+    assert c.max_position_embeddings == dims(spec)["max_position_embeddings"]
+    assert c.head_dim == dims(spec)["qk_pos_emb_head_dim"]  # HF's yarn dim (Megatron: qk_pos_emb_head_dim)
+    assert not msgs, msgs
 
 
 def hf_check(spec, d: Path, fused: bool = False) -> dict:
@@ -769,7 +946,7 @@ def hf_check(spec, d: Path, fused: bool = False) -> dict:
             bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
             assert not bad, bad
             if spec["expert_bias"]:  # the bias survived save/load
-                for i in moe_layers():
+                for i in moe_layers(spec):
                     eb = model.model.layers[i].mlp.gate.e_score_correction_bias
                     assert eb.dtype == torch.float32 and torch.equal(eb, base[f"decoder.layers.{i}.mlp.router.expert_bias"])
             model.eval()
@@ -778,7 +955,69 @@ def hf_check(spec, d: Path, fused: bool = False) -> dict:
             res[f"hf_{type(model).__name__}_vs_megatron_{tag}_max_abs"] = \
                 (logits - ref[f"logits_{tag}"]).abs().max().item()
             res["hf_tensors_written"] = len(sd)
+            if spec.get("yarn") and tag == "lora":
+                res["hf_yarn"] = hf_yarn_internals(model)
+                res["yarn_controls_lora_max_abs"] = yarn_controls(torch, spec, tmp, ref, model)
     return res
+
+
+def hf_yarn_internals(model) -> dict:
+    """What transformers' DeepseekV3 uses for YaRN (read from the loaded model)."""
+    re_ = model.model.rotary_emb
+    attn = model.model.layers[0].self_attn
+    return dict(rope_parameters=dict(model.config.rope_parameters), rope_type=re_.rope_type,
+                rotary_dim=2 * int(re_.inv_freq.numel()), inv_freq=[float(x) for x in re_.inv_freq],
+                attention_scaling=float(re_.attention_scaling), softmax_scaling=float(attn.scaling),
+                softmax_scaling_over_plain=float(attn.scaling * math.sqrt(attn.qk_head_dim)))
+
+
+def yarn_controls(torch, spec, tmp, ref, model) -> dict:
+    """max |HF - Megatron| LoRA logits when one YaRN ingredient is changed on the HF side: each must be
+    far above the check's 1e-6, so the fixture pins every one of them."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor,
+    )
+    from transformers import AutoModelForCausalLM
+
+    good = json.loads(Path(tmp, "config.json").read_text())
+    rs = good["rope_scaling"]
+    y = yarn_of(spec)
+    conc = float(_yarn_get_concentration_factor(y["rotary_scaling_factor"], y["mscale"], y["mscale_all_dim"]))
+    variants = {
+        "plain rope (no rope_scaling)": None,
+        "mscale = mscale_all_dim (cos/sin factor 1)": dict(rs, mscale=rs["mscale_all_dim"]),
+        "mscale and mscale_all_dim swapped": dict(rs, mscale=rs["mscale_all_dim"], mscale_all_dim=rs["mscale"]),
+        "no softmax mscale^2 (mscale_all_dim 0, attention_factor kept)": dict(rs, mscale_all_dim=0, attention_factor=conc),
+        "original_max_position_embeddings = max_position_embeddings": dict(
+            rs, original_max_position_embeddings=good["max_position_embeddings"]),
+        "correction range not rounded (truncate false)": dict(rs, truncate=False),
+    }
+    out = {}
+
+    def run(m):
+        m.eval()
+        with torch.no_grad():
+            return (m(ref["input_ids"]).logits.float() - ref["logits_lora"]).abs().max().item()
+
+    try:
+        for name, v in variants.items():
+            cfg = {k: x for k, x in good.items() if k != "rope_scaling"}
+            if v is not None:
+                cfg["rope_scaling"] = v
+            Path(tmp, "config.json").write_text(json.dumps(cfg))
+            out[name] = run(AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager"))
+    finally:
+        Path(tmp, "config.json").write_text(json.dumps(good))
+    # the frequency interpolation alone: the right model with plain rope frequencies
+    re_ = model.model.rotary_emb
+    inv = re_.inv_freq.clone()
+    dim = 2 * inv.numel()
+    re_.inv_freq = 1.0 / (DS_MODEL["rotary_base"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    try:
+        out["plain rope frequencies (yarn mscales kept)"] = run(model)
+    finally:
+        re_.inv_freq = inv
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -908,6 +1147,74 @@ def margins_of(summary: dict, keys) -> tuple:
     return min(v["min_rel_gap"] for v in per), per
 
 
+def rope_words(spec) -> str:
+    y = yarn_of(spec)
+    if y is None:
+        return "plain rope"
+    return (f"YaRN rope in MLA (rope_type yarn, rotary_scaling_factor {y['rotary_scaling_factor']}, mscale "
+            f"{y['mscale']}, mscale_all_dim {y['mscale_all_dim']}; original_max_position_embeddings "
+            f"{y['original_max_position_embeddings']}, beta_fast {y['beta_fast']}, beta_slow {y['beta_slow']} = "
+            f"MLATransformerConfig defaults, no Megatron-LM 0.16.1 argument sets them)")
+
+
+YARN_ARG_NAMES = ("multi_latent_attention", "position_embedding_type", "rope_type", "rotary_base", "rotary_percent",
+                  "rotary_interleaved", "rotary_scaling_factor", "mscale", "mscale_all_dim", "max_position_embeddings",
+                  "seq_length", "use_rope_scaling", "rope_scaling_factor", "apply_rope_fusion")
+YARN_ABSENT_ARGS = ("original_max_position_embeddings", "beta_fast", "beta_slow", "yarn_original_max_position_embeddings",
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_rotary_scaling_factor", "yarn_mscale", "yarn_mscale_all_dim")
+
+
+def yarn_fixture_fields(torch, spec, d: Path, summary: dict) -> dict:
+    """fixture.json entries of a yarn fixture: the exact args saved (read back from every rank file of
+    both checkpoints), their command line, Megatron's YaRN internals and the plain-rope control."""
+    if not spec.get("yarn"):
+        return {}
+    seen = None
+    for part, it in (("base", BASE_ITER), ("lora", LORA_ITER), ("lora", STALE_LORA_ITER)):
+        for rd in sorted((d / part / f"iter_{it:07d}").iterdir()):
+            a = torch.load(rd / "model_optim_rng.pt", weights_only=False)["args"]
+            got = {k: getattr(a, k) for k in YARN_ARG_NAMES}
+            assert seen is None or got == seen, (rd, got, seen)
+            assert not any(hasattr(a, k) for k in YARN_ABSENT_ARGS), rd
+            seen = got
+    y = yarn_of(spec)
+    cli = (f"--multi-latent-attention --position-embedding-type rope --rope-type yarn --rotary-base "
+           f"{seen['rotary_base']} --rotary-scaling-factor {seen['rotary_scaling_factor']} --mscale {seen['mscale']} "
+           f"--mscale-all-dim {seen['mscale_all_dim']} --max-position-embeddings {seen['max_position_embeddings']} "
+           f"--no-rope-fusion")
+    mc = summary["megatron_yarn"]["config"]
+    assert all(mc[k] == v for k, v in y.items()) and mc["rope_type"] == "yarn", (mc, y)
+    return dict(
+        yarn=True,
+        megatron_args_yarn=seen,
+        megatron_cli_yarn=cli,
+        megatron_args_yarn_note=(
+            "Megatron-LM core_v0.16.1 megatron/training/arguments.py: --rope-type {rope,yarn} (default None: "
+            "MLATransformerConfig's own default, yarn), --rotary-scaling-factor (default 1.0), --mscale (1.0), "
+            "--mscale-all-dim (0.0); core_transformer_config_from_args copies every args attribute named like a "
+            "MLATransformerConfig field. There is no argument for original_max_position_embeddings, beta_fast or "
+            "beta_slow (nor yarn_* ones): MLA uses MLATransformerConfig's defaults 4096 / 32 / 1, and these names "
+            "are absent from args. --position-embedding-type has no yarn choice in 0.16.1; GPTModel builds no "
+            "rotary embedding with MLA. use_rope_scaling / rope_scaling_factor are Llama-3.x scaling (unused)."),
+        megatron_yarn_config_defaults_used=dict(MLA_YARN_CONFIG_DEFAULTS),
+        megatron_yarn=summary["megatron_yarn"],
+        hf_rope_scaling=hf_rope_scaling(spec),
+        megatron_plain_rope_base_vs_yarn_base_max_abs=summary["megatron_plain_rope_base_vs_yarn_base_max_abs"],
+    )
+
+
+def compare_yarn(mg: dict, hf: dict) -> dict:
+    """Megatron's YaRN numbers vs HF's (same dim, frequencies, cos/sin factor and softmax scale)."""
+    assert mg["rotary_dim"] == hf["rotary_dim"], (mg, hf)
+    res = dict(
+        inv_freq_max_abs=max(abs(a - b) for a, b in zip(mg["inv_freq"], hf["inv_freq"])),
+        cos_sin_scale_abs=abs(mg["cos_sin_mscale"] - hf["attention_scaling"]),
+        softmax_scale_abs=abs(mg["softmax_scale"] - hf["softmax_scaling"]),
+    )
+    assert all(v < 1e-7 for v in res.values()), res
+    return res
+
+
 def describe(name, spec):
     dm = dims(spec)
     v3 = spec["family"] == "deepseek_v3"
@@ -920,9 +1227,9 @@ def describe(name, spec):
     return (f"DeepSeek-{'V3' if v3 else 'V2-Lite'}-like Megatron-Core GPTModel, local spec (MLASelfAttention + "
             f"MoELayer = TopKRouter + SequentialMLP + ungated SharedExpertMLP, alltoall dispatcher), TP=1 EP=2 "
             f"PP=1, float32; {dm['num_layers']} layers (layer 0 dense ffn {dm['ffn_hidden_size']}, layers "
-            f"{moe_layers()} MoE), hidden {dm['hidden_size']}, {dm['num_attention_heads']} heads, {attn}, kv_lora_rank "
+            f"{moe_layers(spec)} MoE), hidden {dm['hidden_size']}, {dm['num_attention_heads']} heads, {attn}, kv_lora_rank "
             f"{dm['kv_lora_rank']}, qk_head_dim (nope) {dm['qk_head_dim']}, qk_pos_emb_head_dim (rope) "
-            f"{dm['qk_pos_emb_head_dim']}, v_head_dim {dm['v_head_dim']}, plain rope base {dm['rotary_base']}; "
+            f"{dm['qk_pos_emb_head_dim']}, v_head_dim {dm['v_head_dim']}, {rope_words(spec)} base {dm['rotary_base']}; "
             f"{spec['num_experts']} experts ({spec['num_experts'] // spec['ep']} per EP rank) of ffn "
             f"{dm['moe_ffn_hidden_size']}, {spec['n_shared']} shared expert(s) (ffn {dm['shared_ffn']}); routing: "
             f"{route}. HF {spec['family']}. lora/ = PEFT 0.7.1 LoRA (LoraParallelLinearMoE) on {targets(spec)}, "
@@ -989,7 +1296,8 @@ def main():
             num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
             multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
             qk_head_dim=dm["qk_head_dim"], qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
-            kv_channels=dm["v_head_dim"], qk_layernorm=True, rope_type="rope", rotary_base=dm["rotary_base"],
+            kv_channels=dm["v_head_dim"], qk_layernorm=True, rope_type="yarn" if spec.get("yarn") else "rope",
+            rotary_base=dm["rotary_base"], **yarn_fixture_fields(torch, spec, d, summary),
             ffn_hidden_size=dm["ffn_hidden_size"], moe_ffn_hidden_size=dm["moe_ffn_hidden_size"],
             moe_shared_expert_intermediate_size=dm["shared_ffn"], moe_shared_expert_gate=False,
             vocab_size=dm["vocab_size"], padded_vocab_size=padded_vocab(),
@@ -1000,8 +1308,8 @@ def main():
             moe_router_num_groups=spec["groups"][0] if spec["groups"] else None,
             moe_router_group_topk=spec["groups"][1] if spec["groups"] else None,
             moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-            expert_layout="SequentialMLP", moe_layer_freq=MOE_LAYER_FREQ, moe_layers=moe_layers(),
-            dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers()],
+            expert_layout="SequentialMLP", moe_layer_freq=moe_freq(spec), moe_layers=moe_layers(spec),
+            dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
             hf_config=json.loads((d / "hf_ref" / "config.json").read_text()),
             router_weight_std=spec["router_std"], router_seed=spec["router_seed"], expert_bias_std=spec["bias_std"],
             base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
@@ -1024,6 +1332,8 @@ def main():
         )
         if not opts.no_hf_check:
             fx["hf_check"] = hf_check(spec, d)
+            if spec.get("yarn"):
+                fx["hf_check"]["yarn_megatron_vs_hf"] = compare_yarn(fx["megatron_yarn"], fx["hf_check"]["hf_yarn"])
         fx["description"] = describe(name, spec)
         (d / "fixture.json").write_text(json.dumps(fx, indent=1) + "\n")
         if spec["fused"]:
