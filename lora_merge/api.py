@@ -343,6 +343,9 @@ def run_merge(opts) -> MergeResult:
 
 
 def run_export(opts) -> ExportResult:
+    if is_peft_adapter_dir(opts.lora):
+        raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
+                         "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
@@ -351,7 +354,8 @@ def run_export(opts) -> ExportResult:
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
-    adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format)
+    adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
+                            getattr(opts, "allow_partial_lora", False))
     tensors = adapter.tensors
     for warning in adapter.warnings:
         opts.warn(warning)

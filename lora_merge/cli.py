@@ -141,6 +141,9 @@ def build_export_parser() -> argparse.ArgumentParser:
                    help="routed experts' LoRA: per-expert = one LoRA per expert and projection under the HF checkpoint "
                         "names (vLLM; PEFT for qwen3_moe and mixtral); fused = one LoRA per transformers-5 fused "
                         "expert parameter (PEFT target_parameters, every MoE model type)")
+    p.add_argument("--allow-partial-lora", action="store_true", help="export even though some layers or experts lack "
+                   "LoRA weights for a target: those modules get zero factors, so they stay unchanged (as a merge "
+                   "with this option leaves them) and PEFT and vLLM find every module the adapter targets")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier adapter) and --report if they exist")
     p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with merge (no progress bar here)")
     _lora_options(p)

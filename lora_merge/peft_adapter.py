@@ -46,15 +46,16 @@ class Adapter:
 
 
 def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
-                  dtype: torch.dtype | None, expert_format: str = "per-expert") -> Adapter:
+                  dtype: torch.dtype | None, expert_format: str = "per-expert", allow_partial: bool = False) -> Adapter:
     tensors = adapter_tensors(lora, shape, arch, settings, dtype)
-    check_every_layer_adapted(tensors, shape, str(lora.path))
+    warnings = complete_targets(tensors, lora, shape, arch, settings.r, allow_partial)
     experts = expert_keys(tensors, arch)
     if not experts:
-        return Adapter(tensors, target_modules(tensors))
+        return Adapter(tensors, target_modules(tensors), warnings=warnings)
     if expert_format == "fused":
-        return fuse_experts(tensors, experts, arch, shape, str(lora.path))
-    warnings = []
+        adapter = fuse_experts(tensors, experts, arch, shape, str(lora.path))
+        adapter.warnings[:0] = warnings
+        return adapter
     if arch.name == "qwen2_moe":
         warnings.append("PEFT (0.21) does not convert per-expert qwen2_moe adapters onto transformers 5's fused "
                         "experts and drops them without an error; load this adapter with vLLM, or export with "
@@ -119,6 +120,14 @@ def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architec
                 tensors[f"{module}.lora_B.weight"], tensors[key])
     out = {k: v for k, v in tensors.items() if k not in experts}
     path, count = arch.config.fused_experts, shape.moe.num_experts
+    present = {fused for _, fused in factors}
+    nested = present == {"gate_up_proj", "down_proj"}
+    layers = {layer for layer, _ in factors}
+    for fused in sorted(present):
+        lacking = sorted(layers - {layer for layer, f in factors if f == fused})
+        if lacking:  # PEFT would expect this parameter's LoRA in every layer's experts
+            raise MergeError(f"{where}: layers {lacking[:5]} have no expert LoRA for {fused}, the other MoE layers "
+                             "do; a fused adapter adapts it in every layer (use --expert-format per-expert)")
     for (layer, fused), by_expert in sorted(factors.items()):
         absent = sorted(set(range(count)) - set(by_expert))
         if absent:
@@ -135,14 +144,13 @@ def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architec
             a_list.append(a)
             b_list.append(torch.cat([b for b, _ in parts], dim=0))  # gate_up_proj holds [gate; up] rows
         a_stack, b_stack = torch.stack(a_list), torch.stack(b_list)  # [E, r, in], [E, out, r]
-        # PEFT wraps the experts module once per target parameter, gate_up_proj innermost: with both, its
-        # LoRA lives under `base_layer`.
+        # PEFT wraps the experts module of every layer once per entry of the global target_parameters,
+        # gate_up_proj innermost: with both listed, its LoRA lives under `base_layer` in every layer.
         owner = f"{PEFT_PREFIX}model.layers.{layer}.{path}"
-        if fused == "gate_up_proj" and (layer, "down_proj") in factors:
+        if fused == "gate_up_proj" and nested:
             owner += ".base_layer"
         out[f"{owner}.lora_A.weight"] = a_stack.reshape(-1, a_stack.shape[-1]).contiguous()
         out[f"{owner}.lora_B.weight"] = b_stack.permute(1, 2, 0).reshape(b_stack.shape[1], -1).contiguous()
-    present = {fused for _, fused in factors}
     others = {k: v for k, v in tensors.items() if k not in experts}
     return Adapter(out, target_modules(others), [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present])
 
@@ -151,15 +159,45 @@ def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
     return sorted({key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in tensors if key.endswith(".lora_A.weight")})
 
 
-def check_every_layer_adapted(tensors: dict[str, torch.Tensor], shape: ModelShape, where: str) -> None:
-    """PEFT applies target_modules to every layer; an adapter covering only some layers would load with
-    missing keys, so refuse it rather than write something that loads with silently fresh factors."""
-    for target in target_modules(tensors):
-        layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if f".{target}.lora_A" in k}
-        if layers != set(range(shape.num_layers)):
-            missing = sorted(set(range(shape.num_layers)) - layers)
-            raise MergeError(f"{where}: LoRA on {target} is missing in layers {missing[:5]}; a PEFT adapter "
-                             "targets every layer")
+def complete_targets(tensors: dict[str, torch.Tensor], lora: Checkpoint, shape: ModelShape, arch: Architecture,
+                     r: int, allow_partial: bool) -> list[str]:
+    """PEFT adapts every module whose name ends with a target (a shared expert's down_proj makes every
+    routed expert's and every dense MLP's down_proj one too), and vLLM packs each expert's three
+    projections together; a module without factors loads with fresh ones or not at all. So every such
+    module of the model must be in the adapter: missing ones are refused, or with `allow_partial` written as
+    zero factors, which leave it unchanged exactly as a merge with --allow-partial-lora does. Returns the
+    warnings to show."""
+    targets = set(target_modules(tensors))
+    expected, missing = 0, {}
+    for rule, _, prefix in iter_rules(arch, shape, lora.has):
+        for hf_name in rule.hf_names():
+            module = hf_name.removesuffix(".weight")
+            if module == hf_name or module.rsplit(".", 1)[-1] not in targets:
+                continue
+            expected += 1
+            key = PEFT_PREFIX + prefix + module
+            if f"{key}.lora_A.weight" not in tensors:
+                missing[key] = rule.hf_shapes(shape)[hf_name]
+    if not missing:
+        return []
+    where = str(lora.path)
+    shown = ", ".join(_module_label(k) for k in list(missing)[:4]) + (" …" if len(missing) > 4 else "")
+    if not allow_partial:
+        raise MergeError(f"{where}: no LoRA for {len(missing)} of the {expected} modules the adapter targets "
+                         f"({shown}); PEFT and vLLM would load them with missing factors (pass "
+                         "--allow-partial-lora to write zero factors for them, which leave them unchanged)")
+    for key, (out_dim, in_dim) in missing.items():
+        like = next(t for k, t in tensors.items() if k.endswith(f".{key.rsplit('.', 1)[-1]}.lora_A.weight"))
+        tensors[f"{key}.lora_A.weight"] = torch.zeros(r, in_dim, dtype=like.dtype)
+        tensors[f"{key}.lora_B.weight"] = torch.zeros(out_dim, r, dtype=like.dtype)
+    return [f"{where}: {len(missing)} of the {expected} modules the adapter targets have no LoRA in the checkpoint "
+            f"({shown}); written with zero factors, so they stay unchanged as in a merge with --allow-partial-lora "
+            "and PEFT and vLLM find every module they expect"]
+
+
+def _module_label(key: str) -> str:
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", key.removeprefix(PEFT_PREFIX))
+    return f"layer {m.group(1)} {m.group(2)}" if m else key.removeprefix(PEFT_PREFIX)
 
 
 def adapter_config(settings: LoraSettings, adapter: Adapter, hf_config: dict, hf_ref: Path) -> dict:

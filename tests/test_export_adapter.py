@@ -93,3 +93,55 @@ def test_partial_targets_and_rank_note(tmp_path, capsys):
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["target_modules"] == ["down_proj", "k_proj", "q_proj", "v_proj"]
     assert "max-lora-rank" not in capsys.readouterr().out  # r=4 is within vLLM's default
+
+
+@pytest.mark.parametrize("hf_ref", ["reference", "merged"])
+def test_a_peft_adapter_as_lora_is_refused_in_one_line(tmp_path, capsys, merged_fixture, hf_ref):
+    """export-adapter reads a Megatron LoRA checkpoint; a PEFT adapter (here one it wrote) is named as such,
+    whether or not --hf-ref holds weights."""
+    name = "tp2_fp32_filtered"
+    adapter = tmp_path / "adapter"
+    assert export(name, adapter) == 0
+    capsys.readouterr()
+    ref = FIXTURES / name / "hf_ref" if hf_ref == "reference" else merged_fixture(name)
+    out = tmp_path / "again"
+    code = main(["export-adapter", "--lora", str(adapter), "--hf-ref", str(ref), "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"lora-merge: error: {adapter}: a PEFT adapter (adapter_config.json), already what "
+                      "export-adapter writes; expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this "
+                      "adapter as it is)")
+    assert not out.exists()
+
+
+def test_a_layer_without_lora_gets_zero_factors_with_allow_partial_lora(tmp_path, capsys, base_models):
+    """Layer 1 lost its linear_fc2 LoRA: the export stops like the merge, or with --allow-partial-lora writes
+    zero factors for that down_proj (PEFT targets down_proj in every layer) and computes what the partial
+    merge computes."""
+    from test_errors import copy_fixture, rank_files, rewrite
+
+    name = "tp2_fp32_filtered"
+    root = copy_fixture(name, tmp_path)
+    for rank_file in rank_files(root / "lora"):
+        rewrite(rank_file, lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items()
+                                                            if not k.startswith("decoder.layers.1.mlp.linear_fc2.")}))
+    adapter = tmp_path / "adapter"
+    args = ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(adapter)]
+    assert main(args) == 2
+    assert "pass --allow-partial-lora if that is intended" in capsys.readouterr().err and not adapter.exists()
+    assert main(args + ["--allow-partial-lora"]) == 0
+    err = capsys.readouterr().err
+    assert "1 of the 28 modules the adapter targets have no LoRA in the checkpoint (layer 1 mlp.down_proj)" in err
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as f:
+        assert not f.get_tensor("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight").any()
+
+    merged = tmp_path / "merged"
+    assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(merged), "--no-progress", "--allow-partial-lora"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(base_models(name), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter)
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as f:
+        assert set(f.keys()) == set(get_peft_model_state_dict(model))
+    ids = torch.load(FIXTURES / name / "logits.pt", weights_only=True)["input_ids"]
+    ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert (logits(model, ids) - logits(ours, ids)).abs().max() <= 1e-4

@@ -325,3 +325,105 @@ def test_routing_the_hf_model_does_not_do_is_refused(tmp_path, capsys, arg, valu
     args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
             "--out", str(tmp_path / "out"), "--no-progress"]
     _failing(args, capsys, expected)
+
+
+def _drop_lora(root: Path, prefix: str, infix: str, rank_dir: str = "mp_rank_") -> None:
+    """Remove from the LoRA rank files (those of `rank_dir`) the factors of the modules under `prefix` whose
+    name holds `infix`."""
+    from test_errors import rank_files, rewrite
+    for rank_file in (f for f in rank_files(root / "lora") if f.parent.name.startswith(rank_dir)):
+        rewrite(rank_file, lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items()
+                                                            if not (k.startswith(prefix) and infix in k)}))
+
+
+def _peft_matches_the_partial_merge(root: Path, adapter: Path, base_dir: Path, tmp_path: Path) -> None:
+    """PEFT finds every key the adapter's config makes it expect, and computes what our merge of the same
+    partial checkpoint (--allow-partial-lora) computes; its merge_and_unload gives our weights."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = tmp_path / "merged"
+    assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(merged), "--no-progress", "--allow-partial-lora"]) == 0
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
+    loaded = probe.load_adapter(adapter, adapter_name="probe")
+    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]
+    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
+
+    model = PeftModel.from_pretrained(base(), adapter).eval()
+    ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = torch.load(root / "logits.pt", weights_only=True)["input_ids"]
+    with torch.no_grad():
+        assert (model(ids).logits - ours(ids).logits).abs().max() <= 1e-4
+    theirs, mine = model.merge_and_unload().state_dict(), ours.state_dict()
+    assert theirs.keys() == mine.keys()
+    assert max((theirs[k] - mine[k]).abs().max().item() for k in mine) <= 1e-5
+
+
+@pytest.mark.parametrize("expert_format", ["fused", "per-expert"])
+def test_a_layer_without_expert_down_proj_lora_is_refused_though_its_shared_expert_has_one(tmp_path, expert_format):
+    """PEFT's target `down_proj` covers every routed expert's down_proj too; the shared expert's must not hide
+    that layer 2's routed experts have none."""
+    from types import SimpleNamespace
+    from lora_merge.api import open_inputs
+    from lora_merge.errors import MergeError
+    from lora_merge.peft_adapter import build_adapter
+
+    root = _copy("qwen2moe_tp2ep2", tmp_path)
+    _drop_lora(root, "decoder.layers.2.mlp.experts.", ".linear_fc2.lora_")
+    opts = SimpleNamespace(lora_r=None, lora_alpha=None, allow_partial_lora=True, warn=lambda message: None)
+    inp = open_inputs(root / "hf_ref", None, root / "lora", opts, need_base=False)
+    with pytest.raises(MergeError, match=r"no LoRA for 4 of the \d+ modules the adapter targets "
+                                         r"\(layer 2 mlp\.experts\.0\.down_proj, .*--allow-partial-lora"):
+        build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, None, expert_format)
+
+
+def test_fused_adapter_of_a_layer_without_expert_down_proj_lora_loads_whole_in_peft(tmp_path, capsys,
+                                                                                    base_model_dirs):
+    """With --allow-partial-lora, layer 2's routed experts (no down_proj LoRA, though its shared expert has one)
+    get zero factors: target_parameters lists down_proj for every layer, so PEFT nests each layer's gate_up
+    LoRA under base_layer alike and finds each layer's down_proj LoRA."""
+    from safetensors import safe_open
+    root, adapter = _copy("qwen2moe_tp2ep2", tmp_path), tmp_path / "adapter"
+    _drop_lora(root, "decoder.layers.2.mlp.experts.", ".linear_fc2.lora_")
+    args = ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(adapter),
+            "--expert-format", "fused"]
+    _failing(args, capsys, "LoRA weights missing for 4 of", "--allow-partial-lora")
+    assert main(args + ["--allow-partial-lora"]) == 0
+    err = capsys.readouterr().err
+    assert "4 of the" in err and "(layer 2 mlp.experts.0.down_proj, layer 2 mlp.experts.1.down_proj" in err
+    assert "written with zero factors" in err
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        for layer in (1, 2, 3):
+            owner = f"base_model.model.model.layers.{layer}.mlp.experts"
+            assert {f"{owner}.base_layer.lora_A.weight", f"{owner}.lora_A.weight"} <= set(f.keys())
+        assert not f.get_tensor("base_model.model.model.layers.2.mlp.experts.lora_B.weight").any()
+        assert f.get_tensor("base_model.model.model.layers.1.mlp.experts.lora_B.weight").any()
+    _peft_matches_the_partial_merge(root, adapter, base_model_dirs("qwen2moe_tp2ep2"), tmp_path)
+
+
+def test_per_expert_adapter_gives_an_expert_without_lora_zero_factors(tmp_path, capsys, base_model_dirs):
+    """vLLM packs every expert's gate/up/down: expert 3 of layer 1 (EP rank 1's local expert 1, its fc2 LoRA
+    lost) keeps a down_proj, of zeros, with a warning; without --allow-partial-lora the export stops as the
+    merge does."""
+    from safetensors import safe_open
+    root, adapter = _copy("qwen3moe_ep2", tmp_path), tmp_path / "adapter"
+    _drop_lora(root, "decoder.layers.1.mlp.experts.local_experts.1.", ".linear_fc2.lora_", "mp_rank_00_001")
+    args = ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(adapter)]
+    _failing(args, capsys, "LoRA weights missing for 1 of", "layer 1 mlp.experts.3.linear_fc2", "--allow-partial-lora")
+    assert main(args + ["--allow-partial-lora"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "1 of the 64 modules the adapter targets" in err[0], err
+    assert "(layer 1 mlp.experts.3.down_proj); written with zero factors" in err[0]
+    key = "base_model.model.model.layers.1.mlp.experts.3.down_proj"
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        a, b = f.get_tensor(f"{key}.lora_A.weight"), f.get_tensor(f"{key}.lora_B.weight")
+        assert a.shape == (4, 32) and b.shape == (64, 4) and not a.any() and not b.any()
+        assert f.get_tensor("base_model.model.model.layers.1.mlp.experts.2.down_proj.lora_B.weight").any()
+    _peft_matches_the_partial_merge(root, adapter, base_model_dirs("qwen3moe_ep2"), tmp_path)
