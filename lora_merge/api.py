@@ -11,6 +11,9 @@ progress through `progress(done_bytes, total_bytes)` when given. The command lin
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 import re
 import time
 import warnings
@@ -47,6 +50,11 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MIN_SHARD_BYTES = 10**6
 DEFAULT_SHARD_BYTES = 5 * 10**9
+# What each path argument names, for the message when it is missing or not a path.
+LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
+HF_REF = "the HF model dir of the base model"
+BASE = "the base checkpoint dir"
+OUT = "the output dir"
 
 
 def parse_size(text: str) -> int:
@@ -56,9 +64,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
 
 
-def shard_size(value: int | str) -> int:
-    size = parse_size(value) if isinstance(value, str) else value
-    if not isinstance(size, int) or isinstance(size, bool) or size < MIN_SHARD_BYTES:
+def shard_size(value: int | float | str) -> int:
+    if isinstance(value, str):
+        size = parse_size(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, float) and math.isfinite(value) and value == int(value):
+        size = int(value)  # 5e9 is how a byte count is naturally written in Python
+    else:
+        raise MergeError(f"max_shard_size {value!r}: expected a whole number of bytes or a size such as '5GB', "
+                         "'500MB', '2GiB'")
+    if size < MIN_SHARD_BYTES:
         raise MergeError(f"max_shard_size {value!r} is below 1MB; a shard that small only multiplies files")
     return size
 
@@ -111,12 +127,48 @@ class _Progress:
         self.callback(self.done, self.total)
 
 
-def _path(value) -> Path | None:
-    return None if value is None else Path(value)
+def _path(value, name: str = "path", what: str = "a directory") -> Path | None:
+    if value is None:
+        return None
+    try:
+        text = os.fspath(value)
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text:
+        raise MergeError(f"{name}={value!r}: expected the path of {what} (a str or os.PathLike)")
+    return Path(text)
+
+
+def _required(value, name: str, what: str) -> Path:
+    if value is None:
+        raise MergeError(f"{name} is missing: expected the path of {what}")
+    return _path(value, name, what)
 
 
 def _abs(value) -> Path:
-    return Path(__import__("os").path.abspath(value))  # `out="."` names a directory, not a link
+    return Path(os.path.abspath(value))  # `out="."` names a directory, not a link
+
+
+def _lora_r(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise MergeError(f"lora_r={value!r}: expected a positive int (the LoRA rank)")
+    return int(value)
+
+
+def _lora_alpha(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise MergeError(f"lora_alpha={value!r}: expected a finite number above 0")
+    return value
+
+
+def _callable(value, name: str, optional: bool = False):
+    if not (callable(value) or (optional and value is None)):
+        raise MergeError(f"{name}={value!r}: expected a function" + (" or None" if optional else ""))
+    return value
 
 
 def _warn_default(message: str) -> None:
@@ -135,10 +187,13 @@ def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: 
           progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
-    opts = SimpleNamespace(base=_path(base), lora=_path(lora), hf_ref=_path(hf_ref), out=_abs(out),
-                           dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size), lora_r=lora_r,
-                           lora_alpha=lora_alpha, allow_partial_lora=allow_partial_lora, force=force, verify=verify,
-                           report=_path(report), dry_run=dry_run, progress=progress, warn=warn)
+    opts = SimpleNamespace(base=_path(base, "base", BASE), lora=_required(lora, "lora", LORA),
+                           hf_ref=_required(hf_ref, "hf_ref", HF_REF), out=_abs(_required(out, "out", OUT)),
+                           dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size),
+                           lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
+                           allow_partial_lora=allow_partial_lora, force=force, verify=verify,
+                           report=_path(report, "report", "a file"), dry_run=dry_run,
+                           progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
     return run_merge(opts)
 
 
@@ -148,10 +203,13 @@ def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_
     """Write the LoRA as an unmerged PEFT adapter at `out` (see `lora-merge export-adapter --help`)."""
     if expert_format not in EXPERT_FORMATS:
         raise MergeError(f"expert_format {expert_format!r}: expected one of {', '.join(EXPERT_FORMATS)}")
-    opts = SimpleNamespace(base=_path(base), lora=_path(lora), hf_ref=_path(hf_ref), out=_abs(out),
-                           dtype=_dtype_choice(dtype), expert_format=expert_format, lora_r=lora_r,
-                           lora_alpha=lora_alpha, allow_partial_lora=allow_partial_lora, force=force,
-                           report=_path(report), warn=warn)
+    opts = SimpleNamespace(base=_path(base, "base", BASE),
+                           lora=_required(lora, "lora", "the Megatron LoRA checkpoint dir"),
+                           hf_ref=_required(hf_ref, "hf_ref", HF_REF),
+                           out=_abs(_required(out, "out", "the adapter dir")),
+                           dtype=_dtype_choice(dtype), expert_format=expert_format, lora_r=_lora_r(lora_r),
+                           lora_alpha=_lora_alpha(lora_alpha), allow_partial_lora=allow_partial_lora, force=force,
+                           report=_path(report, "report", "a file"), warn=_callable(warn, "warn"))
     return run_export(opts)
 
 
@@ -159,14 +217,16 @@ def verify(out, *, lora=None, base=None, hf_ref=None, lora_r: int | None = None,
            report=None, force: bool = False, warn: Callable[[str], None] = _warn_default) -> VerifyReport:
     """Check a merged output (see `lora-merge verify --help`); problems are in the report's `problems`
     (`ok` is False), bad input raises MergeError."""
-    opts = SimpleNamespace(out=Path(out), lora=_path(lora), base=_path(base), hf_ref=_path(hf_ref), lora_r=lora_r,
-                           lora_alpha=lora_alpha, report=_path(report), force=force, warn=warn)
+    opts = SimpleNamespace(out=_required(out, "out", "the merged HF model dir"), lora=_path(lora, "lora", LORA),
+                           base=_path(base, "base", BASE), hf_ref=_path(hf_ref, "hf_ref", HF_REF),
+                           lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
+                           report=_path(report, "report", "a file"), force=force, warn=_callable(warn, "warn"))
     return run_verify(opts)
 
 
 def inspect(checkpoint) -> str:
     """What a Megatron checkpoint is (format, iteration, parallel layout, experts, LoRA, files), as text."""
-    return "\n".join(describe(open_checkpoint(Path(checkpoint))))
+    return "\n".join(describe(open_checkpoint(_required(checkpoint, "checkpoint", "a Megatron checkpoint dir"))))
 
 
 # --- the runs, on an options namespace (the CLI's parsed arguments or the functions' keywords) ---

@@ -325,9 +325,10 @@ def execute(plan: MergePlan, write, progress=None) -> None:
     `then` (or None) is to be called once those rows are written. The CRC32 of every archive member read
     is checked alongside; a mismatch fails the run (before the caller publishes anything)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(threads, compute_threads()))
-    checker = RecordChecker(list(_crc_jobs(plan)))
-    try:
+    checker = None
+    try:  # the caller's thread count comes back however this ends, a checker that fails to start included
+        torch.set_num_threads(min(threads, compute_threads()))
+        checker = RecordChecker(list(_crc_jobs(plan)))
         due = 0
         for task in plan.tasks:
             checker.advance(due)
@@ -335,7 +336,8 @@ def execute(plan: MergePlan, write, progress=None) -> None:
             _execute_task(plan, task, write, progress)
         checker.finish()
     finally:
-        checker.stop()
+        if checker is not None:
+            checker.stop()
         torch.set_num_threads(threads)
 
 

@@ -2,6 +2,7 @@
 progress through a callback, warnings through `warnings`, nothing printed."""
 
 import hashlib
+import re
 import warnings
 
 import pytest
@@ -75,3 +76,86 @@ def test_verify_export_and_inspect(tmp_path, merged_fixture):
 
     text = lora_merge.inspect(ROOT / "lora")
     assert "legacy Megatron checkpoint" in text and "TP=2 PP=2" in text
+
+
+@pytest.mark.parametrize("function,kwargs,expected", [
+    ("merge", dict(lora=None), "lora is missing: expected the path of"),
+    ("merge", dict(hf_ref=None), "hf_ref is missing: expected the path of the HF model dir"),
+    ("merge", dict(out=None), "out is missing: expected the path of the output dir"),
+    ("merge", dict(lora=7), "lora=7: expected the path of"),
+    ("merge", dict(base=""), "base='': expected the path of"),
+    ("merge", dict(warn=None), "warn=None: expected a function"),
+    ("merge", dict(progress="bar"), "progress='bar': expected a function or None"),
+    ("export_adapter", dict(lora=None), "lora is missing"),
+    ("export_adapter", dict(out=None), "out is missing: expected the path of the adapter dir"),
+    ("verify", dict(out=None), "out is missing: expected the path of the merged HF model dir"),
+    ("inspect", dict(checkpoint=None), "checkpoint is missing: expected the path of a Megatron checkpoint dir"),
+])
+def test_missing_or_mistyped_arguments_raise_merge_error(tmp_path, function, kwargs, expected):
+    given = {"merge": dict(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o"),
+             "export_adapter": dict(lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o"),
+             "verify": dict(out=tmp_path / "o", lora=ROOT / "lora"),
+             "inspect": dict(checkpoint=ROOT / "lora")}[function] | kwargs
+    call = getattr(lora_merge, function)
+    with pytest.raises(lora_merge.MergeError, match=re.escape(expected)):
+        call(given.pop("checkpoint")) if function == "inspect" else \
+            call(given.pop("out"), **given) if function == "verify" else call(**given)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("value,expected", [
+    (2500000.5, "max_shard_size 2500000.5"), (float("nan"), "max_shard_size nan"), (True, "max_shard_size True"),
+    ([5], "max_shard_size [5]"),
+])
+def test_max_shard_size_of_the_wrong_type_says_so(tmp_path, value, expected):
+    with pytest.raises(lora_merge.MergeError, match=re.escape(expected) + ": expected a whole number of bytes"):
+        lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
+                         max_shard_size=value)
+    with pytest.raises(lora_merge.MergeError, match=re.escape("max_shard_size 100000.0 is below 1MB")):
+        lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
+                         max_shard_size=1e5)
+
+
+def test_a_whole_float_max_shard_size_is_bytes(tmp_path):
+    result = lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
+                              max_shard_size=5e9, dry_run=True)
+    assert result.dry_run
+
+
+@pytest.mark.parametrize("function", ["merge", "export_adapter", "verify"])
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(lora_r=True), "lora_r=True: expected a positive int"),
+    (dict(lora_r=4.0), "lora_r=4.0: expected a positive int"),
+    (dict(lora_r="4"), "lora_r='4': expected a positive int"), (dict(lora_r=0), "lora_r=0: expected a positive int"),
+    (dict(lora_alpha=False), "lora_alpha=False: expected a finite number above 0"),
+    (dict(lora_alpha="12"), "lora_alpha='12': expected a finite number above 0"),
+    (dict(lora_alpha=-1.0), "lora_alpha=-1.0: expected a finite number above 0"),
+    (dict(lora_alpha=float("inf")), "lora_alpha=inf: expected a finite number above 0"),
+])
+def test_lora_r_and_alpha_are_type_checked(tmp_path, function, kwargs, expected):
+    given = dict(lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", **kwargs)
+    with pytest.raises(lora_merge.MergeError, match=re.escape(expected)):
+        if function == "verify":
+            lora_merge.verify(tmp_path / "o", **given)
+        else:
+            getattr(lora_merge, function)(out=tmp_path / "o", **given)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_failing_merge_restores_torch_threads(tmp_path, monkeypatch):
+    from lora_merge import merge_plan
+
+    def broken(jobs):
+        raise RuntimeError("checker failed to start")
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(merge_plan, "compute_threads", lambda: 1)
+    monkeypatch.setattr(merge_plan, "RecordChecker", broken)
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="checker failed to start"):
+            lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert not (tmp_path / "o").exists()
