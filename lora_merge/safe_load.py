@@ -10,8 +10,10 @@ the load fail with the offending name. There is no fallback to a full unpickler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import pickle
+import threading
 import types
 from collections import OrderedDict
 from pathlib import Path
@@ -98,7 +100,7 @@ def load_archive(archive: TorchArchive):
     pickled = archive.pickle_bytes()
     allowed = _allowed_globals(pickled, archive.where)
     try:
-        with torch.serialization.safe_globals(allowed):
+        with _only_our_globals(allowed):
             return archive.unpickle(pickled)
     except MergeError:
         raise
@@ -106,6 +108,25 @@ def load_archive(archive: TorchArchive):
         raise MergeError(f"{archive.where}: refusing to load: {_short(exc)}") from exc
     except Exception as exc:  # a damaged pickle (wrong opcodes, bad tensor sizes): never a traceback
         raise MergeError(f"{archive.where}: corrupt or truncated torch checkpoint ({_short(exc)})") from exc
+
+
+_GLOBALS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _only_our_globals(allowed: list):
+    """torch's list of safe globals is process-wide. A program calling us may have added real classes to
+    it (Megatron adds numpy's, so a training script's process has them): under the same names as our
+    stand-ins, the unpickler would mix real and inert classes. Ours alone apply while we load."""
+    with _GLOBALS_LOCK:
+        theirs = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        try:
+            with torch.serialization.safe_globals(allowed):
+                yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(theirs)
 
 
 def load_pt(path: str | Path, mmap: bool = True, where: str | None = None):

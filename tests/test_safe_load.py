@@ -84,3 +84,23 @@ def test_function_references_in_args_become_inert(tmp_path):
     assert issubclass(state["args"].activation_func, StandIn)
     assert state["args"].activation_func.__qualname__ == "silu"
     assert isinstance(state["args"].init_method, StandIn)
+
+
+def test_real_classes_a_caller_marked_safe_do_not_mix_with_the_stand_ins():
+    """A training script calling the API has Megatron imported, which marks numpy's real classes safe in
+    torch's process-wide list; the rank file still loads with stand-ins only, and the caller's list is
+    left as it was."""
+    import numpy
+
+    path = next(FIXTURES.glob("tp2_fp32_filtered/lora/iter_0000010/mp_rank_00/model_optim_rng.pt"))
+    theirs = [numpy.ndarray, numpy.dtype, (numpy._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals(theirs)
+    try:
+        before = set(torch.serialization.get_safe_globals())
+        state = load_pt(path)
+        assert state["args"].tensor_model_parallel_size == 2
+        assert set(torch.serialization.get_safe_globals()) == before
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
