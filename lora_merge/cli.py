@@ -165,8 +165,9 @@ def print_plan(opts, result: MergeResult) -> None:
     print(f"  base:   {inp.base.describe()}")
     if inp.lora is not inp.base:
         print(f"  lora:   {inp.lora.describe()}")
-    print(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {s.heads} heads / {s.groups} kv heads "
-          f"x {s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, {'tied' if s.tied else 'untied'} embeddings"
+    heads = f"{s.heads} heads, {s.mla}" if s.mla else f"{s.heads} heads / {s.groups} kv heads x {s.head_dim}"
+    print(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {heads}, ffn {s.ffn}, vocab {s.vocab}, "
+          f"{'tied' if s.tied else 'untied'} embeddings"
           f"{', qkv bias' if s.qkv_bias else ''}")
     if s.moe is not None:
         print(f"  experts: {s.moe} in layers {sorted(s.moe.layers)}; checkpoint: {inp.base.experts}")

@@ -20,7 +20,9 @@ class MlaShape:
         return (f"MLA q_lora {self.q_lora}, kv_lora {self.kv_lora}, qk {self.nope}+{self.rope} (rope), v {self.v}")
 
     def dims(self, heads: int) -> dict[str, int]:
-        dims = {"kv_lora": self.kv_lora, "q_kv_down": (self.q_lora or 0) + self.kv_lora + self.rope, "kv_down": self.kv_lora + self.rope, "q_heads": heads * (self.nope + self.rope),
+        q_rows = self.q_lora or heads * (self.nope + self.rope)  # what MindSpeed fuses with the kv down-projection
+        dims = {"kv_lora": self.kv_lora, "kv_down": self.kv_lora + self.rope,
+                "q_kv_down": q_rows + self.kv_lora + self.rope, "q_heads": heads * (self.nope + self.rope),
                 "kv_heads": heads * (self.nope + self.v), "v_heads": heads * self.v}
         if self.q_lora:
             dims["q_lora"] = self.q_lora

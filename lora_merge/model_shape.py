@@ -169,7 +169,8 @@ def _shape(fields: _Fields, spec: HfConfig) -> ModelShape:
         num_layers=num_layers,
         hidden=hidden,
         heads=heads,
-        groups=groups or heads,
+        # multi-latent attention gives every head its own key and value; its head sizes are in `mla`
+        groups=heads if spec.read_mla else groups or heads,
         head_dim=head_dim or hidden // heads,
         ffn=fields.positive_int("intermediate_size"),
         vocab=fields.positive_int("vocab_size"),
@@ -526,8 +527,10 @@ def _yarn_params(d: dict, name: str, path: Path, factor: float, original: float,
         mscale, mscale_all = (_rope_number(d, k, name, path) if d.get(k) else None for k in ("mscale", "mscale_all_dim"))
         attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
                      else _yarn_mscale(factor, 1.0))
+    # DeepSeek's attention (MLA) also multiplies its softmax scale by mscale(factor, mscale_all_dim)^2
+    mscale_all_dim = _rope_number(d, "mscale_all_dim", name, path) if d.get("mscale_all_dim") else 0.0
     return {"factor": factor, "original_max_position_embeddings": original, "beta_fast": beta_fast,
-            "beta_slow": beta_slow, "attention_factor": attention}
+            "beta_slow": beta_slow, "attention_factor": attention, "mscale_all_dim": mscale_all_dim}
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -605,8 +608,8 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     if qkv_bias is not None and bool(qkv_bias) != shape.qkv_bias:
         raise MergeError(f"{where}: args.add_qkv_bias={qkv_bias} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qkv_bias else 'has no'} q/k/v biases")
-    qk_norm = arg("qk_layernorm")
-    if qk_norm is not None and bool(qk_norm) != shape.qk_norm:
+    qk_norm = arg("qk_layernorm")  # with MLA: the norms of the compressed q and kv, which DeepSeek always has
+    if qk_norm is not None and bool(qk_norm) != (shape.qk_norm or shape.mla is not None):
         raise MergeError(f"{where}: args.qk_layernorm={qk_norm} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
@@ -706,12 +709,18 @@ def _trained_rope_scaling(shape: ModelShape, args, arg, where: str):
                                                ("rotary_seq_len_interpolation_factor",
                                                 interpolation if interpolation not in (None, 1) else None))
              if value]
+    if shape.mla is not None and not arg("rope_scaling_type"):  # MindSpeed's own YaRN takes precedence
+        mla_yarn = _megatron_mla_yarn(args, arg, where)
+        if mla_yarn is not None:
+            kinds.append(("rope_type", "yarn"))
     if len(kinds) > 1:
         both = " and ".join(f"args.{name}={value!r}" for name, value in kinds)
         raise MergeError(f"{where}: {both}: RoPE scalings applied on top of each other have no HF equivalent")
     if not kinds:
         return None
     name, value = kinds[0]
+    if name == "rope_type":
+        return mla_yarn
     if name == "use_rope_scaling":
         factor = _arg_number(args, "rope_scaling_factor", where, 8.0)
         params = {"factor": ("args.rope_scaling_factor" + ("" if hasattr(args, "rope_scaling_factor") else
@@ -724,6 +733,38 @@ def _trained_rope_scaling(shape: ModelShape, args, arg, where: str):
     return _mindspeed_rope_scaling(shape, args, str(value), where)
 
 
+# Megatron-Core's MLA: --rope-type (None means yarn), --rotary-scaling-factor, --mscale, --mscale-all-dim;
+# the original context (4096) and beta_fast/slow (32/1) are MLATransformerConfig defaults no argument sets.
+# Its cos/sin are scaled by mscale(f, mscale) / mscale(f, mscale_all_dim), its softmax by
+# mscale(f, mscale_all_dim)^2 (even with plain rope), and the correction range is floored/ceiled.
+_MEGATRON_MLA_YARN = {"original_max_position_embeddings": 4096.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _megatron_mla_yarn(args, arg, where: str):
+    kind = arg("rope_type") or "yarn"
+    factor = _arg_number(args, "rotary_scaling_factor", where, 1.0)
+    mscale = _arg_number(args, "mscale", where, 1.0)
+    mscale_all = _arg_number(args, "mscale_all_dim", where, 0.0)
+    if kind == "rope":
+        if factor > 1 and mscale_all:
+            raise MergeError(f"{where}: args.rope_type='rope' with rotary_scaling_factor={factor:g} and "
+                             f"mscale_all_dim={mscale_all:g}: Megatron's MLA then scales its softmax by "
+                             f"{_yarn_mscale(factor, mscale_all) ** 2:g} without YaRN, which no HF config computes")
+        return None
+    if kind != "yarn":
+        raise MergeError(f"{where}: args.rope_type={kind!r}; Megatron's MLA knows 'rope' and 'yarn'")
+    if factor <= 1:  # YaRN at factor 1 is plain RoPE (every mscale is 1)
+        return None
+    label = f"args.rope_type={arg('rope_type')!r} (Megatron MLA YaRN, factor {factor:g})"
+    params = {"factor": (f"args.rotary_scaling_factor={factor:g}", factor),
+              "attention_factor": (f"args.mscale={mscale:g} and mscale_all_dim={mscale_all:g} give attention_factor="
+                                   f"{_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all):g}",
+                                   _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)),
+              "mscale_all_dim": (f"args.mscale_all_dim={mscale_all:g}", mscale_all)}
+    params |= {k: (f"Megatron's MLA fixes {k}={v:g}", v) for k, v in _MEGATRON_MLA_YARN.items()}
+    return "yarn", params, label
+
+
 def _mindspeed_rope_scaling(shape: ModelShape, args, kind: str, where: str):
     label = f"args.rope_scaling_type={kind!r}"
     if kind == "llama3":
@@ -731,7 +772,8 @@ def _mindspeed_rope_scaling(shape: ModelShape, args, kind: str, where: str):
                  "high_freq_factor": ("high_freq_factor",),
                  "original_max_position_embeddings": ("original_max_position_embeddings",)}
     elif kind == "yarn":
-        if shape.head_dim * shape.heads != shape.hidden:
+        # MLA rotates qk_rope_head_dim dims in both; otherwise MindSpeed takes hidden / heads as the rotary dim
+        if shape.mla is None and shape.head_dim * shape.heads != shape.hidden:
             raise MergeError(f"{where}: {label} with head_dim={shape.head_dim} != hidden_size/num_attention_heads="
                              f"{shape.hidden // shape.heads}: MindSpeed's YaRN scales the latter, transformers the "
                              "former, so the merged model would not compute what was trained")
@@ -749,6 +791,9 @@ def _mindspeed_rope_scaling(shape: ModelShape, args, kind: str, where: str):
             params[param] = found
     if kind == "yarn" and "factor" in params:
         params["attention_factor"] = _mindspeed_yarn_mscale(args, params["factor"][1], where)
+    if kind == "yarn" and shape.mla is not None:  # MindSpeed's MLA scales its softmax as DeepSeek's does
+        mscale_all = _arg_number(args, "rope_scaling_mscale_all_dim", where, 0.0)
+        params["mscale_all_dim"] = (f"args.rope_scaling_mscale_all_dim={mscale_all:g}", mscale_all)
     return kind, params, label
 
 

@@ -24,16 +24,25 @@ class MoeShape:
     score: str = "softmax"
     expert_bias: bool = False
     groups: tuple[int, int] | None = None
+    group_score_top: int = 2  # a group scores as the sum of its best this-many experts' scores
     scaling: float = 1.0
 
+    def describe_groups(self) -> str:
+        return f"model by its best {self.group_score_top}"
+
     def __str__(self) -> str:
+        routing = [f"{self.score} scores"] if self.score != "softmax" else []
+        routing += ["expert bias"] * self.expert_bias
+        routing += [f"best {self.groups[1]} of {self.groups[0]} groups"] if self.groups else []
+        routing += [f"weights x{self.scaling:g}"] if self.scaling != 1 else []
         return (f"{self.num_experts} experts, top-{self.topk}, expert ffn {self.ffn}"
-                + (f", shared expert ffn {self.shared_ffn}" if self.shared_ffn else ""))
+                + (f", shared expert ffn {self.shared_ffn}" if self.shared_ffn else "")
+                + (f" ({', '.join(routing)})" if routing else ""))
 
 
 def megatron_moe_layers(args, num_layers: int, where: str) -> frozenset[int]:
     """Which layers Megatron gave routed experts: moe_layer_freq is an int k (every k-th layer, from 0),
-    a list of 0/1 per layer, or that list as a string."""
+    a list of 0/1 per layer, or that list as a string; MindSpeed's first_k_dense_replace layers are dense."""
     freq = getattr(args, "moe_layer_freq", None)
     if freq is None:
         freq = 1
@@ -42,10 +51,14 @@ def megatron_moe_layers(args, num_layers: int, where: str) -> frozenset[int]:
             freq = ast.literal_eval(freq.strip())
         except (ValueError, SyntaxError) as exc:
             raise MergeError(f"{where}: args.moe_layer_freq={freq!r} is not a number or a list") from exc
+    # MindSpeed-LLM's --first-k-dense-replace keeps the first k layers dense on top of the frequency rule
+    dense = getattr(args, "first_k_dense_replace", None) or 0
+    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+        raise MergeError(f"{where}: args.first_k_dense_replace={dense!r}; expected a layer count")
     if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
-        return frozenset(i for i in range(num_layers) if i % freq == 0)
+        return frozenset(i for i in range(dense, num_layers) if i % freq == 0)
     if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
-        return frozenset(i for i, v in enumerate(freq) if v == 1)
+        return frozenset(i for i, v in enumerate(freq) if v == 1 and i >= dense)
     raise MergeError(f"{where}: args.moe_layer_freq={freq!r}; expected a positive int or {num_layers} zeros and ones")
 
 
@@ -77,30 +90,106 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
     if trained != moe.layers:
         raise MergeError(f"{where}: the args put routed experts in layers {sorted(trained)}, the HF config in "
                          f"{sorted(moe.layers)} (mlp_only_layers / decoder_sparse_step)")
-    score = arg("moe_router_score_function", "softmax")
-    if score != moe.score:
-        raise MergeError(f"{where}: args.moe_router_score_function={score!r} but the HF model scores experts with "
-                         f"{moe.score}; routing would differ")
-    # Megatron renormalises the top-k probabilities unless softmax comes first (moe_router_pre_softmax);
-    # sigmoid scores are always renormalised (top-k > 1).
-    renormalised = not bool(arg("moe_router_pre_softmax", False)) if score == "softmax" else moe.topk > 1
-    if renormalised != moe.norm_topk:
-        raise MergeError(f"{where}: the args {'renormalise' if renormalised else 'do not renormalise'} the top-k "
-                         f"probabilities (moe_router_pre_softmax={arg('moe_router_pre_softmax', False)}, "
-                         f"{score} scores) but the HF config has norm_topk_prob={moe.norm_topk}; routing would differ")
-    bias = bool(arg("moe_router_enable_expert_bias", False))
-    if bias != moe.expert_bias:
-        raise MergeError(f"{where}: args.moe_router_enable_expert_bias={bias} but the HF model "
-                         f"{'adds a' if moe.expert_bias else 'has no'} router expert bias (e_score_correction_bias)")
-    groups = arg("moe_router_num_groups", 1) or 1
-    theirs = (int(groups), int(arg("moe_router_group_topk", 1) or 1)) if int(groups) > 1 else None
-    if theirs != moe.groups:
-        raise MergeError(f"{where}: args.moe_router_num_groups/moe_router_group_topk={theirs} but the HF config's "
-                         f"n_group/topk_group give {moe.groups}; routing would differ")
-    scaling = float(arg("moe_router_topk_scaling_factor", 1.0))
-    if not math.isclose(scaling, moe.scaling, rel_tol=1e-6):
-        raise MergeError(f"{where}: args.moe_router_topk_scaling_factor={scaling:g} but the HF config's "
-                         f"routed_scaling_factor is {moe.scaling:g}")
+    _check_routing(moe, trained_routing(args, moe.topk, where), where)
     if getattr(args, "moe_expert_capacity_factor", None) is not None:
         raise MergeError(f"{where}: args.moe_expert_capacity_factor={args.moe_expert_capacity_factor!r}: token "
                          "dropping (capacity factor) has no equivalent in the HF model")
+
+
+@dataclass(frozen=True)
+class TrainedRouting:
+    """How the training run routed tokens, each fact with the args that say so (for messages)."""
+    score: tuple[str, str]
+    renormalised: tuple[bool, str]
+    expert_bias: tuple[bool, str]
+    groups: tuple[tuple[int, int] | None, str]
+    group_score_top: tuple[int, str]  # a group scores as the sum of its best this-many experts
+    scaling: tuple[float, str]
+
+
+def trained_routing(args, topk: int, where: str) -> TrainedRouting:
+    """Megatron-Core's router, or MindSpeed-LLM's own where its --moe-router-load-balancing-type selects
+    one (its releases on Megatron 0.8: noaux_tc for DeepSeek-V3, group_limited_greedy and
+    pai_megatron_aux_loss for DeepSeek-V2, softmax_topk)."""
+    def arg(name, default=None):
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    kind = arg("moe_router_load_balancing_type", "aux_loss")
+    score = arg("moe_router_score_function", "softmax")
+    bias = bool(arg("moe_router_enable_expert_bias", False))
+    said = {"score": (score, f"args.moe_router_score_function={score!r}"),
+            "expert_bias": (bias, f"args.moe_router_enable_expert_bias={bias}")}
+    balancing = f"args.moe_router_load_balancing_type={kind!r}"
+    # MindSpeed's groups: n_group defaults to the expert-parallel size; grouping needs topk_group
+    ms_groups = None
+    if arg("topk_group") is not None and kind in ("noaux_tc", "group_limited_greedy"):
+        n_group = int(arg("n_group", arg("expert_model_parallel_size", 1)))
+        ms_groups = (n_group, int(arg("topk_group"))) if n_group > 1 else None
+    ms_group_desc = f"args.n_group/topk_group={ms_groups}"
+    if kind == "noaux_tc":  # sigmoid (+ bias) choice, best-2 group scores, always renormalised, scaled if set
+        scaling = float(arg("routed_scaling_factor", 1.0))
+        return TrainedRouting(**said, renormalised=(topk > 1, f"{balancing} (always renormalised)"),
+                              groups=(ms_groups, ms_group_desc), group_score_top=(2, f"{balancing} (its best 2)"),
+                              scaling=(scaling, f"args.routed_scaling_factor={scaling:g}"))
+    if kind == "group_limited_greedy":  # softmax, best-1 group scores; renormalised or else scaled
+        if score != "softmax":
+            raise MergeError(f"{where}: {balancing} with args.moe_router_score_function={score!r}; MindSpeed's "
+                             "group_limited_greedy scores with softmax")
+        norm = bool(arg("norm_topk_prob", False)) and topk > 1
+        scaling = 1.0 if norm else float(arg("routed_scaling_factor", 1.0))
+        return TrainedRouting(**said, renormalised=(norm, f"{balancing} with args.norm_topk_prob={norm}"),
+                              groups=(ms_groups, ms_group_desc), group_score_top=(1, f"{balancing} (its best 1)"),
+                              scaling=(scaling, f"{balancing} scales by {scaling:g}"))
+    if kind == "pai_megatron_aux_loss":  # softmax over all, top-k, neither renormalised nor scaled
+        return TrainedRouting(**said, renormalised=(False, f"{balancing} (never renormalised)"),
+                              groups=(None, f"{balancing} (no groups)"), group_score_top=(2, balancing),
+                              scaling=(1.0, f"{balancing} (never scaled)"))
+    if kind == "softmax_topk":  # MindSpeed's: softmax over all, top-k, renormalised if norm_topk_prob
+        norm = bool(arg("norm_topk_prob", False)) and topk > 1
+        scaling = float(arg("moe_router_topk_scaling_factor", 1.0))
+        return TrainedRouting(**said, renormalised=(norm, f"{balancing} with args.norm_topk_prob={norm}"),
+                              groups=(None, f"{balancing} (no groups)"), group_score_top=(2, balancing),
+                              scaling=(scaling, f"args.moe_router_topk_scaling_factor={scaling:g}"))
+    if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+        raise MergeError(f"{where}: {balancing}: its routing cannot be shown to equal a HF model's; expected "
+                         "aux_loss, seq_aux_loss, global_aux_loss, none, or MindSpeed's noaux_tc, "
+                         "group_limited_greedy, pai_megatron_aux_loss, softmax_topk")
+    # Megatron-Core's TopKRouter: softmax renormalises the top-k unless it comes first (pre_softmax);
+    # sigmoid scores are always renormalised (top-k > 1); a group scores by its best topk // group_topk.
+    pre = bool(arg("moe_router_pre_softmax", False))
+    renormalised = not pre if score == "softmax" else topk > 1
+    groups = arg("moe_router_num_groups", 1) or 1
+    group_topk = int(arg("moe_router_group_topk", 1) or 1)
+    theirs = (int(groups), group_topk) if int(groups) > 1 else None
+    scaling = float(arg("moe_router_topk_scaling_factor", 1.0))
+    return TrainedRouting(
+        **said, renormalised=(renormalised, f"the args {'renormalise' if renormalised else 'do not renormalise'} "
+                                            f"the top-k probabilities (moe_router_pre_softmax={pre}, {score} scores)"),
+        groups=(theirs, f"args.moe_router_num_groups/moe_router_group_topk={theirs}"),
+        group_score_top=(topk // group_topk, f"Megatron scores an expert group by its best moe_router_topk // "
+                                             f"moe_router_group_topk = {topk // group_topk} experts"),
+        scaling=(scaling, f"args.moe_router_topk_scaling_factor={scaling:g}"))
+
+
+def _check_routing(moe: MoeShape, trained: TrainedRouting, where: str) -> None:
+    (score, said), hf = trained.score, moe.score
+    if score != hf:
+        raise MergeError(f"{where}: {said} but the HF model scores experts with {hf}; routing would differ")
+    (norm, said) = trained.renormalised
+    if norm != moe.norm_topk:
+        raise MergeError(f"{where}: {said} but the HF config has norm_topk_prob={moe.norm_topk}; routing would differ")
+    (bias, said) = trained.expert_bias
+    if bias != moe.expert_bias:
+        raise MergeError(f"{where}: {said} but the HF model {'adds a' if moe.expert_bias else 'has no'} router "
+                         "expert bias (e_score_correction_bias)")
+    (groups, said) = trained.groups
+    if groups != moe.groups:
+        raise MergeError(f"{where}: {said} but the HF config's n_group/topk_group give {moe.groups}; routing would "
+                         "differ")
+    (top, said) = trained.group_score_top
+    if groups is not None and top != moe.group_score_top:
+        raise MergeError(f"{where}: {said}, the HF {moe.describe_groups()}; routing would differ")
+    (scaling, said) = trained.scaling
+    if not math.isclose(scaling, moe.scaling, rel_tol=1e-6):
+        raise MergeError(f"{where}: {said} but the HF config's routed_scaling_factor is {moe.scaling:g}")

@@ -249,8 +249,8 @@ def test_missing_config(tmp_path):
 
 @pytest.mark.parametrize("model_type", [None, "gemma2", 7])
 def test_unsupported_model_type(tmp_path, model_type):
-    refused(tmp_path, "is not supported (expected one of llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)", model_type=model_type)
-    refused(tmp_path, "no model_type (expected one of llama", model_type=DROP)
+    refused(tmp_path, "is not supported (expected one of deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)", model_type=model_type)
+    refused(tmp_path, "no model_type (expected one of deepseek_v2, deepseek_v3, llama", model_type=DROP)
 
 
 @pytest.mark.parametrize("config,key", [
@@ -340,7 +340,8 @@ def _rope_theta(hf_config) -> float:
 @pytest.mark.parametrize("model_type,cls", [("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config"),
                                             ("llama", "LlamaConfig"), ("mistral", "MistralConfig"),
                                             ("qwen3_moe", "Qwen3MoeConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
-                                            ("mixtral", "MixtralConfig")])
+                                            ("mixtral", "MixtralConfig"), ("deepseek_v3", "DeepseekV3Config"),
+                                            ("deepseek_v2", "DeepseekV2Config")])
 def test_defaults_table_matches_transformers(model_type, cls):
     hf = getattr(transformers, cls)()
     table = ARCHITECTURES[model_type].config.all_defaults
@@ -353,7 +354,10 @@ def test_defaults_table_matches_transformers(model_type, cls):
     # num_key_value_heads and head_dim: None in the table means "computed from the heads"
     small = getattr(transformers, cls)(hidden_size=64, num_attention_heads=16)
     assert small.num_key_value_heads == (table["num_key_value_heads"] or 16)
-    assert (getattr(small, "head_dim", None) or 64 // 16) == (table["head_dim"] or 64 // 16)  # None: computed
+    if model_type.startswith("deepseek"):  # MLA: head_dim is qk_rope_head_dim's, and unused
+        assert small.head_dim == small.qk_rope_head_dim
+    else:
+        assert (getattr(small, "head_dim", None) or 64 // 16) == (table["head_dim"] or 64 // 16)  # None: computed
     if model_type == "mistral":
         assert table["sliding_window"] == hf.sliding_window == 4096
     if model_type in ("qwen2", "qwen3"):

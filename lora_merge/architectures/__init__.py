@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lora_merge.architectures import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from lora_merge.architectures import deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from lora_merge.architectures.base import Architecture, HfConfig, iter_rules, pick_name  # noqa: F401
 from lora_merge.errors import MergeError
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from lora_merge.model_shape import ModelShape
 
 ARCHITECTURES = {module.ARCHITECTURE.name: module.ARCHITECTURE
-                 for module in (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral)}
+                 for module in (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, deepseek_v2, deepseek_v3)}
 
 
 def architecture_for(shape: ModelShape) -> Architecture:

@@ -1,0 +1,46 @@
+"""DeepSeek-V2 / V2-Lite: multi-latent attention (V2-Lite without a q LoRA rank), dense MLPs then routed
+experts with shared experts; softmax over all experts, top-k without renormalisation (transformers'
+class never renormalises, whatever norm_topk_prob says), scaled weights; group-limited choice scores a
+group by its best expert."""
+
+from lora_merge.architectures.base import HfConfig
+from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_DEFAULTS, MLA_KEYS, deepseek_decoder,
+                                          dense_layer_count, expected_values, read_mla, shared_experts_count)
+from lora_merge.architectures.moe import TRAINING_ONLY_KEYS
+from lora_merge.errors import MergeError
+from lora_merge.moe_shape import MoeShape
+
+
+def read_moe(fields, num_layers: int) -> MoeShape:
+    expected_values(fields, "deepseek_v2", {"scoring_func": "softmax", "moe_layer_freq": 1})
+    if fields.flag("norm_topk_prob"):
+        raise MergeError(f"{fields.path}: norm_topk_prob=true, which transformers' deepseek_v2 ignores (it never "
+                         "renormalises) but DeepSeek's own code and vLLM honour: the model would depend on the "
+                         "loader; expected false")
+    method = fields.cfg.get("topk_method", fields.default("topk_method"))
+    if method == "greedy":
+        groups = None
+    elif method == "group_limited_greedy":
+        groups = fields.positive_int("n_group"), fields.positive_int("topk_group")
+    else:
+        raise MergeError(f"{fields.path}: topk_method={method!r}; transformers' deepseek_v2 computes 'greedy' or "
+                         "'group_limited_greedy'")
+    ffn = fields.positive_int("moe_intermediate_size")
+    return MoeShape(fields.positive_int("n_routed_experts"), fields.positive_int("num_experts_per_tok"), ffn,
+                    shared_experts_count(fields) * ffn, False, False,
+                    frozenset(range(dense_layer_count(fields), num_layers)),
+                    groups=groups if groups and groups[0] > 1 else None, group_score_top=1,
+                    scaling=fields.number("routed_scaling_factor"))
+
+
+CONFIG = HfConfig(
+    "deepseek_v2", causal_lm="DeepseekV2ForCausalLM", family="llama",
+    defaults={**MLA_DEFAULTS, "num_key_value_heads": None, "head_dim": 64, "max_position_embeddings": 2048, "n_routed_experts": 64,
+              "n_shared_experts": 2, "num_experts_per_tok": None, "moe_intermediate_size": 1407,
+              "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": None, "topk_group": None,
+              "first_k_dense_replace": 0, "q_lora_rank": 1536, "topk_method": "greedy", "rms_norm_eps": 1e-6},
+    own_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS | TRAINING_ONLY_KEYS, read_moe=read_moe, read_mla=read_mla,
+    fused_experts="mlp.experts",
+)
+
+ARCHITECTURE = deepseek_decoder(CONFIG)

@@ -1,0 +1,102 @@
+"""Building blocks of the DeepSeek architectures (V2, V3/R1): multi-latent attention in both namings, and
+a decoder of dense MLP layers below `first_k_dense_replace`, then routed experts with shared experts.
+
+MLA in Megatron-Core's naming (`linear_q_down_proj`, `linear_kv_down_proj`, …) or MindSpeed-LLM's, which
+fuses the down-projections into one replicated `linear_qkv` = [q_a_proj; kv_a_proj_with_mqa], or
+[q_proj; kv_a_proj_with_mqa] without a q LoRA rank (V2-Lite). The down-projections are replicated
+linears (TE's duplicated mode, MindSpeed's plain Linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lora_merge.architectures.base import Architecture, HfConfig
+from lora_merge.architectures.dense import DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
+from lora_merge.architectures.moe import routed_experts, shared_expert
+from lora_merge.errors import MergeError
+from lora_merge.layout import ColumnParallel, Replicated, ReplicatedRows, RowParallel
+from lora_merge.mla_shape import MlaShape
+
+ATTN = "self_attention."
+Q_DOWN, KV_DOWN, Q_PROJ = ATTN + "linear_q_down_proj.weight", ATTN + "linear_kv_down_proj.weight", ATTN + "linear_q_proj.weight"
+MLA_ATTENTION = (
+    Replicated("input_layernorm.weight", ("hidden",), hf="input_layernorm.weight"),
+    Replicated(Q_DOWN, ("q_lora", "hidden"), hf="self_attn.q_a_proj.weight", requires="q_lora"),
+    Replicated(ATTN + "q_layernorm.weight", ("q_lora",), hf="self_attn.q_a_layernorm.weight", requires="q_lora",
+               aliases=(ATTN + "linear_q_up_proj.layer_norm_weight",)),
+    ColumnParallel(ATTN + "linear_q_up_proj.weight", ("q_heads", "q_lora"), hf="self_attn.q_b_proj.weight",
+                   requires="q_lora"),
+    ColumnParallel(Q_PROJ, ("q_heads", "hidden"), hf="self_attn.q_proj.weight", requires="no_q_lora"),
+    Replicated(KV_DOWN, ("kv_down", "hidden"), hf="self_attn.kv_a_proj_with_mqa.weight"),
+    Replicated(ATTN + "kv_layernorm.weight", ("kv_lora",), hf="self_attn.kv_a_layernorm.weight",
+               aliases=(ATTN + "linear_kv_up_proj.layer_norm_weight",)),
+    ColumnParallel(ATTN + "linear_kv_up_proj.weight", ("kv_heads", "kv_lora"), hf="self_attn.kv_b_proj.weight"),
+    RowParallel(ATTN + "linear_proj.weight", ("hidden", "v_heads"), hf="self_attn.o_proj.weight"),
+    # MindSpeed-LLM's naming, used in a layer where the checkpoint has it: one replicated linear for both
+    # down-projections; its LoRA has one A, and B splits at the q rows like the weight.
+    ReplicatedRows(ATTN + "linear_qkv.weight", ("q_kv_down", "hidden"), requires="q_lora",
+                   parts=(("self_attn.q_a_proj.weight", "q_lora"), ("self_attn.kv_a_proj_with_mqa.weight", "kv_down")),
+                   instead_of=(Q_DOWN, KV_DOWN)),
+    ReplicatedRows(ATTN + "linear_qkv.weight", ("q_kv_down", "hidden"), requires="no_q_lora",
+                   parts=(("self_attn.q_proj.weight", "q_heads"), ("self_attn.kv_a_proj_with_mqa.weight", "kv_down")),
+                   instead_of=(Q_PROJ, KV_DOWN)),
+)
+
+MLA_KEYS = frozenset({"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "qk_head_dim"})
+# DeepSeek's MoE fields; beyond them, keys of the original training code that act only there (expert
+# parallel size, load-balancing loss) and the MTP layers, which transformers does not load
+# (Megatron's are refused by the args check).
+DEEPSEEK_MOE_KEYS = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                               "moe_intermediate_size", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                               "topk_group", "first_k_dense_replace", "topk_method", "scoring_func",
+                               "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"})
+# num_key_value_heads and head_dim: unused by MLA (each head has its own key and value, sized by the MLA
+# fields); the values are the classes' own.
+MLA_DEFAULTS = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128}
+
+
+def read_mla(fields) -> MlaShape:
+    return MlaShape(fields.positive_int("q_lora_rank", nullable=True), fields.positive_int("kv_lora_rank"),
+                    fields.positive_int("qk_nope_head_dim"), fields.positive_int("qk_rope_head_dim"),
+                    fields.positive_int("v_head_dim"))
+
+
+def expected_values(fields, model_type: str, expected: dict) -> None:
+    """Fields of the released config.json that only DeepSeek's own modeling code reads: they must say what
+    transformers' class computes, or the model would differ between loaders."""
+    for key, value in expected.items():
+        if key in fields.cfg and fields.cfg[key] != value:
+            raise MergeError(f"{fields.path}: {key}={fields.cfg[key]!r}; transformers' {model_type} computes "
+                             f"{key}={value!r}")
+
+
+def dense_layer_count(fields) -> int:
+    dense = fields.cfg.get("first_k_dense_replace", fields.default("first_k_dense_replace"))
+    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+        raise MergeError(f"{fields.path}: 'first_k_dense_replace' must be a layer count, found {dense!r}")
+    return dense
+
+
+def shared_experts_count(fields) -> int:
+    shared = fields.cfg.get("n_shared_experts", fields.default("n_shared_experts")) or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise MergeError(f"{fields.path}: 'n_shared_experts' must be a count, found {shared!r}")
+    return shared
+
+
+def deepseek_decoder(config: HfConfig, *router_rules) -> Architecture:
+    """MLA attention, dense MLPs below first_k_dense_replace, then routed experts and their shared experts
+    (Megatron fuses DeepSeek's several shared experts into one wider MLP, as HF does)."""
+    moe = (
+        *routed_experts(router="mlp.gate.weight", gate="mlp.experts.{expert}.gate_proj.weight",
+                        up="mlp.experts.{expert}.up_proj.weight", down="mlp.experts.{expert}.down_proj.weight"),
+        *router_rules,
+        *shared_expert(gate="mlp.shared_experts.gate_proj.weight", up="mlp.shared_experts.up_proj.weight",
+                       down="mlp.shared_experts.down_proj.weight"),
+    )
+    dense = tuple(replace(rule, layers="dense") for rule in DENSE_MLP)
+    return Architecture(name=config.model_type, before_layers=EMBEDDING,
+                        layer_rules=(*MLA_ATTENTION, PRE_MLP_NORM, *dense, *moe), after_layers=FINAL, config=config)

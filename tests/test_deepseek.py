@@ -1,0 +1,262 @@
+"""DeepSeek-V3 / V2 (multi-latent attention, dense-then-MoE layers, shared experts, router expert bias)
+against the real Megatron forward pass (tests/fixtures_deepseek, made by scripts/make_deepseek_fixtures.py
+with megatron-core 0.16.1 and PEFT 0.7.1) and transformers' own DeepseekV3/DeepseekV2 classes."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_merge.cli import main
+
+DEEPSEEK = Path(__file__).parent / "fixtures_deepseek"
+NAMES = sorted(p.name for p in DEEPSEEK.iterdir() if (p / "fixture.json").is_file())
+
+
+def cli_args(root: Path, out: Path) -> list[str]:
+    return ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(out), "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp("deepseek") / name
+            assert main(cli_args(DEEPSEEK / name, out)) == 0
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
+def hf_logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    with torch.no_grad():
+        return model.eval()(input_ids).logits
+
+
+def assert_computes_megatron_lora(out: Path, root: Path, label: str) -> None:
+    ref = torch.load(root / "logits.pt", weights_only=True)
+    logits = hf_logits(out, ref["input_ids"])
+    print(f"\n{label}: max |logits - Megatron+LoRA| = {(logits - ref['logits_lora']).abs().max():.2e}")
+    assert (logits - ref["logits_lora"]).abs().max() <= 1e-4
+    assert (logits - ref["logits_base"]).abs().max() > 0.1  # the LoRA changed the model
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deepseek_merge_computes_what_megatron_with_lora_computes(name, merged):
+    assert_computes_megatron_lora(merged(name), DEEPSEEK / name, name)
+
+
+def test_expert_bias_stays_fp32_in_a_bf16_merge(tmp_path):
+    from safetensors import safe_open
+
+    root, out = DEEPSEEK / "deepseek_v3_ep2", tmp_path / "out"
+    assert main(cli_args(root, out) + ["--dtype", "bfloat16"]) == 0
+    dtypes = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    bias = {k: v for k, v in dtypes.items() if k.endswith("e_score_correction_bias")}
+    assert sorted(bias) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    assert set(bias.values()) == {"F32"}
+    assert {v for k, v in dtypes.items() if k not in bias} == {"BF16"}
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    shutil.copytree(DEEPSEEK / name, tmp_path / name)
+    return tmp_path / name
+
+
+def _all_rank_files(ckpt: Path) -> list[Path]:
+    return sorted(ckpt.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+
+
+def test_mindspeed_fused_qkv_without_q_lora_rank(tmp_path, merged):
+    """V2-Lite in MindSpeed's naming: linear_qkv = [q_proj; kv_a_proj_with_mqa], built from the real fixture
+    by the documented rule, with one LoRA: q_proj's A shared, B = [B_q; B_kv]. q_proj merges as before;
+    kv_a_proj_with_mqa gets W_kv + (alpha/r)·B_kv·A_q, computed here from the fixture's own tensors."""
+    from safetensors.torch import load_file
+    from test_errors import rewrite
+
+    root = _copy("deepseek_v2_lite_ep2", tmp_path)
+    attn, lora = "self_attention.", ".lora_{}.default.weight"
+    expected_kv = {}
+
+    def fuse_base(state):
+        model = state["model"]
+        for key in [k for k in model if k.endswith(attn + "linear_q_proj.weight")]:
+            prefix = key[: -len("linear_q_proj.weight")]
+            model[prefix + "linear_qkv.weight"] = torch.cat([model.pop(key), model.pop(prefix + "linear_kv_down_proj.weight")])
+
+    def fuse_lora(state):
+        model = state["model"]
+        for key in [k for k in model if k.endswith(attn + "linear_q_proj" + lora.format("A"))]:
+            prefix = key[: -len("linear_q_proj" + lora.format("A"))]
+            q_a, q_b = model.pop(key), model.pop(prefix + "linear_q_proj" + lora.format("B"))
+            model.pop(prefix + "linear_kv_down_proj" + lora.format("A"))
+            kv_b = model.pop(prefix + "linear_kv_down_proj" + lora.format("B"))
+            model[prefix + "linear_qkv" + lora.format("A")] = q_a
+            model[prefix + "linear_qkv" + lora.format("B")] = torch.cat([q_b, kv_b])
+            for k in [k for k in model if k.startswith((prefix + "linear_q_proj.", prefix + "linear_kv_down_proj."))]:
+                del model[k]
+            layer = prefix.split(".")[2]
+            expected_kv[layer] = 3.0 * kv_b.double() @ q_a.double()  # alpha/r = 12/4; the latest iteration last
+        state["args"].lora_target_modules = ["linear_qkv", "linear_kv_up_proj", "linear_proj", "linear_fc1",
+                                             "linear_fc2"]
+
+    source = load_file(next(merged("deepseek_v2_lite_ep2").glob("*.safetensors")))
+    from lora_merge.safe_load import load_pt
+    base = load_pt(DEEPSEEK / "deepseek_v2_lite_ep2" / "base" / "iter_0000001" / "mp_rank_00_000" /
+                   "model_optim_rng.pt", mmap=False)["model"]
+    for f in _all_rank_files(root / "base"):
+        rewrite(f, fuse_base)
+    for f in _all_rank_files(root / "lora"):
+        rewrite(f, fuse_lora)
+    out = tmp_path / "out"
+    assert main(cli_args(root, out)) == 0
+    ours = load_file(next(out.glob("*.safetensors")))
+    assert ours.keys() == source.keys()
+    for key in ours:
+        if "kv_a_proj_with_mqa" in key:
+            layer = key.split(".")[2]
+            w = base[f"decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight"].double()
+            assert torch.allclose(ours[key].double(), w + expected_kv[layer], atol=1e-6), key
+        else:
+            assert torch.equal(ours[key], source[key]), key
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v3_mindspeed_fused_qkv_ep2", "deepseek_v2_lite_ep2"])
+def test_verify_checks_mla_and_experts_against_the_megatron_base(name, merged, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    root = DEEPSEEK / name
+    check = ["verify", str(merged(name)), "--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+             str(root / "hf_ref")]
+    assert main(check) == 0, capsys.readouterr()
+    capsys.readouterr()
+    out = tmp_path / "out"
+    shutil.copytree(merged(name), out)
+    (shard,) = out.glob("*.safetensors")
+    tensors = load_file(shard)
+    victim = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # half of the fused linear in MindSpeed's naming
+    tensors[victim] = tensors[victim].clone()
+    tensors[victim][-1, 0] += 1e-3
+    save_file(tensors, shard, metadata={"format": "pt"})
+    check[1] = str(out)
+    assert main(check) == 1
+    assert victim in capsys.readouterr().out
+
+
+def test_inspect_and_dry_run_describe_mla_and_dense_layers(capsys, tmp_path):
+    root = DEEPSEEK / "deepseek_v3_ep2"
+    assert main(cli_args(root, tmp_path / "out") + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert ("16 experts, top-4, expert ffn 16, shared expert ffn 16 (sigmoid scores, expert bias, best 2 of 4 "
+            "groups, weights x2.5) in layers [1, 2]") in out
+    assert "4 heads, MLA q_lora 48, kv_lora 32, qk 16+8 (rope), v 12" in out
+    assert not (tmp_path / "out").exists()
+
+
+def _failing(args, capsys, *expected):
+    code = main(args)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    for text in expected:
+        assert text in err[0], err[0]
+    print(f"\n{err[0]}")
+
+
+def _with_args(name, tmp_path, **changes) -> Path:
+    from test_errors import rewrite
+
+    root = _copy(name, tmp_path)
+    for part in ("base", "lora"):
+        for f in _all_rank_files(root / part):
+            rewrite(f, lambda s: [setattr(s["args"], k, v) for k, v in changes.items()])
+    return root
+
+
+def _with_config(root: Path, **changes) -> None:
+    path = root / "hf_ref" / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"mtp_num_layers": 1}, "multi-token-prediction"),
+    ({"mla_mm_split": True}, "mla_mm_split"),
+    ({"topk_group": 1}, "args.n_group/topk_group=(4, 1) but the HF config's n_group/topk_group give (4, 2)"),
+    ({"n_group": None}, "args.n_group/topk_group=(2, 2)"),  # MindSpeed: n_group defaults to the EP size
+    ({"routed_scaling_factor": None}, "args.routed_scaling_factor=1 but the HF config's routed_scaling_factor is 2.5"),
+    ({"moe_router_load_balancing_type": "sinkhorn"}, "moe_router_load_balancing_type='sinkhorn'"),
+    ({"q_lora_rank": 32}, "args.q_lora_rank=32 but the HF config's q_lora_rank is 48"),
+    ({"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias=False"),
+    ({"first_k_dense_replace": 2}, "routed experts in layers [2], the HF config in [1, 2]"),
+])
+def test_deepseek_args_the_hf_model_cannot_compute_are_refused(tmp_path, capsys, changes, expected):
+    root = _with_args("deepseek_v3_mindspeed_fused_qkv_ep2", tmp_path, **changes)
+    _failing(cli_args(root, tmp_path / "out"), capsys, expected)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,changes", [
+    # MindSpeed-LLM on Megatron 0.8: its own noaux_tc router reads only its own names
+    ("deepseek_v3_mindspeed_fused_qkv_ep2", {"moe_router_num_groups": None, "moe_router_group_topk": None,
+                                             "moe_router_topk_scaling_factor": None, "norm_topk_prob": False}),
+    # its DeepSeek-V2 routers: softmax, greedy top-k, scaled unless renormalised
+    ("deepseek_v2_lite_ep2", {"moe_router_load_balancing_type": "group_limited_greedy", "routed_scaling_factor": 2.0,
+                              "moe_router_topk_scaling_factor": None, "moe_router_pre_softmax": None}),
+])
+def test_mindspeed_routers_that_compute_the_hf_routing_are_accepted(tmp_path, name, changes):
+    root = _with_args(name, tmp_path, **changes)
+    assert main(cli_args(root, tmp_path / "out")) == 0
+    assert_computes_megatron_lora(tmp_path / "out", root, f"{name} with {sorted(changes)}")
+
+
+@pytest.mark.parametrize("name,changes,expected", [
+    ("deepseek_v2_lite_ep2", {"moe_router_load_balancing_type": "pai_megatron_aux_loss"},
+     "'pai_megatron_aux_loss' (never scaled) but the HF config's routed_scaling_factor is 2"),
+    ("deepseek_v2_lite_ep2", {"moe_router_load_balancing_type": "group_limited_greedy", "topk_group": 1,
+                              "routed_scaling_factor": 2.0}, "args.n_group/topk_group=(2, 1)"),
+    ("deepseek_v2_lite_ep2", {"moe_router_load_balancing_type": "group_limited_greedy", "norm_topk_prob": True,
+                              "routed_scaling_factor": 2.0}, "args.norm_topk_prob=True but the HF config has norm_topk_prob=False"),
+    ("deepseek_v3_ep2", {"moe_router_group_topk": 1}, "moe_router_num_groups/moe_router_group_topk=(4, 1)"),
+])
+def test_mindspeed_and_megatron_routing_the_hf_model_does_not_do_is_refused(tmp_path, capsys, name, changes, expected):
+    root = _with_args(name, tmp_path, **changes)
+    _failing(cli_args(root, tmp_path / "out"), capsys, expected)
+
+
+def test_group_scores_that_differ_from_the_hf_model_are_refused(tmp_path, capsys):
+    """Megatron scores a group by its best topk // group_topk experts; DeepSeek-V3 by its best two."""
+    root = _with_args("deepseek_v3_ep2", tmp_path, moe_router_topk=2)
+    _with_config(root, num_experts_per_tok=2)
+    _failing(cli_args(root, tmp_path / "out"), capsys, "best moe_router_topk // moe_router_group_topk = 1 experts",
+             "by its best 2")
+
+
+@pytest.mark.parametrize("name,changes,expected", [
+    ("deepseek_v3_ep2", {"topk_method": "greedy"}, "topk_method='greedy'"),
+    ("deepseek_v3_ep2", {"rope_interleave": False}, "rope_interleave=False"),
+    ("deepseek_v3_ep2", {"n_group": 1, "topk_group": 1}, "n_group/topk_group give None"),
+    ("deepseek_v2_lite_ep2", {"norm_topk_prob": True}, "norm_topk_prob=true, which transformers' deepseek_v2 ignores"),
+    ("deepseek_v2_lite_ep2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ("deepseek_v2_lite_ep2", {"q_lora_rank": 16}, "q_lora_rank is 16"),
+    ("deepseek_v2_lite_ep2", {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+     "n_group/topk_group give (2, 1)"),
+    ("deepseek_v3_ep2", {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "fp8"),
+])
+def test_deepseek_configs_that_differ_from_the_training_are_refused(tmp_path, capsys, name, changes, expected):
+    root = _copy(name, tmp_path)
+    _with_config(root, **changes)
+    _failing(cli_args(root, tmp_path / "out"), capsys, expected)
