@@ -260,3 +260,30 @@ def test_deepseek_configs_that_differ_from_the_training_are_refused(tmp_path, ca
     root = _copy(name, tmp_path)
     _with_config(root, **changes)
     _failing(cli_args(root, tmp_path / "out"), capsys, expected)
+
+
+MINDSPEED_YARN = {"rope_scaling_type": "yarn", "rope_scaling_factor": 40.0, "rope_scaling_mscale": 0.9,
+                  "rope_scaling_mscale_all_dim": 0.7, "rope_scaling_original_max_position_embeddings": 4096,
+                  "rope_scaling_beta_fast": 32, "rope_scaling_beta_slow": 1}
+
+
+def test_mindspeed_yarn_args_for_mla_are_read(tmp_path):
+    """MindSpeed-LLM records its own YaRN args (its DeepSeek recipes); its MLA computes what Megatron's does
+    for the same values, so the real Megatron logits apply."""
+    root = _with_args("deepseek_v3_yarn_ep2", tmp_path, **MINDSPEED_YARN)
+    assert main(cli_args(root, tmp_path / "out")) == 0
+    assert_computes_megatron_lora(tmp_path / "out", root, "deepseek_v3_yarn with MindSpeed's --rope-scaling-* args")
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"mscale_all_dim": 1.0}, "args.mscale=0.9 and mscale_all_dim=1 give attention_factor=0.973052 but the HF "
+                              "config's yarn attention_factor is 1.05864"),
+    ({"mscale": 0.7}, "attention_factor"),
+    ({"rotary_scaling_factor": 4.0}, "args.rotary_scaling_factor=4 but the HF config's yarn factor is 40"),
+    ({"rope_type": "rope"}, "Megatron's MLA then scales its softmax"),
+    ({"rope_type": "rope", "mscale_all_dim": 0.0}, "the HF config has RoPE scaling yarn"),
+    ({**MINDSPEED_YARN, "rope_scaling_mscale_all_dim": 0.0}, "rope_scaling_mscale_all_dim=0 give attention_factor"),
+])
+def test_mla_yarn_that_differs_from_the_hf_config_is_refused(tmp_path, capsys, changes, expected):
+    root = _with_args("deepseek_v3_yarn_ep2", tmp_path, **changes)
+    _failing(cli_args(root, tmp_path / "out"), capsys, expected)
