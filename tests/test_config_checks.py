@@ -18,6 +18,7 @@ from test_errors import (
     rewrite,
 )
 
+from conftest import FIXTURES
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.architectures import ARCHITECTURES
@@ -669,3 +670,59 @@ def test_vocab_size_against_the_tokenizer(tmp_path):
 ])
 def test_configs_transformers_would_refuse_or_misread_are_refused(tmp_path, changes, words):
     refused(tmp_path, *words, config={**SMALL_QWEN2, **changes})
+
+
+# --- what the installed transformers reads (AutoConfig) must be what we read
+
+
+def test_a_default_transformers_reads_differently_is_refused(tmp_path, capsys, monkeypatch):
+    """Our per-type defaults stand in for a newer transformers changing one: the value transformers will
+    use (AutoConfig, local files only) decides, and a disagreement is refused, not merged."""
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    edit_config(root, lambda c: c.pop("rms_norm_eps", None))
+    monkeypatch.setitem(ARCHITECTURES["qwen2"].config.all_defaults, "rms_norm_eps", 1e-5)
+    set_args(rank_files(root / "base") + rank_files(root / "lora"), norm_epsilon=1e-5)
+    out = tmp_path / "out"
+    fails_in_cli(copied_args(root, out), capsys, "transformers", "reads rms_norm_eps as 1e-06, lora-merge as 1e-05")
+    assert_nothing_written(out)
+
+
+def test_a_model_type_this_transformers_cannot_read_is_a_warning(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    def unknown(*args, **kwargs):
+        raise ValueError("The checkpoint you are trying to load has model type `qwen2` but Transformers does not "
+                         "recognize this architecture.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unknown)
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    assert main(copied_args(root, tmp_path / "out") + ["--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "cannot read it (The checkpoint you are trying to load has model type `qwen2`" in err
+    assert "read with lora-merge's own table of qwen2 defaults" in err
+
+
+def test_a_config_transformers_refuses_is_refused(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    def refuses(*args, **kwargs):
+        raise TypeError("rope_scaling must be a dict")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuses)
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    fails_in_cli(copied_args(root, tmp_path / "out"), capsys, "refuses it: rope_scaling must be a dict")
+
+
+@pytest.mark.parametrize("fixture", ["tp2_fp32_filtered"])
+def test_transformers_reads_every_compared_field_as_we_do(fixture):
+    """The comparison is not vacuous: on a real fixture every field it compares has a value on both sides."""
+    from lora_merge.transformers_config import _compared, transformers_reading
+
+    hf = FIXTURES / fixture / "hf_ref"
+    shape, _ = read_hf_config(hf)
+    config, reason = transformers_reading(hf)
+    assert reason is None
+    rows = _compared(shape, config)
+    assert {"hidden_size", "rms_norm_eps", "rope_theta", "num_key_value_heads", "head_dim", "dtype"} <= {r[0] for r in rows}
+    assert all(theirs == ours or abs(float(theirs) - float(ours)) < 1e-9 for _, theirs, ours in rows
+               if not isinstance(theirs, str) and theirs is not None), rows
