@@ -353,6 +353,9 @@ def run_merge(opts) -> MergeResult:
     if opts.dtype == "auto" and inp.shape.dtype is None and isinstance(inp.base, HfModel):
         dtype = inp.base.dtype  # the HF weights' own
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+    for note in plan.notes:
+        opts.warn(note)
+    hf_config = {**inp.hf_config, **plan.config_changes}
     writer_plan = plan.tensors
     if opts.dry_run:
         return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
@@ -381,7 +384,7 @@ def run_merge(opts) -> MergeResult:
             files = writer.finish()
         finally:
             writer.abort()
-        files += copy_reference_files(opts.hf_ref, staging, inp.hf_config, dtype)
+        files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:
             hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline
             reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
@@ -390,7 +393,7 @@ def run_merge(opts) -> MergeResult:
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
         hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
-        (staging / "README.md").write_text(model_card(opts.out.name, inp.base, inp.lora, inp.hf_config, inp.settings,
+        (staging / "README.md").write_text(model_card(opts.out.name, inp.base, inp.lora, hf_config, inp.settings,
                                                       str(dtype).removeprefix("torch."), plan.merged_modules, hashes))
         files.append("README.md")
         if opts.report:
@@ -442,9 +445,10 @@ def run_verify(opts) -> VerifyReport:
     inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
     check_report_path(opts.report, opts.force, input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora))
     dtype = inp.shape.dtype or torch.float32
-    reference = opts.hf_ref if has_weights(opts.hf_ref) else None
+    hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline, as in merge --verify
+    reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
-                           base=inp.base)
+                           base=None if hf_base else inp.base)
     if opts.report:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
         write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report),

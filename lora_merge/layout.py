@@ -209,6 +209,17 @@ class Replicated(OneToOne):
 
 
 @dataclass(frozen=True)
+class AsStored(Replicated):
+    """An HF base's tensor that no table names and no LoRA touches (DeepSeek's multi-token-prediction
+    layers), written as it is stored: its own shape and dtype."""
+
+    size: tuple[int, ...] = ()
+
+    def global_shape(self, shape, shards_shapes=None):
+        return self.size
+
+
+@dataclass(frozen=True)
 class RowParallel(OneToOne):
     parallel = "row"
 

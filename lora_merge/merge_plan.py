@@ -16,7 +16,7 @@ import torch
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
-from lora_merge.layout import Rule, Skip, check_shards, single
+from lora_merge.layout import AsStored, Rule, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces, release_pages
@@ -50,6 +50,8 @@ class MergePlan:
     tasks: list[Task] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
     replicas: list = field(default_factory=list)  # (first, other) copies to compare while merging
+    config_changes: dict = field(default_factory=dict)  # config.json values the output must say differently
+    notes: list = field(default_factory=list)  # what the user should know about the output (warnings)
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -116,11 +118,38 @@ def build_hf_base_plan(base: HfModel, lora: Checkpoint, shape: ModelShape, arch:
             task.lora = adapters.pop(task.lora_module)
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
         plan.tasks.append(task)
+    unclaimed -= keep_mtp_layers(plan, base, unclaimed)
     if unclaimed:
         raise MergeError(f"{base.path}: tensors this {shape.model_type} layout does not know: {_preview(unclaimed)}")
     if adapters:
         raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
     return plan
+
+
+def keep_mtp_layers(plan: MergePlan, base: HfModel | None, names) -> set[str]:
+    """DeepSeek's multi-token-prediction layers (HF layers num_hidden_layers…): a Megatron LoRA never
+    trains them (checkpoints with MTP layers are refused), so an HF base's are written as they are. Where
+    the source has none, the output config says so, so that no loader looks for weights it lacks."""
+    shape = plan.shape
+    if not shape.mtp_layers:
+        return set()
+    prefixes = shape.mtp_prefixes
+    kept = {name for name in names if name.startswith(prefixes)} if base is not None else set()
+    for name in sorted(kept):
+        ref = base.tensors[name]
+        rule = AsStored(name, (), hf=name, size=tuple(ref.shape), keep_dtype=ref.dtype)
+        plan.tasks.append(Task(rule=HfTensors(rule), megatron=name, hf_prefix="", pieces=Pieces((ref,), HF),
+                               outputs=[PlannedTensor(name, tuple(ref.shape), ref.dtype)]))
+    if kept:
+        plan.notes.append(f"copied the {len(kept)} tensors of the multi-token-prediction layer(s) "
+                          f"{', '.join(p.split('.')[2] for p in prefixes)} from the base as they are (not trained by "
+                          "the LoRA)")
+    else:
+        plan.config_changes["num_nextn_predict_layers"] = 0
+        plan.notes.append(f"the source has no multi-token-prediction layers: the output's config.json says "
+                          f"num_nextn_predict_layers=0 instead of {shape.mtp_layers} (use an HF base that has them to "
+                          "keep them)")
+    return kept
 
 
 def build_peft_plan(base: HfModel, adapter: PeftAdapter, shape: ModelShape, arch: Architecture,
@@ -152,6 +181,7 @@ def build_peft_plan(base: HfModel, adapter: PeftAdapter, shape: ModelShape, arch
         plan.tasks.append(Task(rule=HfTensors(rule), megatron=names[0], hf_prefix=hf_prefix, pieces=Pieces(tuple(refs), HF),
                                outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
                                         for name, dims in rule.hf_shapes(shape).items()], delta=delta or None))
+    unclaimed -= keep_mtp_layers(plan, base, unclaimed)
     if unclaimed:
         raise MergeError(f"{base.path}: tensors this {shape.model_type} layout does not know: {_preview(unclaimed)}")
     if factors or biases:
@@ -221,6 +251,7 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
         raise MergeError(f"{base.path}: parameters this {shape.model_type} layout does not know: {_preview(unclaimed)}")
     if adapters:
         raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
+    keep_mtp_layers(plan, None, ())
     return plan
 
 

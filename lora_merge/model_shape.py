@@ -111,9 +111,15 @@ class ModelShape:
     norm_eps: float | None = None
     rope_scaling: RopeScaling | None = None
     tokenizer_vocab: int | None = None  # ids tokenizer.json can produce, when the reference has one
+    mtp_layers: int = 0  # multi-token-prediction layers after the decoder (DeepSeek's num_nextn_predict_layers)
     defaulted: frozenset[str] = frozenset()  # HF keys absent from config.json, so the config class's default
     moe: MoeShape | None = None  # routed experts, for a Mixture-of-Experts model
     mla: MlaShape | None = None  # multi-latent attention (DeepSeek) instead of grouped-query attention
+
+    @property
+    def mtp_prefixes(self) -> tuple[str, ...]:
+        """HF name prefixes of the multi-token-prediction layers, which follow the decoder's."""
+        return tuple(f"model.layers.{i}." for i in range(self.num_layers, self.num_layers + self.mtp_layers))
 
     @property
     def features(self) -> frozenset[str]:
@@ -184,8 +190,16 @@ def _shape(fields: _Fields, spec: HfConfig) -> ModelShape:
         norm_eps=fields.number("rms_norm_eps"),
         rope_scaling=rope_scaling,
         tokenizer_vocab=tokenizer_vocab_size(fields.path.parent / "tokenizer.json"),
+        mtp_layers=_count(fields, "num_nextn_predict_layers"),
         defaulted=frozenset(fields.defaulted),
     )
+
+
+def _count(fields: _Fields, key: str) -> int:
+    value = fields.cfg.get(key) or 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise MergeError(f"{fields.path}: '{key}' must be a count, found {value!r}")
+    return value
 
 
 def _read_json(path: Path, missing: str):

@@ -33,6 +33,7 @@ from lora_merge.lora import LoraSettings, hf_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
+from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 64 << 20
@@ -320,7 +321,7 @@ class _BlockRows:
 
 
 def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: torch.dtype,
-                  lora: Checkpoint | None, settings: LoraSettings | None,
+                  lora: Checkpoint | PeftAdapter | None, settings: LoraSettings | None,
                   reference: Path | None = None, base: Checkpoint | None = None) -> VerifyReport:
     ref = _reference_weights(reference) if reference is not None else None
     out = SafetensorsDir(out_dir)
@@ -339,13 +340,14 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
 
     expected_names = set()
     want_dtype = SAFETENSORS_DTYPES[dtype]
+    peft = isinstance(lora, PeftAdapter)  # factors by HF name, each with its own scale; trained biases
     for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c)):
         if isinstance(rule, Skip):
             continue
         megatron = (pick_name(names, base.params, base.path) if base is not None else None) or names[0]
         factors = {}
         module = megatron.removesuffix(".weight")
-        if lora is not None and megatron.endswith(".weight") and module in lora.lora:
+        if lora is not None and not peft and megatron.endswith(".weight") and module in lora.lora:
             factors = hf_factors(rule, lora.lora[module], shape, module)
         megatron_blocks = None
         if not ref and base is not None and megatron in base.params:
@@ -377,15 +379,33 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 source = megatron_blocks[name].rows
             else:
                 source = None
-            report.statuses[full] = _check_tensor(full, dims, out, source, factors.get(name), settings, report)
+            tensor_factors, scale = factors.get(name), settings.scale if settings else None
+            if peft and full in lora.factors:
+                f = lora.factors[full]
+                tensor_factors, scale = (f.b.load(), f.a.load()), f.scale
+            if peft and full in lora.biases:  # the trained bias replaces the base's
+                source = lambda a, b, t=lora.biases[full].load(): t[a:b]  # noqa: E731
+            report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report)
 
     for extra in sorted(set(out.file_of) - expected_names):
+        if extra.startswith(shape.mtp_prefixes) and out.readable(extra):  # kept from an HF base as stored
+            got = out.meta(extra)
+            if ref and extra in ref.file_of:
+                if ref.meta(extra) != got:
+                    report.problems.append(f"{extra}: shape {list(got[0])} {got[1]}, the reference's "
+                                           f"{list(ref.meta(extra)[0])} {ref.meta(extra)[1]}")
+                    continue
+                source = lambda a, b, n=extra: ref.rows(n, a, b)  # noqa: E731
+            else:
+                source = None
+            report.statuses[extra] = _check_tensor(extra, got[0], out, source, None, None, report)
+            continue
         report.problems.append(f"{_name(extra)}: in the output but not part of a {shape.model_type} model "
                                "with this config")
     return report
 
 
-def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, settings, report) -> str:
+def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, report) -> str:
     """Compare one output tensor with its baseline, a chunk of rows at a time."""
     row_numel = math.prod(dims[1:]) if len(dims) > 1 else 1
     step = max(1, CHUNK_BYTES // (4 * row_numel))
@@ -412,8 +432,8 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, settings, 
             continue
         b, a = factors
         b_rows = b[start:stop].float()
-        expected = torch.addmm(base.float(), b_rows, a.float(), alpha=settings.scale)
-        noise = base.float().abs() + settings.scale * (b_rows.abs() @ a.float().abs())
+        expected = torch.addmm(base.float(), b_rows, a.float(), alpha=scale)
+        noise = base.float().abs() + scale * (b_rows.abs() @ a.float().abs())
         if not within_one_rounding(tensor, expected, noise):
             worst = max(worst, (tensor.float() - expected).abs().max().item())
     if baseline is None:

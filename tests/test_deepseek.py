@@ -156,6 +156,21 @@ def test_verify_checks_mla_and_experts_against_the_megatron_base(name, merged, t
     assert victim in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def base_model_dirs(tmp_path_factory):
+    from conftest import BASE_ONLY
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp("deepseek_base") / name
+            assert main(cli_args(DEEPSEEK / name, out) + BASE_ONLY) == 0
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
 def test_inspect_and_dry_run_describe_mla_and_dense_layers(capsys, tmp_path):
     root = DEEPSEEK / "deepseek_v3_ep2"
     assert main(cli_args(root, tmp_path / "out") + ["--dry-run"]) == 0
@@ -287,3 +302,68 @@ def test_mindspeed_yarn_args_for_mla_are_read(tmp_path):
 def test_mla_yarn_that_differs_from_the_hf_config_is_refused(tmp_path, capsys, changes, expected):
     root = _with_args("deepseek_v3_yarn_ep2", tmp_path, **changes)
     _failing(cli_args(root, tmp_path / "out"), capsys, expected)
+
+
+def test_without_mtp_layers_the_output_config_says_so(tmp_path, capsys):
+    """The released DeepSeek-V3 config has num_nextn_predict_layers=1; a Megatron checkpoint trained
+    without MTP has no such layer, so the output must not claim one that is not there."""
+    root = _copy("deepseek_v3_ep2", tmp_path)
+    _with_config(root, num_nextn_predict_layers=1)
+    out = tmp_path / "out"
+    assert main(cli_args(root, out)) == 0
+    assert "num_nextn_predict_layers=0 instead of 1" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert_computes_megatron_lora(out, root, "deepseek_v3 without MTP layers")
+
+
+def test_an_hf_base_keeps_its_mtp_layers_as_they_are(tmp_path, merged, base_model_dirs, capsys):
+    """--base an HF DeepSeek model with its MTP layer (model.layers.{num_hidden_layers}.*): the LoRA never
+    trains it, so it is written byte for byte; the rest merges as onto the Megatron base."""
+    from safetensors.torch import load_file, save_file
+
+    root = DEEPSEEK / "deepseek_v3_ep2"
+    hf_base = tmp_path / "hf_base"
+    shutil.copytree(base_model_dirs("deepseek_v3_ep2"), hf_base)
+    (shard,) = hf_base.glob("*.safetensors")
+    tensors = load_file(shard)
+    torch.manual_seed(0)
+    mtp = {f"model.layers.3.{name}": torch.randn(*size).to(torch.bfloat16) for name, size in
+           (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+            ("shared_head.norm.weight", (64,)), ("self_attn.kv_a_proj_with_mqa.weight", (40, 64)))}
+    mtp["model.layers.3.mlp.gate.e_score_correction_bias"] = torch.randn(16)
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    for ref in (hf_base, tmp_path / "hf_ref"):
+        if ref == tmp_path / "hf_ref":
+            shutil.copytree(root / "hf_ref", ref)
+        config = json.loads((ref / "config.json").read_text())
+        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    out = tmp_path / "out"
+    assert main(["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref"),
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "copied the 6 tensors of the multi-token-prediction layer(s) 3" in capsys.readouterr().err
+    ours = load_file(next(out.glob("*.safetensors")))
+    for name, tensor in mtp.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    reference = load_file(next(merged("deepseek_v3_ep2").glob("*.safetensors")))
+    assert set(ours) - set(mtp) == set(reference)
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_verify_accepts_the_mtp_layers_kept_from_the_hf_base(tmp_path, base_model_dirs, capsys):
+    from safetensors.torch import load_file, save_file
+
+    root = DEEPSEEK / "deepseek_v3_ep2"
+    hf_base = tmp_path / "hf_base"
+    shutil.copytree(base_model_dirs("deepseek_v3_ep2"), hf_base)
+    shutil.copytree(root / "hf_ref", tmp_path / "hf_ref")
+    (shard,) = hf_base.glob("*.safetensors")
+    save_file({**load_file(shard), "model.layers.3.eh_proj.weight": torch.ones(64, 128)}, shard,
+              metadata={"format": "pt"})
+    for ref in (hf_base, tmp_path / "hf_ref"):
+        config = json.loads((ref / "config.json").read_text())
+        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    out = tmp_path / "out"
+    args = ["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref")]
+    assert main(args + ["--out", str(out), "--no-progress", "--verify"]) == 0, capsys.readouterr().err
+    assert main(["verify", str(out), *args]) == 0, capsys.readouterr()

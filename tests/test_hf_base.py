@@ -83,3 +83,23 @@ def test_an_unfiltered_lora_trained_on_other_weights_than_the_hf_base_is_refused
     base = _edited_base(hf_bases, tmp_path, root, other)
     _failing(_args(root, tmp_path / "out", base=base), capsys, "its own base weights differ from --base",
              "linear_fc2")
+
+
+def test_verify_checks_a_merge_onto_an_hf_base_against_it(tmp_path, hf_bases, capsys):
+    """`verify --base HF_DIR`: the HF weights are the baseline, as with merge --verify; a changed value in
+    the output is found."""
+    from safetensors.torch import load_file, save_file
+
+    root = FIXTURES / "qwen3_tp2_fp32"
+    out = tmp_path / "out"
+    assert main(_args(root, out, base=hf_bases(root))) == 0
+    check = ["verify", str(out), "--base", str(hf_bases(root)), "--lora", str(root / "lora"), "--hf-ref",
+             str(root / "hf_ref")]
+    assert main(check) == 0, capsys.readouterr()
+    assert "reference weights in" in capsys.readouterr().out
+    (shard,) = out.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert main(check) == 1
+    assert "model.norm.weight" in capsys.readouterr().out

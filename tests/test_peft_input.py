@@ -112,3 +112,21 @@ def test_megatron_lora_options_are_refused_for_a_peft_adapter(hf_base, tmp_path,
     code = main(["--base", str(hf_base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref"),
                  "--out", str(tmp_path / "out"), "--no-progress", "--lora-alpha", "8"])
     assert code == 2 and "adapter_config.json" in capsys.readouterr().err
+
+
+def test_verify_checks_a_peft_merge(hf_base, tmp_path, capsys):
+    make_adapter(hf_base, tmp_path / "adapter", **CONFIGS["rslora_patterns_biases"])
+    out = tmp_path / "out"
+    inputs = ["--base", str(hf_base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref")]
+    assert main(inputs + ["--out", str(out), "--no-progress", "--verify"]) == 0, capsys.readouterr().err
+    code = main(["verify", str(out), *inputs])
+    result = capsys.readouterr()
+    assert code == 0, result
+    from safetensors.torch import save_file
+    tensors = load_file(out / "model.safetensors")
+    for victim in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.bias"):
+        changed = dict(tensors)
+        changed[victim] = changed[victim] + 1e-3
+        save_file(changed, out / "model.safetensors", metadata={"format": "pt"})
+        assert main(["verify", str(out), *inputs]) == 1
+        assert victim in capsys.readouterr().out
