@@ -367,3 +367,30 @@ def test_verify_accepts_the_mtp_layers_kept_from_the_hf_base(tmp_path, base_mode
     args = ["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref")]
     assert main(args + ["--out", str(out), "--no-progress", "--verify"]) == 0, capsys.readouterr().err
     assert main(["verify", str(out), *args]) == 0, capsys.readouterr()
+
+
+MINDSPEED_NAMES = {"linear_q_up_proj": "linear_qb", "linear_kv_up_proj": "linear_kvb", "kv_layernorm": "k_layernorm"}
+
+
+def test_mindspeed_deepseek_names_are_read(tmp_path):
+    """MindSpeed-LLM's DeepSeek spec names the q and kv up-projections linear_qb / linear_kvb and the kv norm
+    k_layernorm (its converter's keys), beside the fused linear_qkv; renamed from the fused fixture, the
+    real Megatron logits still apply."""
+    from test_errors import rewrite
+
+    root = _copy("deepseek_v3_mindspeed_fused_qkv_ep2", tmp_path)
+
+    def rename(state):
+        model = state["model"]
+        for key in list(model):
+            for old, new in MINDSPEED_NAMES.items():
+                if f".self_attention.{old}." in key:
+                    model[key.replace(f".self_attention.{old}.", f".self_attention.{new}.")] = model.pop(key)
+        if getattr(state["args"], "lora_target_modules", None):
+            state["args"].lora_target_modules = [MINDSPEED_NAMES.get(m, m) for m in state["args"].lora_target_modules]
+
+    for f in _all_rank_files(root / "base") + _all_rank_files(root / "lora"):
+        rewrite(f, rename)
+    out = tmp_path / "out"
+    assert main(cli_args(root, out)) == 0
+    assert_computes_megatron_lora(out, root, "deepseek_v3 in MindSpeed's names (linear_qkv, linear_qb, linear_kvb, k_layernorm)")

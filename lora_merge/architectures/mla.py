@@ -3,8 +3,9 @@ a decoder of dense MLP layers below `first_k_dense_replace`, then routed experts
 
 MLA in Megatron-Core's naming (`linear_q_down_proj`, `linear_kv_down_proj`, …) or MindSpeed-LLM's, which
 fuses the down-projections into one replicated `linear_qkv` = [q_a_proj; kv_a_proj_with_mqa], or
-[q_proj; kv_a_proj_with_mqa] without a q LoRA rank (V2-Lite). The down-projections are replicated
-linears (TE's duplicated mode, MindSpeed's plain Linear).
+[q_proj; kv_a_proj_with_mqa] without a q LoRA rank (V2-Lite), and names the rest `linear_qb`,
+`linear_kvb` and `k_layernorm` (the kv norm). The down-projections are replicated linears (TE's
+duplicated mode, MindSpeed's plain Linear).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ MLA_ATTENTION = (
     Replicated(ATTN + "q_layernorm.weight", ("q_lora",), hf="self_attn.q_a_layernorm.weight", requires="q_lora",
                aliases=(ATTN + "linear_q_up_proj.layer_norm_weight",)),
     ColumnParallel(ATTN + "linear_q_up_proj.weight", ("q_heads", "q_lora"), hf="self_attn.q_b_proj.weight",
-                   requires="q_lora"),
+                   requires="q_lora", aliases=(ATTN + "linear_qb.weight",)),
     ColumnParallel(Q_PROJ, ("q_heads", "hidden"), hf="self_attn.q_proj.weight", requires="no_q_lora"),
     Replicated(KV_DOWN, ("kv_down", "hidden"), hf="self_attn.kv_a_proj_with_mqa.weight"),
     Replicated(ATTN + "kv_layernorm.weight", ("kv_lora",), hf="self_attn.kv_a_layernorm.weight",
-               aliases=(ATTN + "linear_kv_up_proj.layer_norm_weight",)),
-    ColumnParallel(ATTN + "linear_kv_up_proj.weight", ("kv_heads", "kv_lora"), hf="self_attn.kv_b_proj.weight"),
+               aliases=(ATTN + "linear_kv_up_proj.layer_norm_weight", ATTN + "k_layernorm.weight")),
+    ColumnParallel(ATTN + "linear_kv_up_proj.weight", ("kv_heads", "kv_lora"), hf="self_attn.kv_b_proj.weight",
+                   aliases=(ATTN + "linear_kvb.weight",)),
     RowParallel(ATTN + "linear_proj.weight", ("hidden", "v_heads"), hf="self_attn.o_proj.weight"),
     # MindSpeed-LLM's naming, used in a layer where the checkpoint has it: one replicated linear for both
     # down-projections; its LoRA has one A, and B splits at the q rows like the weight.
