@@ -10,7 +10,14 @@ then measures, each in a fresh process:
   peft   the usual way: transformers from_pretrained + PEFT get_peft_model + merge_and_unload +
          save_pretrained, on the same model in HF form with a same-shaped adapter
 
-    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe]
+--deepseek: DeepSeek-V3 layer shapes instead (scripts/synthetic_deepseek_checkpoint.py: 2 layers, layer 0
+dense, layer 1 MoE with 256 experts + a shared expert, MLA, vocab 129280, bf16, EP=8): the base as a
+Megatron torch_dist checkpoint (each tensor once, ~27.9 GB), the LoRA (r=8, alpha=16 on the MLA linears,
+the dense MLP, every expert and the shared expert) legacy with one file per EP rank. Input, output and a
+copy of it do not fit on a small disk together: every merge output is measured and deleted right after
+its run, like every copy (this holds in all modes), so at most input + one output/copy is on disk.
+
+    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek]
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ model.save_pretrained(out)
 
 
 def measure(cmd: list[str]) -> dict:
-    """Run cmd in a fresh process; wall seconds and its own peak RSS."""
+    """Run cmd in a fresh process; wall seconds, its CPU seconds (user + system) and its own peak RSS."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -53,7 +60,7 @@ def measure(cmd: list[str]) -> dict:
     proc.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{err[-2000:]}")
-    return {"seconds": wall, "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {"seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
 def dir_bytes(path: Path) -> int:
@@ -66,44 +73,64 @@ def drop(path: Path) -> None:
 
 def best_of(repeat: int, *cmds: list[str]) -> list[dict]:
     """Run the commands alternately `repeat` times; the fastest run of each (this machine is noisy, and
-    alternating keeps a slow minute from favouring one side)."""
+    alternating keeps a slow minute from favouring one side), with the peak RSS of all its runs and every
+    run's seconds."""
     runs = [[] for _ in cmds]
     for _ in range(repeat):
         for i, (cmd, before, after) in enumerate(cmds):
             before()
             runs[i].append(measure(cmd))
             after()
-    return [min(r, key=lambda m: m["seconds"]) | {"peak_rss_mb": max(m["peak_rss_mb"] for m in r)} for r in runs]
+    return [min(r, key=lambda m: m["seconds"]) | {"peak_rss_mb": max(m["peak_rss_mb"] for m in r),
+                                                   "all_seconds": [m["seconds"] for m in r]} for r in runs]
 
 
-def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None) -> dict:
-    root = work / f"L{layers}{moe_layout or ''}"
+def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None,
+          deepseek_shape: list[str] | None = None) -> dict:
+    root = work / ("deepseek_v3_ep8" if moe_layout == "deepseek" else f"L{layers}{moe_layout or ''}")
     drop(root)
     # Generated in a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time,
     # so this process must stay small (it never imports torch).
-    if moe_layout:
+    generate_start = time.monotonic()
+    if moe_layout == "deepseek":
+        layers = 2  # dense + MoE (first_k_dense_replace=1)
+        subprocess.run([sys.executable, str(HERE / "synthetic_deepseek_checkpoint.py"), str(root), "--ep", "8",
+                        *(["--shape", *deepseek_shape] if deepseek_shape else [])], check=True)
+        skip_peft = True  # the PEFT route below is written for dense models
+    elif moe_layout:
         subprocess.run([sys.executable, str(HERE / "synthetic_moe_checkpoint.py"), str(root), "--layers", str(layers),
                         "--ep", "4", "--layout", moe_layout], check=True)
         skip_peft = True  # the PEFT route below is written for dense models
     else:
         subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", "qwen32b",
                         "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
+    generate_seconds = time.monotonic() - generate_start
     in_bytes = dir_bytes(root / "base") + dir_bytes(root / "lora")
     subprocess.run(["sync"], check=True)
+    free = shutil.disk_usage(root).free
+    if free < in_bytes + 2e9:  # a copy of the input, or an output (no bigger than the input), must fit
+        drop(root)
+        raise SystemExit(f"{root}: {free / 1e9:.1f} GB free, a copy of the {in_bytes / 1e9:.1f} GB input needs more")
 
     lora_merge = [str(Path(sys.executable).parent / "lora-merge")]
     merge_cmd = lora_merge + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
                               str(root / "hf_ref"), "--out", str(root / "merged"), "--no-progress"]
+    out_sizes = []
+
+    def measured_and_dropped():  # never an output and a copy on disk at once
+        out_sizes.append(dir_bytes(root / "merged"))
+        drop(root / "merged")
+
     copy, ours = best_of(
         repeat,
         (["sh", "-c", 'cp -r "$0" "$1" "$2"/ && sync', str(root / "base"), str(root / "lora"), str(root / "copy_target")],
          lambda: (root / "copy_target").mkdir(), lambda: drop(root / "copy_target")),
-        (merge_cmd, lambda: drop(root / "merged"), lambda: None))
-    out_bytes = dir_bytes(root / "merged")
-    result = {"layers": layers, "layout": moe_layout or "dense", "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "ours": ours}
+        (merge_cmd, lambda: drop(root / "merged"), measured_and_dropped))
+    out_bytes = out_sizes[-1]
+    result = {"layers": layers, "layout": moe_layout or "dense", "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9,
+              "generate_seconds": generate_seconds, "copy": copy, "ours": ours}
     result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
     result["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
-    drop(root / "merged")
 
     if not skip_peft:
         # A model of the same shapes in HF form — setup for the PEFT route, not timed.
@@ -117,6 +144,21 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
     return result
 
 
+def print_deepseek(r: dict, shape: list[str]) -> None:
+    label = "DeepSeek-V3 shapes" + (f" ({' '.join(shape)})" if shape else "")
+    print("| model | layers | EP | input GB | output GB | generate s | copy + sync s | lora-merge s | / copy | "
+          "GB/s (read+write) | lora-merge CPU s | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {label} | 2 (dense, MoE) | 8 | {r['input_gb']:.2f} | {r['output_gb']:.2f} | {r['generate_seconds']:.0f} | "
+          f"{r['copy']['seconds']:.1f} | {r['ours']['seconds']:.1f} | {r['ratio_to_copy']:.2f} | "
+          f"{r['ours']['gb_per_s']:.2f} | {r['ours']['cpu_seconds']:.1f} | {r['ours']['peak_rss_mb']:.0f} |")
+    print("every run, s: copy " + ", ".join(f"{x:.1f}" for x in r["copy"]["all_seconds"]) +
+          "; lora-merge " + ", ".join(f"{x:.1f}" for x in r["ours"]["all_seconds"]))
+    print(f"targets: lora-merge <= 1.2x copy: {'met' if r['ratio_to_copy'] <= 1.2 else 'MISSED'} "
+          f"({r['ratio_to_copy']:.2f}x); peak RSS <= 1 GB: {'met' if r['ours']['peak_rss_mb'] <= 1024 else 'MISSED'} "
+          f"({r['ours']['peak_rss_mb']:.0f} MB)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
@@ -125,9 +167,21 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2, help="runs of copy and merge, alternating; the fastest counts")
     p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B layer shapes at EP=4 instead, in both expert "
                    "layouts (SequentialMLP + PEFT LoRA, GroupedMLP + MindSpeed grouped LoRA)")
+    p.add_argument("--deepseek", action="store_true", help="DeepSeek-V3 layer shapes at EP=8 instead (2 layers: dense, "
+                   "MoE): torch_dist base + legacy per-EP-rank LoRA; --layers is ignored")
+    p.add_argument("--deepseek-shape", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override a DeepSeek shape (synthetic_deepseek_checkpoint.py --shape), e.g. experts=32 for a pilot")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
+    if args.moe and args.deepseek:
+        p.error("--moe and --deepseek are separate benchmarks")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.deepseek:
+        r = bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape)
+        print_deepseek(r, args.deepseek_shape)
+        if args.json:
+            args.json.write_text(json.dumps([r], indent=2))
+        return
     layouts = ["sequential", "grouped"] if args.moe else [None]
     results = [bench(n, args.workdir, args.skip_peft, args.repeat, layout) for layout in layouts for n in args.layers]
     print("| layout | layers | input GB | copy s | ours s | ours / copy | ours GB/s (read+write) | ours peak RSS MB | PEFT s | PEFT peak RSS MB | PEFT RSS / ours |")
