@@ -8,9 +8,11 @@ tensor at a time, whatever the model size.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +70,62 @@ def header_bytes(tensors: list[PlannedTensor], metadata: dict[str, str]) -> byte
     return len(text).to_bytes(8, "little") + text
 
 
+class BoundedWriteback:
+    """Keep a file's dirty pages to about two windows while it is being written.
+
+    Left to itself the kernel lets gigabytes of written data pile up in the page cache, then throttles the
+    writer and flushes it all in the final fsync: a 28 GB merge spent more time in the kernel than in
+    merging. Here each full window is handed to the disk at once (sync_file_range WRITE), the window before
+    it is waited for and dropped from the cache, so the disk writes while we compute. Linux only; elsewhere
+    (or where the call fails) it does nothing and the closing fsync does all the work, as before.
+    """
+
+    WINDOW = 256 << 20
+    _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
+
+    def __init__(self, file, start: int):
+        self._file = file
+        self._written = self._kicked = self._flushed = start
+        self._sync_file_range = _sync_file_range()
+
+    def advance(self, nbytes: int) -> None:
+        self._written += nbytes
+        if self._sync_file_range is not None and self._written - self._kicked >= self.WINDOW:
+            try:
+                self._write_back()
+            except OSError:
+                self._sync_file_range = None  # e.g. a file system without it: fsync at close still syncs
+
+    def _write_back(self) -> None:
+        self._file.flush()
+        fd = self._file.fileno()
+        self._sync_file_range(fd, self._kicked, self._written - self._kicked, self._WRITE)
+        if self._kicked > self._flushed:
+            self._sync_file_range(fd, self._flushed, self._kicked - self._flushed,
+                                  self._WAIT_BEFORE | self._WRITE | self._WAIT_AFTER)
+            os.posix_fadvise(fd, self._flushed, self._kicked - self._flushed, os.POSIX_FADV_DONTNEED)
+            self._flushed = self._kicked
+        self._kicked = self._written
+
+
+def _sync_file_range():
+    """libc's sync_file_range as a callable raising OSError, or None where there is none."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
+        if call(fd, offset, nbytes, flags) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"sync_file_range: {os.strerror(errno)}")
+    return sync_file_range
+
+
 class ShardedSafetensorsWriter:
     """Write the planned tensors, in plan order, into HF-style sharded safetensors files."""
 
@@ -111,6 +169,7 @@ class ShardedSafetensorsWriter:
         if self._hash is not None:
             self._hash.update(data)
         self._done_bytes += piece.nbytes
+        self._writeback.advance(len(data))
 
     def _open(self, shard_index: int) -> None:
         self._close_file()
@@ -118,6 +177,7 @@ class ShardedSafetensorsWriter:
         self._file = open(self.directory / self.file_names[shard_index], "wb")
         header = header_bytes(self.shards[shard_index], self.metadata)
         self._file.write(header)
+        self._writeback = BoundedWriteback(self._file, len(header))
         self._hash = hashlib.sha256(header) if self.hash_files else None
 
     def _close_file(self) -> None:
