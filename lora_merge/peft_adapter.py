@@ -7,11 +7,13 @@ gate_proj/up_proj. No arithmetic is done, so the factors keep their bits.
 
 Routed experts come in one of two namings (`EXPERT_FORMATS`):
 - "per-expert": `…mlp.experts.{e}.gate_proj.lora_A.weight` and so on, the HF checkpoint naming. vLLM's
-  MoE LoRA loads this; PEFT converts it onto transformers 5's fused experts for qwen3_moe and mixtral.
+  MoE LoRA loads this; PEFT converts it onto transformers 5's fused experts for qwen3_moe and mixtral,
+  and for deepseek_v2/v3 too, where it drops the dense layers' and shared experts' MLP LoRA (we warn).
 - "fused": one LoRA per fused 3-D expert parameter of transformers 5 (`mlp.experts.gate_up_proj`
   [E, 2F, H], `mlp.experts.down_proj` [E, H, F]) as PEFT's `target_parameters` stores it: lora_A
   [E·r, in] expert-major, lora_B [out, r·E] rank-major (column j·E + e is expert e's B column j). Each
-  expert keeps its own rank-r factors; fc1's shared A makes gate_up one rank-r LoRA per expert.
+  expert keeps its own rank-r factors; fc1's shared A makes gate_up one rank-r LoRA per expert. Not for
+  deepseek_v2/v3, which PEFT builds at rank 2r from its own conversion (refused).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from lora_merge.readers.checkpoint import Checkpoint
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 EXPERT_FORMATS = ("per-expert", "fused")
+# Model types PEFT (0.21) converts onto transformers 5's fused experts by its "qwen2_moe" rule: every
+# target named gate_proj/up_proj/down_proj becomes a routed-expert parameter (gate_up at rank 2r), so the
+# same names on dense MLPs and shared experts stop being adapted and their factors are dropped unloaded.
+PEFT_REMAPS_EVERY_MLP_TARGET = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass
@@ -52,6 +58,10 @@ def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
     experts = expert_keys(tensors, arch)
     if not experts:
         return Adapter(tensors, target_modules(tensors), warnings=warnings)
+    if expert_format == "fused" and arch.name in PEFT_REMAPS_EVERY_MLP_TARGET:
+        raise MergeError(f"{lora.path}: --expert-format fused for {arch.name}: PEFT (0.21) converts per-expert "
+                         f"{arch.name} adapters onto transformers 5's fused experts itself, and builds them at rank "
+                         "2r, so a fused adapter at rank r does not load; export with --expert-format per-expert")
     if expert_format == "fused":
         adapter = fuse_experts(tensors, experts, arch, shape, str(lora.path))
         adapter.warnings[:0] = warnings
@@ -60,6 +70,8 @@ def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
         warnings.append("PEFT (0.21) does not convert per-expert qwen2_moe adapters onto transformers 5's fused "
                         "experts and drops them without an error; load this adapter with vLLM, or export with "
                         "--expert-format fused for PEFT")
+    if arch.name in PEFT_REMAPS_EVERY_MLP_TARGET:
+        warnings += unconverted_mlp_warning(tensors, experts, arch)
     return Adapter(tensors, target_modules(tensors), warnings=warnings)
 
 
@@ -153,6 +165,22 @@ def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architec
         out[f"{owner}.lora_B.weight"] = b_stack.permute(1, 2, 0).reshape(b_stack.shape[1], -1).contiguous()
     others = {k: v for k, v in tensors.items() if k not in experts}
     return Adapter(out, target_modules(others), [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present])
+
+
+def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arch: Architecture) -> list[str]:
+    """What PEFT (0.21) on transformers 5 drops of this adapter: the LoRA of every non-expert module named like
+    an expert projection (the dense layers' MLP, the shared experts)."""
+    expert_leaves = {key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in experts}
+    dropped = sorted(key.removesuffix(".lora_A.weight") for key in tensors
+                     if key.endswith(".lora_A.weight") and key not in experts
+                     and key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] in expert_leaves)
+    if not dropped:
+        return []
+    shown = ", ".join(_module_label(k) for k in dropped[:3]) + (" …" if len(dropped) > 3 else "")
+    return [f"PEFT (0.21) on transformers 5 turns every {'/'.join(sorted(expert_leaves))} target of a {arch.name} "
+            f"model into a routed-expert parameter, so it drops the LoRA of {len(dropped)} dense-MLP and shared-expert "
+            f"modules of this adapter without an error ({shown}); vLLM and transformers 4 load them. The merged "
+            "model (lora-merge without export-adapter) has them"]
 
 
 def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -394,3 +394,51 @@ def test_mindspeed_deepseek_names_are_read(tmp_path):
     out = tmp_path / "out"
     assert main(cli_args(root, out)) == 0
     assert_computes_megatron_lora(out, root, "deepseek_v3 in MindSpeed's names (linear_qkv, linear_qb, linear_kvb, k_layernorm)")
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v2_lite_ep2"])
+def test_peft_loads_the_exported_adapter_except_what_it_drops_and_we_warn_of(name, tmp_path, merged, base_model_dirs,
+                                                                             capsys):
+    """PEFT (0.21, transformers 5) on the per-expert adapter: MLA projections and routed experts merge to our
+    weights; it drops the dense-layer and shared-expert MLP LoRA, and the export says so in a warning that
+    counts exactly the modules PEFT reports as unexpected."""
+    import re
+
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, adapter = DEEPSEEK / name, tmp_path / "adapter"
+    assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+                 str(adapter)]) == 0
+    warning = re.search(r"drops the LoRA of (\d+) dense-MLP and shared-expert modules", capsys.readouterr().err)
+    assert warning
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_model_dirs(name), dtype=torch.float32).eval()
+
+    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
+    loaded = probe.load_adapter(adapter, adapter_name="probe")
+    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
+    dropped = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in loaded.unexpected_keys}
+    assert len(dropped) == int(warning.group(1))
+    assert all(re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj$", m) for m in dropped), sorted(dropped)[:4]
+
+    theirs = PeftModel.from_pretrained(base(), adapter).merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(merged(name), dtype=torch.float32).state_dict()
+    untouched = base().state_dict()
+    assert theirs.keys() == ours.keys()
+    lost = {f"{m}.weight" for m in dropped}
+    worst = max((theirs[k] - ours[k]).abs().max().item() for k in ours if k not in lost)
+    assert worst <= 1e-5
+    assert all(torch.equal(theirs[k], untouched[k]) and not torch.equal(ours[k], untouched[k]) for k in lost)
+    attention = [k for k in ours if ".self_attn." in k and k.endswith("proj.weight")]
+    experts = [k for k in ours if ".mlp.experts." in k]
+    assert attention and experts and all(not torch.equal(theirs[k], untouched[k]) for k in attention + experts)
+
+
+def test_a_fused_expert_adapter_for_deepseek_is_refused(tmp_path, capsys):
+    root = DEEPSEEK / "deepseek_v3_ep2"
+    _failing(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+              str(tmp_path / "adapter"), "--expert-format", "fused"], capsys, "builds them at rank 2r",
+             "--expert-format per-expert")
+    assert not (tmp_path / "adapter").exists()
