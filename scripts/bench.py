@@ -17,7 +17,12 @@ the dense MLP, every expert and the shared expert) legacy with one file per EP r
 copy of it do not fit on a small disk together: every merge output is measured and deleted right after
 its run, like every copy (this holds in all modes), so at most input + one output/copy is on disk.
 
-    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek]
+--peft: the input is an HF base (the 32B-shaped model in HF form) + a PEFT adapter (the same LoRA written by
+`lora-merge export-adapter`, r=8 on q/k/v/o/gate/up/down). lora-merge merges the two at constant memory;
+"copy" copies both dirs; "peft" is PEFT's route for the same two dirs: from_pretrained +
+PeftModel.from_pretrained + merge_and_unload + save_pretrained.
+
+    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft]
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ for name, p in model.named_parameters():
 model = model.merge_and_unload()
 model.save_pretrained(out)
 """
+
+# PEFT's route for an adapter a user already has: load the base, load the adapter, merge, save.
+PEFT_ADAPTER_ROUTE = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+base, adapter, out = sys.argv[1:4]
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), adapter)
+model.merge_and_unload().save_pretrained(out)
+"""
+
+LORA_MERGE = [str(Path(sys.executable).parent / "lora-merge")]
 
 
 def measure(cmd: list[str]) -> dict:
@@ -85,8 +102,67 @@ def best_of(repeat: int, *cmds: list[str]) -> list[dict]:
                                                    "all_seconds": [m["seconds"] for m in r]} for r in runs]
 
 
+def copy_and_merge(root: Path, inputs: list[Path], merge_cmd: list[str], repeat: int) -> tuple[dict, dict, int]:
+    """The plain copy of `inputs` and the merge (writing root/merged), alternately; and the output's size.
+    Each copy and output is deleted right after it is measured: never an output and a copy on disk at once."""
+    out_sizes = []
+
+    def measured_and_dropped():
+        out_sizes.append(dir_bytes(root / "merged"))
+        drop(root / "merged")
+
+    copy, ours = best_of(
+        repeat,
+        (["sh", "-c", 'cp -r "$@" && sync', "cp", *map(str, inputs), str(root / "copy_target") + "/"],
+         lambda: (root / "copy_target").mkdir(), lambda: drop(root / "copy_target")),
+        (merge_cmd, lambda: drop(root / "merged"), measured_and_dropped))
+    return copy, ours, out_sizes[-1]
+
+
+def check_free(root: Path, in_bytes: int) -> None:
+    subprocess.run(["sync"], check=True)
+    free = shutil.disk_usage(root).free
+    if free < in_bytes + 2e9:  # a copy of the input, or an output (no bigger than the input), must fit
+        drop(root)
+        raise SystemExit(f"{root}: {free / 1e9:.1f} GB free, a copy of the {in_bytes / 1e9:.1f} GB input needs more")
+
+
+def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32b") -> dict:
+    """An HF base + a PEFT adapter (the 32B-shaped model in HF form and its LoRA exported by export-adapter)
+    merged by lora-merge, against a plain copy of both and against PEFT's own route on the same two dirs."""
+    root = work / f"L{layers}peft"
+    drop(root)
+    generate_start = time.monotonic()
+    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
+                    "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
+    quiet = {"check": True, "stdout": subprocess.DEVNULL}
+    subprocess.run(LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+                                 str(root / "hf_ref"), "--out", str(root / "hf_base"), "--no-progress"], **quiet)
+    subprocess.run(LORA_MERGE + ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                                 "--out", str(root / "adapter")], **quiet)
+    drop(root / "base")
+    drop(root / "lora")
+    generate_seconds = time.monotonic() - generate_start
+    in_bytes = dir_bytes(root / "hf_base") + dir_bytes(root / "adapter")
+    check_free(root, in_bytes)
+    merge_cmd = LORA_MERGE + ["--base", str(root / "hf_base"), "--lora", str(root / "adapter"), "--hf-ref",
+                              str(root / "hf_base"), "--out", str(root / "merged"), "--no-progress"]
+    copy, ours, out_bytes = copy_and_merge(root, [root / "hf_base", root / "adapter"], merge_cmd, repeat)
+    result = {"layers": layers, "layout": "HF base + PEFT adapter", "input_gb": in_bytes / 1e9,
+              "output_gb": out_bytes / 1e9, "generate_seconds": generate_seconds, "copy": copy, "ours": ours}
+    result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
+    result["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+    peft = measure([sys.executable, "-c", PEFT_ADAPTER_ROUTE, str(root / "hf_base"), str(root / "adapter"),
+                    str(root / "peft_out")])
+    drop(root / "peft_out")
+    result["peft"] = peft
+    result["peft_rss_over_ours"] = peft["peak_rss_mb"] / ours["peak_rss_mb"]
+    drop(root)
+    return result
+
+
 def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None,
-          deepseek_shape: list[str] | None = None) -> dict:
+          deepseek_shape: list[str] | None = None, preset: str = "qwen32b") -> dict:
     root = work / ("deepseek_v3_ep8" if moe_layout == "deepseek" else f"L{layers}{moe_layout or ''}")
     drop(root)
     # Generated in a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time,
@@ -102,31 +178,15 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
                         "--ep", "4", "--layout", moe_layout], check=True)
         skip_peft = True  # the PEFT route below is written for dense models
     else:
-        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", "qwen32b",
+        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
                         "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
     generate_seconds = time.monotonic() - generate_start
     in_bytes = dir_bytes(root / "base") + dir_bytes(root / "lora")
-    subprocess.run(["sync"], check=True)
-    free = shutil.disk_usage(root).free
-    if free < in_bytes + 2e9:  # a copy of the input, or an output (no bigger than the input), must fit
-        drop(root)
-        raise SystemExit(f"{root}: {free / 1e9:.1f} GB free, a copy of the {in_bytes / 1e9:.1f} GB input needs more")
+    check_free(root, in_bytes)
 
-    lora_merge = [str(Path(sys.executable).parent / "lora-merge")]
-    merge_cmd = lora_merge + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+    merge_cmd = LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
                               str(root / "hf_ref"), "--out", str(root / "merged"), "--no-progress"]
-    out_sizes = []
-
-    def measured_and_dropped():  # never an output and a copy on disk at once
-        out_sizes.append(dir_bytes(root / "merged"))
-        drop(root / "merged")
-
-    copy, ours = best_of(
-        repeat,
-        (["sh", "-c", 'cp -r "$0" "$1" "$2"/ && sync', str(root / "base"), str(root / "lora"), str(root / "copy_target")],
-         lambda: (root / "copy_target").mkdir(), lambda: drop(root / "copy_target")),
-        (merge_cmd, lambda: drop(root / "merged"), measured_and_dropped))
-    out_bytes = out_sizes[-1]
+    copy, ours, out_bytes = copy_and_merge(root, [root / "base", root / "lora"], merge_cmd, repeat)
     result = {"layers": layers, "layout": moe_layout or "dense", "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9,
               "generate_seconds": generate_seconds, "copy": copy, "ours": ours}
     result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
@@ -134,10 +194,11 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
 
     if not skip_peft:
         # A model of the same shapes in HF form — setup for the PEFT route, not timed.
-        subprocess.run(lora_merge + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+        subprocess.run(LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
                                      str(root / "hf_ref"), "--out", str(root / "hf_base"), "--no-progress"],
                        check=True, stdout=subprocess.DEVNULL)
         peft = measure([sys.executable, "-c", PEFT_ROUTE, str(root / "hf_base"), str(root / "peft_out")])
+        drop(root / "peft_out")
         result["peft"] = peft
         result["peft_rss_over_ours"] = peft["peak_rss_mb"] / ours["peak_rss_mb"]
     drop(root)
@@ -171,10 +232,14 @@ def main() -> None:
                    "MoE): torch_dist base + legacy per-EP-rank LoRA; --layers is ignored")
     p.add_argument("--deepseek-shape", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override a DeepSeek shape (synthetic_deepseek_checkpoint.py --shape), e.g. experts=32 for a pilot")
+    p.add_argument("--peft", action="store_true", help="an HF base + a PEFT adapter as the input instead (32B layer "
+                   "shapes; the adapter exported from the synthetic LoRA), against PEFT's own merge of the same two dirs")
+    p.add_argument("--preset", default="qwen32b", help="dense layer shapes (synthetic_checkpoint.py --preset); "
+                   "'small' for a quick check of the script")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
-    if args.moe and args.deepseek:
-        p.error("--moe and --deepseek are separate benchmarks")
+    if args.moe + args.deepseek + args.peft > 1:
+        p.error("--moe, --deepseek and --peft are separate benchmarks")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.deepseek:
         r = bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape)
@@ -182,8 +247,12 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps([r], indent=2))
         return
-    layouts = ["sequential", "grouped"] if args.moe else [None]
-    results = [bench(n, args.workdir, args.skip_peft, args.repeat, layout) for layout in layouts for n in args.layers]
+    if args.peft:
+        layouts = ["HF base + PEFT adapter"]
+        results = [bench_peft_input(n, args.workdir, args.repeat, args.preset) for n in args.layers]
+    else:
+        layouts = ["sequential", "grouped"] if args.moe else [None]
+        results = [bench(n, args.workdir, args.skip_peft, args.repeat, layout, preset=args.preset) for layout in layouts for n in args.layers]
     print("| layout | layers | input GB | copy s | ours s | ours / copy | ours GB/s (read+write) | ours peak RSS MB | PEFT s | PEFT peak RSS MB | PEFT RSS / ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
