@@ -108,11 +108,25 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
     return {name: (b_rows, a) for name, b_rows in rule.to_hf([b], shape, f"{module}.lora_B").items()}
 
 
+# W + s·B·A is computed this many float32 bytes of rows at a time: the block stays in the CPU cache from
+# the widening copy through addmm_ to the narrowing copy, instead of three passes over main memory (a
+# 2048×7168 bf16 expert: 44 ms → 13 ms on one core). Rows are independent, so the result is the same.
+MERGE_BLOCK_BYTES = 1 << 20
+
+
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,
                  name: str) -> torch.Tensor:
-    merged = weight.float().addmm_(b.float(), a.float(), alpha=scale) if weight.dtype != torch.float32 else \
-        torch.addmm(weight, b.float(), a.float(), alpha=scale)
-    result = merged.to(dtype)
+    rows, cols = weight.shape
+    result = torch.empty((rows, cols), dtype=dtype)
+    step = max(1, MERGE_BLOCK_BYTES // (4 * max(cols, 1)))
+    block = torch.empty((min(step, rows), cols), dtype=torch.float32)
+    b, a = b.float(), a.float()
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        work = block[:stop - start]
+        work.copy_(weight[start:stop])
+        work.addmm_(b[start:stop], a, alpha=scale)
+        result[start:stop].copy_(work)
     check_finite(result, name, f"merged weight has non-finite values in {str(dtype).removeprefix('torch.')} "
                  "(check the LoRA factors and alpha/r, or the output dtype's range)")
     return result
