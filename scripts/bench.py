@@ -119,6 +119,19 @@ def copy_and_merge(root: Path, inputs: list[Path], merge_cmd: list[str], repeat:
     return copy, ours, out_sizes[-1]
 
 
+def copy_vs_merge(root: Path, base: Path, lora: Path, hf_ref: Path, repeat: int, result: dict) -> dict:
+    """`result` with the input/output sizes, the copy and the merge (into root/merged) timings, and their ratio."""
+    in_bytes = dir_bytes(base) + dir_bytes(lora)
+    check_free(root, in_bytes)
+    merge_cmd = LORA_MERGE + ["--base", str(base), "--lora", str(lora), "--hf-ref", str(hf_ref), "--out",
+                              str(root / "merged"), "--no-progress"]
+    copy, ours, out_bytes = copy_and_merge(root, [base, lora], merge_cmd, repeat)
+    result |= {"input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "ours": ours}
+    result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
+    result["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+    return result
+
+
 def check_free(root: Path, in_bytes: int) -> None:
     subprocess.run(["sync"], check=True)
     free = shutil.disk_usage(root).free
@@ -143,20 +156,13 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
     drop(root / "base")
     drop(root / "lora")
     generate_seconds = time.monotonic() - generate_start
-    in_bytes = dir_bytes(root / "hf_base") + dir_bytes(root / "adapter")
-    check_free(root, in_bytes)
-    merge_cmd = LORA_MERGE + ["--base", str(root / "hf_base"), "--lora", str(root / "adapter"), "--hf-ref",
-                              str(root / "hf_base"), "--out", str(root / "merged"), "--no-progress"]
-    copy, ours, out_bytes = copy_and_merge(root, [root / "hf_base", root / "adapter"], merge_cmd, repeat)
-    result = {"layers": layers, "layout": "HF base + PEFT adapter", "input_gb": in_bytes / 1e9,
-              "output_gb": out_bytes / 1e9, "generate_seconds": generate_seconds, "copy": copy, "ours": ours}
-    result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
-    result["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+    result = copy_vs_merge(root, root / "hf_base", root / "adapter", root / "hf_base", repeat,
+                           {"layers": layers, "layout": "HF base + PEFT adapter", "generate_seconds": generate_seconds})
     peft = measure([sys.executable, "-c", PEFT_ADAPTER_ROUTE, str(root / "hf_base"), str(root / "adapter"),
                     str(root / "peft_out")])
     drop(root / "peft_out")
     result["peft"] = peft
-    result["peft_rss_over_ours"] = peft["peak_rss_mb"] / ours["peak_rss_mb"]
+    result["peft_rss_over_ours"] = peft["peak_rss_mb"] / result["ours"]["peak_rss_mb"]
     drop(root)
     return result
 
@@ -181,16 +187,8 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
         subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
                         "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
     generate_seconds = time.monotonic() - generate_start
-    in_bytes = dir_bytes(root / "base") + dir_bytes(root / "lora")
-    check_free(root, in_bytes)
-
-    merge_cmd = LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
-                              str(root / "hf_ref"), "--out", str(root / "merged"), "--no-progress"]
-    copy, ours, out_bytes = copy_and_merge(root, [root / "base", root / "lora"], merge_cmd, repeat)
-    result = {"layers": layers, "layout": moe_layout or "dense", "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9,
-              "generate_seconds": generate_seconds, "copy": copy, "ours": ours}
-    result["ours"]["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
-    result["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+    result = copy_vs_merge(root, root / "base", root / "lora", root / "hf_ref", repeat,
+                           {"layers": layers, "layout": moe_layout or "dense", "generate_seconds": generate_seconds})
 
     if not skip_peft:
         # A model of the same shapes in HF form — setup for the PEFT route, not timed.
@@ -200,7 +198,7 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
         peft = measure([sys.executable, "-c", PEFT_ROUTE, str(root / "hf_base"), str(root / "peft_out")])
         drop(root / "peft_out")
         result["peft"] = peft
-        result["peft_rss_over_ours"] = peft["peak_rss_mb"] / ours["peak_rss_mb"]
+        result["peft_rss_over_ours"] = peft["peak_rss_mb"] / result["ours"]["peak_rss_mb"]
     drop(root)
     return result
 
