@@ -17,7 +17,6 @@ import io
 import os
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,12 @@ MAX_PICKLE_BYTES = 64 << 20
 # One member per tensor storage plus a few: a rank file of a 671B model at EP=16 has some thousands.
 MAX_MEMBERS = 200_000
 CRC_CHUNK_BYTES = 16 << 20
+
+try:  # ISA-L's CRC32: zlib's polynomial and values, ~5x faster (22 vs 4 GB/s on one core here); the check
+    # reads every input byte, so with zlib it was the largest CPU cost of a merge after hashing the output
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without an isal wheel: the same check, slower
+    from zlib import crc32
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
 
@@ -92,7 +97,7 @@ class Record:
             if stop():
                 return
             view = self.file.bytes_view(self.start + offset, min(CRC_CHUNK_BYTES, self.size - offset))
-            crc = zlib.crc32(view.numpy(), crc)
+            crc = crc32(view.numpy(), crc)
             if not self.file.in_memory:
                 release_pages(view)
         if crc != self.crc:
@@ -184,7 +189,7 @@ class TorchArchive:
 
     def read_checked(self, record: Record) -> bytes:
         data = self.file.pread(record.start, record.size)
-        if zlib.crc32(data) != record.crc:
+        if crc32(data) != record.crc:
             raise MergeError(f"{self.file.path}: record {record.name} fails its CRC32 check: the file is damaged; "
                              "copy it again from the original")
         return data
