@@ -244,11 +244,11 @@ def test_write_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
     calls = {"n": 0}
     real_write = safetensors_stream.ShardedSafetensorsWriter.write
 
-    def failing(self, name, piece):
+    def failing(self, name, piece, then=None):
         calls["n"] += 1
         if calls["n"] == 20:
             raise OSError(28, "No space left on device", str(self.directory / self.file_names[0]))
-        return real_write(self, name, piece)
+        return real_write(self, name, piece, then)
 
     monkeypatch.setattr(safetensors_stream.ShardedSafetensorsWriter, "write", failing)
     out = tmp_path / "out"

@@ -126,3 +126,43 @@ def test_writeback_failure_falls_back_to_fsync_alone(tmp_path, monkeypatch):
     assert failing.calls == 1  # tried once, then left to the closing fsync
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         assert all(torch.equal(f.get_tensor(k), v) for k, v in data.items())
+
+
+def test_hashes_on_their_own_thread_equal_the_files_and_callbacks_follow_hashing(tmp_path):
+    """sha256 runs as a stage behind the writes: every digest equals hashlib's of the file read back,
+    and each piece's `then` runs after its bytes were hashed, in order."""
+    import hashlib
+
+    data = many_tensors()
+    plan = [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in data.items()]
+    writer = ShardedSafetensorsWriter(tmp_path, plan, 40_000, hash_files=True)
+    done = []
+    for n, t in data.items():
+        for rows in t.split(16):
+            writer.write(n, rows, then=lambda n=n, r=rows: done.append((n, r.shape[0])))
+    files = writer.finish()
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 2 and writer.sha256.keys() == set(shards)
+    for shard in shards:
+        assert writer.sha256[shard] == hashlib.sha256((tmp_path / shard).read_bytes()).hexdigest()
+    assert done == [(n, r.shape[0]) for n, t in data.items() for r in t.split(16)]
+
+
+def test_a_hashing_failure_reaches_the_writer_and_abort_ends_the_thread(tmp_path, monkeypatch):
+    import threading
+
+    import pytest
+
+    data = many_tensors(8)
+    plan = [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in data.items()]
+    writer = ShardedSafetensorsWriter(tmp_path, plan, 10**9, hash_files=True)
+
+    def broken():
+        raise MemoryError("hash state lost")
+
+    with pytest.raises(MemoryError, match="hash state lost"):
+        for i, (n, t) in enumerate(data.items()):
+            writer.write(n, t, then=broken if i == 0 else None)
+        writer.finish()
+    writer.abort()
+    assert not [t for t in threading.enumerate() if t.name == "lora-merge-sha256"]

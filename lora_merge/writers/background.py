@@ -1,6 +1,6 @@
-"""Write on a second thread, so reading and merging the next chunk overlaps writing this one.
+"""Pipeline stages on threads of their own: merging, writing and hashing overlap.
 
-torch kernels and file writes release the GIL, so the two threads really run on both cores. The queue is
+torch kernels, file writes and hashlib release the GIL, so the stages really run on all cores. Queues are
 short: memory holds a few chunks, whatever the model size.
 """
 
@@ -10,12 +10,14 @@ import queue
 import threading
 
 
-class BackgroundWriter:
-    def __init__(self, write, depth: int = 3):
-        self._write = write
+class OrderedWorker:
+    """Runs submitted calls one after another, in order, on a thread of its own. After a call fails the
+    rest are skipped, and the failure is raised to the submitting thread at its next submit or close."""
+
+    def __init__(self, name: str, depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="lora-merge-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -23,24 +25,39 @@ class BackgroundWriter:
             item = self._queue.get()
             if item is None:
                 return
-            name, tensor, then = item
             if self._error is None:
+                call, args = item
                 try:
-                    self._write(name, tensor)
-                    if then is not None:
-                        then()
-                except BaseException as exc:  # handed to the producing thread
+                    call(*args)
+                except BaseException as exc:  # handed to the submitting thread
                     self._error = exc
 
-    def write(self, name, tensor, then=None) -> None:
-        """Queue `tensor` for writing; `then()`, if given, runs on the writer thread once it is written."""
+    def submit(self, call, *args) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put((name, tensor, then))
+        self._queue.put((call, args))
+
+    def close(self) -> None:
+        """Wait until every submitted call has run; re-raise a failure."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+class BackgroundWriter:
+    """`write(name, tensor, then)` calls on a writer thread, so reading and merging the next chunk overlaps
+    writing this one. `then`, if given, is handed to the write function, to call once it is done with the
+    tensor."""
+
+    def __init__(self, write, depth: int = 3):
+        self._write = write
+        self._worker = OrderedWorker("lora-merge-writer", depth)
+
+    def write(self, name, tensor, then=None) -> None:
+        self._worker.submit(self._write, name, tensor, then)
 
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a write error."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        self._worker.close()
