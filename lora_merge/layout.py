@@ -113,6 +113,7 @@ def single(t: torch.Tensor) -> list[RowBlock]:
 
 
 SPLIT_DIM = {"column": 0, "row": 1}  # the dimension each kind of parallel layer splits
+DUPLICATED_OR_COLUMN = "duplicated or column"  # either, as stored (DuplicatedOrColumn)
 
 
 # --- rules ----------------------------------------------------------------------------------------
@@ -181,7 +182,16 @@ def expected_shard_shape(parallel: str, global_shape: tuple[int, ...], tp: int, 
     return tuple(shard)
 
 
+def stored_split(parallel: str, shapes: list[tuple[int, ...]], global_rows: int) -> str:
+    """How the TP ranks hold a parameter: its rule's split, or for DUPLICATED_OR_COLUMN what the shards say
+    (whole on every rank: duplicated; fewer rows: column-parallel)."""
+    if parallel != DUPLICATED_OR_COLUMN:
+        return parallel
+    return "replicated" if all(s[0] == global_rows for s in shapes) else "column"
+
+
 def check_shards(shapes: list[tuple[int, ...]], parallel: str, global_shape: tuple[int, ...], where: str) -> None:
+    parallel = stored_split(parallel, shapes, global_shape[0])
     expected = expected_shard_shape(parallel, global_shape, len(shapes), where)
     for rank, got in enumerate(shapes):
         if tuple(got) != expected:
@@ -232,6 +242,22 @@ class ColumnParallel(OneToOne):
     parallel = "column"
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
+        return {self.hf: [RowBlock((s,)) for s in shards]}
+
+
+@dataclass(frozen=True)
+class DuplicatedOrColumn(OneToOne):
+    """A linear that Megatron builds duplicated on every TP rank with TransformerEngine (TELinear,
+    parallel_mode="duplicated") but column-parallel with its local spec (ColumnParallelLinear, whose output
+    is gathered before use): MLA's down-projections. Its shards say which; its LoRA's B the same way
+    (A is whole on every rank either way)."""
+
+    parallel = DUPLICATED_OR_COLUMN
+
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        rows = self.global_shape(shape)[0]
+        if stored_split(self.parallel, [tuple(s.shape) for s in shards], rows) == "replicated":
+            return {self.hf: single(unshard_replicated(shards, where))}
         return {self.hf: [RowBlock((s,)) for s in shards]}
 
 

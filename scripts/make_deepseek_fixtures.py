@@ -118,6 +118,19 @@ BUILT["deepseek_v3_yarn_ep2"] = dict(
     num_layers=2, moe_layer_freq=[0, 1],
     yarn=dict(rotary_scaling_factor=40.0, mscale=0.9, mscale_all_dim=0.7),
 )
+# DeepSeek-V3 at TP=2 with experts not tensor-split (ETP=1, EP=2: world 2, dirs mp_rank_00_000 and
+# mp_rank_01_001). Megatron-Core's local spec makes every MLA linear but linear_proj a ColumnParallelLinear:
+# the down-projections too are split by rows over TP (their outputs gathered before the norms), where
+# TransformerEngine's spec duplicates them. 2 layers (dense, MoE), 8 experts in 2 groups, top-2.
+BUILT["deepseek_v3_tp2etp1_ep2"] = dict(
+    family="deepseek_v3", tp=2, ep=2, etp=1, num_experts=8, topk=2, q_lora_rank=48,
+    score="sigmoid", pre_softmax=False, expert_bias=True, groups=(2, 1), scaling=2.5, n_shared=1,
+    base_seed=27000, lora_seed=28000, router_std=0.3, router_seed=27016, bias_std=0.05, fused=False,
+    num_layers=2, moe_layer_freq=[0, 1],
+)
+# The same model and values with the base saved as torch_dist by Megatron's dist_checkpointing: the
+# column-split down-projections become TP chunks of one global tensor.
+BUILT["deepseek_v3_dist_tp2etp1_ep2"] = dict(BUILT["deepseek_v3_tp2etp1_ep2"], base_format="torch_dist")
 # MLATransformerConfig (megatron-core 0.16.1) defaults of the YaRN fields that no Megatron-LM argument sets
 # (checked against the built config in the worker)
 MLA_YARN_CONFIG_DEFAULTS = dict(original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
@@ -387,7 +400,8 @@ def make_ds_args(torch, spec, iteration, world, lora, filtered, load, save):
     dm = dims(spec)
     shim = dict(tp=spec["tp"], ep=spec["ep"], etp=spec["etp"], num_experts=spec["num_experts"],
                 kv_channels=dm["v_head_dim"], family="mixtral", pre_softmax=spec["pre_softmax"],
-                moe_layer_freq=moe_freq(spec), shared=dm["shared_ffn"], shared_gate=False)
+                moe_layer_freq=moe_freq(spec), shared=dm["shared_ffn"], shared_gate=False,
+                base_format=spec.get("base_format", "torch"))
     a = mmf.make_moe_args(torch, shim, iteration, world, lora=lora, filtered=filtered, load=load, save=save)
     a.num_layers = dm["num_layers"]
     a.hidden_size = dm["hidden_size"]
@@ -700,9 +714,11 @@ def worker(rank: int, world: int, name: str, spec: dict, out_dir: str, port: int
     logits_base = forward()
     route_base = routing_stats()
     base_sd = model.state_dict_for_save_checkpoint()
-    if saves:
-        args = make_ds_args(torch, spec, BASE_ITER, world, lora=False, filtered=False,
-                            load=f"/data/ckpt/{name}/hf-converted", save=f"/data/ckpt/{name}/base")
+    args = make_ds_args(torch, spec, BASE_ITER, world, lora=False, filtered=False,
+                        load=f"/data/ckpt/{name}/hf-converted", save=f"/data/ckpt/{name}/base")
+    if spec.get("base_format") == "torch_dist":  # Megatron's own dist_checkpointing.save, every rank
+        mf.save_dist_checkpoint(torch, out / "base", BASE_ITER, args, model, False, mf.make_rng_state(torch, 2))
+    elif saves:
         mmf.save_legacy(torch, out / "base", BASE_ITER, dirname, args, base_sd)
 
     # ---------- PEFT, as MindSpeed-LLM's model_provider_func_wrapper ----------
@@ -1136,7 +1152,13 @@ def key_listing(torch, d: Path) -> dict:
     for part in ("base", "lora"):
         it = int((d / part / "latest_checkpointed_iteration.txt").read_text().strip())
         out[part] = {}
-        for rd in sorted((d / part / f"iter_{it:07d}").iterdir()):
+        idir = d / part / f"iter_{it:07d}"
+        if (idir / "metadata.json").exists():  # torch_dist: the global keys and shapes
+            from torch.distributed.checkpoint import FileSystemReader
+            md = FileSystemReader(str(idir)).read_metadata()
+            out[part]["torch_dist"] = [[k, list(getattr(m, "size", []) or [])] for k, m in md.state_dict_metadata.items()]
+            continue
+        for rd in sorted(idir.iterdir()):
             sd = torch.load(rd / "model_optim_rng.pt", weights_only=False)["model"]
             out[part][rd.name] = [[k, list(v.shape) if torch.is_tensor(v) else None] for k, v in sd.items()]
     return out
@@ -1225,8 +1247,8 @@ def describe(name, spec):
              f"softmax over all experts (moe_router_pre_softmax=True), greedy top-{spec['topk']}, no renormalisation, "
              f"x {spec['scaling']}")
     return (f"DeepSeek-{'V3' if v3 else 'V2-Lite'}-like Megatron-Core GPTModel, local spec (MLASelfAttention + "
-            f"MoELayer = TopKRouter + SequentialMLP + ungated SharedExpertMLP, alltoall dispatcher), TP=1 EP=2 "
-            f"PP=1, float32; {dm['num_layers']} layers (layer 0 dense ffn {dm['ffn_hidden_size']}, layers "
+            f"MoELayer = TopKRouter + SequentialMLP + ungated SharedExpertMLP, alltoall dispatcher), TP={spec['tp']} "
+            f"EP={spec['ep']} ETP={spec['etp']} PP=1, {spec.get('base_format', 'torch')} base, float32; {dm['num_layers']} layers (layer 0 dense ffn {dm['ffn_hidden_size']}, layers "
             f"{moe_layers(spec)} MoE), hidden {dm['hidden_size']}, {dm['num_attention_heads']} heads, {attn}, kv_lora_rank "
             f"{dm['kv_lora_rank']}, qk_head_dim (nope) {dm['qk_head_dim']}, qk_pos_emb_head_dim (rope) "
             f"{dm['qk_pos_emb_head_dim']}, v_head_dim {dm['v_head_dim']}, {rope_words(spec)} base {dm['rotary_base']}; "
@@ -1272,8 +1294,8 @@ def main():
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
-        world = spec["ep"]
-        print(f"[{name}] spawning {world} ranks (TP=1 EP={spec['ep']})", flush=True)
+        world = math.lcm(spec["tp"], spec["etp"] * spec["ep"])  # TP x DP (attention) = ETP x EP x EDP (experts)
+        print(f"[{name}] spawning {world} ranks (TP={spec['tp']} EP={spec['ep']} ETP={spec['etp']})", flush=True)
         mp.spawn(worker, args=(world, name, spec, str(out), mf.free_port(), peft_dir), nprocs=world, join=True)
         (d / "base" / "latest_checkpointed_iteration.txt").write_text(str(BASE_ITER))
         (d / "lora" / "latest_checkpointed_iteration.txt").write_text(str(LORA_ITER))
@@ -1291,7 +1313,7 @@ def main():
         dm = dims(spec)
         fx = dict(
             model_type=spec["family"],
-            tp=1, pp=1, ep=spec["ep"], etp=spec["etp"], world_size=spec["ep"],
+            tp=spec["tp"], pp=1, ep=spec["ep"], etp=spec["etp"], world_size=world,
             dtype="float32", lora="filtered", r=LORA_R, alpha=LORA_ALPHA, targets=targets(spec),
             num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
             multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
@@ -1313,7 +1335,7 @@ def main():
             hf_config=json.loads((d / "hf_ref" / "config.json").read_text()),
             router_weight_std=spec["router_std"], router_seed=spec["router_seed"], expert_bias_std=spec["bias_std"],
             base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
-            base_format="torch", lora_format="torch",
+            base_format=spec.get("base_format", "torch"), lora_format="torch",
             base_iteration=BASE_ITER, lora_iteration=LORA_ITER, stale_lora_iteration=STALE_LORA_ITER,
             rank_dirs=sorted(x["dir"] for x in summary["ranks"] if x["dir"]),
             ranks=summary["ranks"],

@@ -254,7 +254,11 @@ def shard(torch, name: str, x, tp_rank: int, tp: int):
         # swiglu: every rank holds [gate shard ; up shard]
         gate, up = x.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]]).clone()
-    column = ".linear_qkv." in name or is_fc1
+    # MLA: Megatron-Core's local spec builds the down-projections as ColumnParallelLinear too (their output
+    # is gathered before q_layernorm / kv_layernorm); TransformerEngine's spec duplicates them instead
+    mla_column = (".linear_q_down_proj.", ".linear_kv_down_proj.", ".linear_q_up_proj.", ".linear_kv_up_proj.",
+                  ".linear_q_proj.")
+    column = ".linear_qkv." in name or is_fc1 or any(m in name for m in mla_column)
     row = ".linear_proj." in name or ".linear_fc2." in name
     if name.endswith("lora_A.weight"):
         return col1() if row else x.clone()  # row: sharded on dim 1; column: replicated

@@ -234,7 +234,7 @@ def localize(torch, spec: dict, glob: dict, tp_rank: int, ep_rank: int, etp_rank
                 continue
             lk = ".".join(parts[:5] + ["local_experts", str(e % E_loc)] + parts[6:])
             out[lk] = mf.shard(torch, lk, x, etp_rank, ETP)
-        elif k.endswith(("mlp.router.weight", "shared_experts.gate_weight")):
+        elif k.endswith(("mlp.router.weight", "mlp.router.expert_bias", "shared_experts.gate_weight")):
             out[k] = x.clone()  # replicated
         else:
             out[k] = mf.shard(torch, k, x, tp_rank, TP)

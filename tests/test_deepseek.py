@@ -396,7 +396,7 @@ def test_mindspeed_deepseek_names_are_read(tmp_path):
     assert_computes_megatron_lora(out, root, "deepseek_v3 in MindSpeed's names (linear_qkv, linear_qb, linear_kvb, k_layernorm)")
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v2_lite_ep2"])
+@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v2_lite_ep2", "deepseek_v3_tp2etp1_ep2"])
 def test_peft_loads_the_exported_adapter_except_what_it_drops_and_we_warn_of(name, tmp_path, merged, base_model_dirs,
                                                                              capsys):
     """PEFT (0.21, transformers 5) on the per-expert adapter: MLA projections and routed experts merge to our
@@ -442,3 +442,64 @@ def test_a_fused_expert_adapter_for_deepseek_is_refused(tmp_path, capsys):
               str(tmp_path / "adapter"), "--expert-format", "fused"], capsys, "builds them at rank 2r",
              "--expert-format per-expert")
     assert not (tmp_path / "adapter").exists()
+
+
+# --- MLA at TP=2 (Megatron-Core's local spec: the down-projections are column-parallel) -----------------
+
+TP2 = "deepseek_v3_tp2etp1_ep2"
+DOWN = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def _as_duplicated(root: Path, edit_rank1=None) -> None:
+    """TransformerEngine's layout of the same model: the down-projections (and their LoRA B) whole on every
+    TP rank (TELinear, parallel_mode="duplicated"), built from the local-spec fixture by joining the two
+    ranks' row blocks, the only difference between the specs."""
+    from lora_merge.safe_load import load_pt
+    from test_errors import rewrite
+
+    for iteration in [*(root / "base").glob("iter_*"), *(root / "lora").glob("iter_*")]:
+        files = sorted(iteration.glob("mp_rank_*/model_optim_rng.pt"))
+        assert [f.parent.name for f in files] == ["mp_rank_00_000", "mp_rank_01_001"]  # TP rank 0, TP rank 1
+        models = [load_pt(f, mmap=False)["model"] for f in files]
+        whole = {k: torch.cat([models[0][k], models[1][k]]) for k in models[0]
+                 if any(f".{d}." in k for d in DOWN) and k.endswith("weight") and "lora_A" not in k}
+        assert len(whole) == 4  # 2 layers x (q_down, kv_down): weights in the base, B in the LoRA
+        for rank, f in enumerate(files):
+            def edit(state, rank=rank):
+                state["model"].update({k: v.clone() for k, v in whole.items()})
+                if rank == 1 and edit_rank1 is not None:
+                    edit_rank1(state["model"])
+            rewrite(f, edit)
+
+
+def test_tp2_down_projections_duplicated_as_transformer_engine_saves_them(tmp_path, merged):
+    from safetensors.torch import load_file
+
+    root = _copy(TP2, tmp_path)
+    _as_duplicated(root)
+    out = tmp_path / "out"
+    assert main(cli_args(root, out)) == 0
+    ours, reference = load_file(next(out.glob("*.safetensors"))), load_file(next(merged(TP2).glob("*.safetensors")))
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_tp2_duplicated_down_projections_that_differ_between_ranks_are_refused(tmp_path, capsys):
+    key = "decoder.layers.1.self_attention.linear_kv_down_proj.weight"
+    root = _copy(TP2, tmp_path)
+    _as_duplicated(root, lambda model: model[key].add_(1e-3) if key in model else None)
+    _failing(cli_args(root, tmp_path / "out"), capsys, key, "differs between TP rank 0 and TP rank 1")
+
+
+@pytest.mark.parametrize("name", [TP2, "deepseek_v3_dist_tp2etp1_ep2"])
+def test_tp2_lora_onto_an_hf_base_equals_the_merge_onto_the_megatron_base(name, tmp_path, merged, base_model_dirs):
+    """The HF base (the Megatron base written as HF, which computes Megatron's base logits) + the TP=2 LoRA,
+    whose down-projection B is split over TP ranks: the same bytes as the merge onto the Megatron base."""
+    from safetensors.torch import load_file
+
+    ref = torch.load(DEEPSEEK / name / "logits.pt", weights_only=True)
+    assert (hf_logits(base_model_dirs(name), ref["input_ids"]) - ref["logits_base"]).abs().max() <= 1e-4
+    out = tmp_path / "out"
+    assert main(["--base", str(base_model_dirs(name)), "--lora", str(DEEPSEEK / name / "lora"), "--hf-ref",
+                 str(DEEPSEEK / name / "hf_ref"), "--out", str(out), "--no-progress"]) == 0
+    ours, reference = load_file(next(out.glob("*.safetensors"))), load_file(next(merged(name).glob("*.safetensors")))
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)

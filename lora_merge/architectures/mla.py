@@ -4,8 +4,8 @@ a decoder of dense MLP layers below `first_k_dense_replace`, then routed experts
 MLA in Megatron-Core's naming (`linear_q_down_proj`, `linear_kv_down_proj`, …) or MindSpeed-LLM's, which
 fuses the down-projections into one replicated `linear_qkv` = [q_a_proj; kv_a_proj_with_mqa], or
 [q_proj; kv_a_proj_with_mqa] without a q LoRA rank (V2-Lite), and names the rest `linear_qb`,
-`linear_kvb` and `k_layernorm` (the kv norm). The down-projections are replicated linears (TE's
-duplicated mode, MindSpeed's plain Linear).
+`linear_kvb` and `k_layernorm` (the kv norm). The down-projections are replicated linears with TE (its
+duplicated mode) and in MindSpeed (a plain Linear), but column-parallel in Megatron-Core's local spec.
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from lora_merge.architectures.base import Architecture, HfConfig
 from lora_merge.architectures.dense import DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
 from lora_merge.architectures.moe import routed_experts, shared_expert
 from lora_merge.errors import MergeError
-from lora_merge.layout import ColumnParallel, Replicated, ReplicatedRows, RowParallel
+from lora_merge.layout import ColumnParallel, DuplicatedOrColumn, Replicated, ReplicatedRows, RowParallel
 from lora_merge.mla_shape import MlaShape
 
 ATTN = "self_attention."
 Q_DOWN, KV_DOWN, Q_PROJ = ATTN + "linear_q_down_proj.weight", ATTN + "linear_kv_down_proj.weight", ATTN + "linear_q_proj.weight"
 MLA_ATTENTION = (
     Replicated("input_layernorm.weight", ("hidden",), hf="input_layernorm.weight"),
-    Replicated(Q_DOWN, ("q_lora", "hidden"), hf="self_attn.q_a_proj.weight", requires="q_lora"),
+    DuplicatedOrColumn(Q_DOWN, ("q_lora", "hidden"), hf="self_attn.q_a_proj.weight", requires="q_lora"),
     Replicated(ATTN + "q_layernorm.weight", ("q_lora",), hf="self_attn.q_a_layernorm.weight", requires="q_lora",
                aliases=(ATTN + "linear_q_up_proj.layer_norm_weight",)),
     ColumnParallel(ATTN + "linear_q_up_proj.weight", ("q_heads", "q_lora"), hf="self_attn.q_b_proj.weight",
                    requires="q_lora", aliases=(ATTN + "linear_qb.weight",)),
     ColumnParallel(Q_PROJ, ("q_heads", "hidden"), hf="self_attn.q_proj.weight", requires="no_q_lora"),
-    Replicated(KV_DOWN, ("kv_down", "hidden"), hf="self_attn.kv_a_proj_with_mqa.weight"),
+    DuplicatedOrColumn(KV_DOWN, ("kv_down", "hidden"), hf="self_attn.kv_a_proj_with_mqa.weight"),
     Replicated(ATTN + "kv_layernorm.weight", ("kv_lora",), hf="self_attn.kv_a_layernorm.weight",
                aliases=(ATTN + "linear_kv_up_proj.layer_norm_weight", ATTN + "k_layernorm.weight")),
     ColumnParallel(ATTN + "linear_kv_up_proj.weight", ("kv_heads", "kv_lora"), hf="self_attn.kv_b_proj.weight",
