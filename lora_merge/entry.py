@@ -19,6 +19,11 @@ def main() -> int:
         except KeyboardInterrupt:
             print("lora-merge: interrupted while starting; no output was written", file=sys.stderr)
             return 130
+        except BaseException:
+            # A library caught the signal's exception inside an import and failed otherwise (a half-imported
+            # module, an import error wrapping it): the signal is still what stopped the start.
+            if not RECEIVED:
+                raise
         if RECEIVED:  # raised inside an import that swallowed it
             exc = Interrupted(RECEIVED[0])
             print(f"lora-merge: interrupted by {exc.name} while starting; no output was written", file=sys.stderr)

@@ -616,6 +616,23 @@ def test_a_signal_while_starting_is_one_line_too(synthetic, tmp_path):
     assert_clean(out)
 
 
+def test_a_signal_that_an_import_turned_into_another_error_is_still_one_line(monkeypatch, capsys):
+    """A library that catches the interrupt inside an import can fail later with another error (a module
+    left half-imported): once a signal was received, that is still reported as the interruption."""
+    import lora_merge.entry as entry
+    from lora_merge import interrupts
+
+    monkeypatch.setitem(sys.modules, "lora_merge.cli", None)  # importing it now raises ImportError
+    monkeypatch.setattr(interrupts, "RECEIVED", [signal.SIGTERM])
+    monkeypatch.setattr(entry, "RECEIVED", interrupts.RECEIVED)
+    assert entry.main() == 143
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "lora-merge: interrupted by SIGTERM while starting; no output was written"]
+    monkeypatch.setattr(entry, "RECEIVED", [])  # without a signal the error is the error
+    with pytest.raises(ImportError):
+        entry.main()
+
+
 def test_a_base_differing_from_the_unfiltered_lora_outside_the_sampled_rows_is_refused(tmp_path, capsys):
     root = copy_fixture("pp2_fp32_unfiltered", tmp_path)
     key = "decoder.layers.0.mlp.linear_fc2.weight"
