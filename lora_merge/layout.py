@@ -255,10 +255,9 @@ class DuplicatedOrColumn(OneToOne):
     parallel = DUPLICATED_OR_COLUMN
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
-        rows = self.global_shape(shape)[0]
-        if stored_split(self.parallel, [tuple(s.shape) for s in shards], rows) == "replicated":
-            return {self.hf: single(unshard_replicated(shards, where))}
-        return {self.hf: [RowBlock((s,)) for s in shards]}
+        split = stored_split(self.parallel, [tuple(s.shape) for s in shards], self.global_shape(shape)[0])
+        as_stored = Replicated if split == "replicated" else ColumnParallel
+        return as_stored.hf_blocks(self, shards, shape, where, global_pieces)
 
 
 @dataclass(frozen=True)
