@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from lora_merge.allocator import reuse_freed_chunks
 from lora_merge.interrupts import RECEIVED, Interrupted, ignore_signals, signals_raise
 
 
@@ -28,6 +29,7 @@ def main() -> int:
             exc = Interrupted(RECEIVED[0])
             print(f"lora-merge: interrupted by {exc.name} while starting; no output was written", file=sys.stderr)
             return exc.exit_code
+        reuse_freed_chunks()
         code = run()
         ignore_signals()
         return code
