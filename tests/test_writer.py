@@ -1,10 +1,15 @@
 """The streaming writer's files, read back by the safetensors library and by transformers' conventions."""
 
+import errno
 import json
+import os
 
+import pytest
 import torch
 from safetensors import safe_open
 
+from lora_merge.writers import output_file
+from lora_merge.writers.output_file import OutputFile
 from lora_merge.writers.safetensors_stream import PlannedTensor, ShardedSafetensorsWriter
 
 
@@ -71,25 +76,35 @@ def many_tensors(count=40):
     return {f"t{i}.weight": torch.randn(64, 33 + i, generator=g) for i in range(count)}
 
 
-def test_bounded_writeback_writes_the_same_bytes_and_syncs_every_window(tmp_path, monkeypatch):
-    """Writeback is handed to the disk window by window (kicked, then waited for and dropped from the
-    page cache); the files read back exactly and the closing fsync still runs."""
-    from lora_merge.writers import safetensors_stream
+def through_the_page_cache(monkeypatch):
+    """Make every OutputFile refuse O_DIRECT at open, with small buffers, as on tmpfs."""
+    real_open = os.open
 
+    def refusing_open(path, flags, *args):
+        if flags & output_file.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(output_file, "BUFFER_BYTES", 4096)
+
+
+def test_bounded_writeback_writes_the_same_bytes_and_syncs_every_window(tmp_path, monkeypatch):
+    """Through the page cache, writeback is handed to the disk window by window (kicked, then waited for
+    and dropped from the page cache); the files read back exactly and the closing fsync still runs."""
     data = many_tensors()
     calls, syncs = [], []
-    real = safetensors_stream._sync_file_range()
+    real = output_file._sync_file_range()
     if real is None:
-        import pytest
         pytest.skip("no sync_file_range on this platform")
 
     def spy(fd, offset, nbytes, flags):
         calls.append((offset, nbytes, flags))
         real(fd, offset, nbytes, flags)
-    monkeypatch.setattr(safetensors_stream.BoundedWriteback, "WINDOW", 16 << 10)
-    monkeypatch.setattr(safetensors_stream, "_sync_file_range", lambda: spy)
-    real_fsync = safetensors_stream.os.fsync
-    monkeypatch.setattr(safetensors_stream.os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd)))
+    through_the_page_cache(monkeypatch)
+    monkeypatch.setattr(output_file.BoundedWriteback, "WINDOW", 16 << 10)
+    monkeypatch.setattr(output_file, "_sync_file_range", lambda: spy)
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd)))
     (tmp_path / "a").mkdir()
     files = write_all(tmp_path / "a", data, max_bytes=300_000)
     shards = [f for f in files if f.endswith(".safetensors")]
@@ -98,9 +113,9 @@ def test_bounded_writeback_writes_the_same_bytes_and_syncs_every_window(tmp_path
     waits = [c for c in calls if c[2] == 7]
     assert len(kicks) > 2 * len(shards) and len(waits) >= len(kicks) - len(shards)
     for offset, nbytes, _ in calls:
-        assert offset > 0 and nbytes > 0
+        assert offset >= 0 and nbytes > 0
 
-    monkeypatch.setattr(safetensors_stream, "_sync_file_range", lambda: None)
+    monkeypatch.setattr(output_file, "_sync_file_range", lambda: None)
     (tmp_path / "b").mkdir()
     assert write_all(tmp_path / "b", data, max_bytes=300_000) == files
     for name in shards:
@@ -113,14 +128,13 @@ def test_bounded_writeback_writes_the_same_bytes_and_syncs_every_window(tmp_path
 
 
 def test_writeback_failure_falls_back_to_fsync_alone(tmp_path, monkeypatch):
-    from lora_merge.writers import safetensors_stream
-
     def failing(fd, offset, nbytes, flags):
         failing.calls += 1
         raise OSError(22, "sync_file_range: Invalid argument")
     failing.calls = 0
-    monkeypatch.setattr(safetensors_stream.BoundedWriteback, "WINDOW", 16 << 10)
-    monkeypatch.setattr(safetensors_stream, "_sync_file_range", lambda: failing)
+    through_the_page_cache(monkeypatch)
+    monkeypatch.setattr(output_file.BoundedWriteback, "WINDOW", 16 << 10)
+    monkeypatch.setattr(output_file, "_sync_file_range", lambda: failing)
     data = many_tensors()
     write_all(tmp_path, data, max_bytes=10**9)
     assert failing.calls == 1  # tried once, then left to the closing fsync
@@ -166,3 +180,98 @@ def test_a_hashing_failure_reaches_the_writer_and_abort_ends_the_thread(tmp_path
         writer.finish()
     writer.abort()
     assert not [t for t in threading.enumerate() if t.name == "lora-merge-sha256"]
+
+
+# OutputFile: O_DIRECT where the file system allows it, the page cache where it does not; the same bytes.
+
+SIZES = [1, 4095, 4096, 4097, 8192, 8193, 3 * 8192 + 5]
+
+
+def pieces(total: int, seed: int) -> list[bytes]:
+    """`total` random bytes in pieces of uneven sizes, crossing buffer and block boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    cuts = sorted(set(torch.randint(0, total + 1, (6,), generator=g).tolist()) | {0, total})
+    return [data[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def fd_flags(f: OutputFile) -> int:
+    for line in open(f"/proc/self/fdinfo/{f._fd}"):
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    raise AssertionError("no flags in fdinfo")
+
+
+def direct_allowed(directory) -> bool:
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | output_file.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("total", SIZES)
+def test_output_file_writes_exact_bytes_and_length(tmp_path, total):
+    parts = pieces(total, total)
+    f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
+    if output_file.O_DIRECT and direct_allowed(tmp_path):
+        assert f.direct and fd_flags(f) & output_file.O_DIRECT
+    for part in parts:
+        f.write(part)
+    assert f.size == total
+    f.close()
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(parts)
+
+
+@pytest.mark.parametrize("total", [4097, 3 * 8192 + 5])
+def test_output_file_falls_back_to_the_page_cache_where_o_direct_is_refused_at_open(tmp_path, monkeypatch, total):
+    through_the_page_cache(monkeypatch)
+    parts = pieces(total, 1)
+    f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
+    assert not f.direct
+    for part in parts:
+        f.write(part)
+    f.close()
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(parts)
+
+
+@pytest.mark.skipif(not output_file.O_DIRECT, reason="no O_DIRECT here")
+@pytest.mark.parametrize("total", [100, 3 * 8192 + 5])
+def test_output_file_falls_back_where_the_first_direct_write_is_refused(tmp_path, monkeypatch, total):
+    if not direct_allowed(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT at open")
+    real_write, refused = os.write, []
+
+    def refusing_write(fd, data):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refusing_write)
+    parts = pieces(total, 2)
+    f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
+    for part in parts:
+        f.write(part)
+    f.close()
+    assert refused and not f.direct
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(parts)
+
+
+@pytest.mark.skipif(not output_file.O_DIRECT, reason="no O_DIRECT here")
+def test_output_file_does_not_hide_a_refusal_after_data_was_written(tmp_path, monkeypatch):
+    if not direct_allowed(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT at open")
+    real_write, calls = os.write, []
+
+    def failing_second_write(fd, data):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_second_write)
+    f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
+    with pytest.raises(OSError):
+        f.write(b"x" * 3 * 8192)
+    f.abort()

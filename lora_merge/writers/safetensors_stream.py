@@ -8,17 +8,15 @@ tensor at a time, whatever the model size.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lora_merge.writers.background import OrderedWorker
+from lora_merge.writers.output_file import OutputFile
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -72,62 +70,6 @@ def header_bytes(tensors: list[PlannedTensor], metadata: dict[str, str]) -> byte
     return len(text).to_bytes(8, "little") + text
 
 
-class BoundedWriteback:
-    """Keep a file's dirty pages to about two windows while it is being written.
-
-    Left to itself the kernel lets gigabytes of written data pile up in the page cache, then throttles the
-    writer and flushes it all in the final fsync: a 28 GB merge spent more time in the kernel than in
-    merging. Here each full window is handed to the disk at once (sync_file_range WRITE), the window before
-    it is waited for and dropped from the cache, so the disk writes while we compute. Linux only; elsewhere
-    (or where the call fails) it does nothing and the closing fsync does all the work, as before.
-    """
-
-    WINDOW = 256 << 20
-    _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
-
-    def __init__(self, file, start: int):
-        self._file = file
-        self._written = self._kicked = self._flushed = start
-        self._sync_file_range = _sync_file_range()
-
-    def advance(self, nbytes: int) -> None:
-        self._written += nbytes
-        if self._sync_file_range is not None and self._written - self._kicked >= self.WINDOW:
-            try:
-                self._write_back()
-            except OSError:
-                self._sync_file_range = None  # e.g. a file system without it: fsync at close still syncs
-
-    def _write_back(self) -> None:
-        self._file.flush()
-        fd = self._file.fileno()
-        self._sync_file_range(fd, self._kicked, self._written - self._kicked, self._WRITE)
-        if self._kicked > self._flushed:
-            self._sync_file_range(fd, self._flushed, self._kicked - self._flushed,
-                                  self._WAIT_BEFORE | self._WRITE | self._WAIT_AFTER)
-            os.posix_fadvise(fd, self._flushed, self._kicked - self._flushed, os.POSIX_FADV_DONTNEED)
-            self._flushed = self._kicked
-        self._kicked = self._written
-
-
-def _sync_file_range():
-    """libc's sync_file_range as a callable raising OSError, or None where there is none."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-
-    def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
-        if call(fd, offset, nbytes, flags) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"sync_file_range: {os.strerror(errno)}")
-    return sync_file_range
-
-
 class ShardedSafetensorsWriter:
     """Write the planned tensors, in plan order, into HF-style sharded safetensors files."""
 
@@ -172,7 +114,6 @@ class ShardedSafetensorsWriter:
         data = memoryview(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         self._file.write(data)
         self._done_bytes += piece.nbytes
-        self._writeback.advance(len(data))
         if self._hasher is not None:
             self._hasher.submit(self._hash.update, data)  # `data` keeps the piece alive until hashed
             if then is not None:
@@ -183,16 +124,13 @@ class ShardedSafetensorsWriter:
     def _open(self, shard_index: int) -> None:
         self._close_file()
         self._file_index = shard_index
-        self._file = open(self.directory / self.file_names[shard_index], "wb")
+        self._file = OutputFile(self.directory / self.file_names[shard_index])
         header = header_bytes(self.shards[shard_index], self.metadata)
         self._file.write(header)
-        self._writeback = BoundedWriteback(self._file, len(header))
         self._hash = hashlib.sha256(header) if self._hasher is not None else None
 
     def _close_file(self) -> None:
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
             if self._hasher is not None:
@@ -222,7 +160,7 @@ class ShardedSafetensorsWriter:
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self._file.abort()
             self._file = None
         if self._hasher is not None:
             try:

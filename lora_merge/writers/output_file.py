@@ -1,0 +1,171 @@
+"""One large output file, written at disk speed with as little CPU as the OS allows.
+
+Written through the page cache, every byte is copied into it and the kernel then allocates, dirties,
+writes back and drops those pages: at DeepSeek-V3 shapes that was ~16 s of kernel time for 28 GB, as much
+as `cp` needs to read and write it all, on a machine where the merge is CPU-bound. With O_DIRECT the disk
+takes the bytes from our buffer: writing 8 GB took 0.4-0.5 s of kernel time instead of 4.1-4.7 s, at the
+same speed.
+
+O_DIRECT needs block-aligned memory, file offsets and lengths, so bytes are gathered in a page-aligned
+buffer and written a whole buffer at a time; the last block is written padded and the file cut to its true
+length. Where the file system refuses O_DIRECT (tmpfs, some network or FUSE file systems), at open or at
+the first write, the same buffers go through the page cache, with its dirty pages bounded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import sys
+from pathlib import Path
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+ALIGN = 4096  # covers every logical block size in use (512 and 4096)
+BUFFER_BYTES = 8 << 20
+
+
+class OutputFile:
+    """A new file at `path` (replacing any), written sequentially by `write`; durable once `close` returns."""
+
+    def __init__(self, path: Path, buffer_bytes: int | None = None):
+        self.path = path
+        buffer_bytes = buffer_bytes or BUFFER_BYTES
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd = None
+        if O_DIRECT:
+            try:
+                self._fd = os.open(path, flags | O_DIRECT, 0o666)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        self.direct = self._fd is not None
+        if self._fd is None:
+            self._fd = os.open(path, flags, 0o666)
+        self._buffer = mmap.mmap(-1, -(-buffer_bytes // ALIGN) * ALIGN)  # page-aligned
+        self._view = memoryview(self._buffer)
+        self._fill = 0  # bytes gathered in the buffer
+        self._written = 0  # bytes handed to the file
+        self._writeback = BoundedWriteback(self._fd)
+
+    @property
+    def size(self) -> int:
+        return self._written + self._fill
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        capacity = len(self._view)
+        pos = 0
+        while pos < len(data):
+            n = min(len(data) - pos, capacity - self._fill)
+            self._view[self._fill:self._fill + n] = data[pos:pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == capacity:
+                self._write_buffer(capacity)
+                self._fill = 0
+
+    def close(self) -> None:
+        """Write what is gathered, then fsync and close."""
+        size = self.size
+        if self._fill:
+            if self.direct:
+                padded = -(-self._fill // ALIGN) * ALIGN
+                self._view[self._fill:padded] = bytes(padded - self._fill)
+                self._write_buffer(padded)
+                if self.direct:  # (not if the file system refused this last write)
+                    os.ftruncate(self._fd, size)
+            else:
+                self._write_buffer(self._fill)
+            self._fill = 0
+        os.fsync(self._fd)
+        self._release()
+
+    def abort(self) -> None:
+        """Close without writing what is gathered (the file is about to be removed)."""
+        self._release()
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._view.release()
+        self._buffer.close()
+
+    def _write_buffer(self, nbytes: int) -> None:
+        view = self._view[:nbytes]
+        done = 0
+        while done < nbytes:
+            try:
+                done += os.write(self._fd, view[done:])
+            except OSError as exc:
+                # some file systems accept O_DIRECT at open and refuse it at the first write
+                if exc.errno != errno.EINVAL or not self.direct or self._written + done:
+                    raise
+                self._buffered_from_now()
+                if nbytes > self._fill:  # the padded tail: only the gathered bytes go through the cache
+                    view, nbytes = view[:self._fill], self._fill
+        self._written += nbytes
+        if not self.direct:
+            self._writeback.advance(nbytes)
+
+    def _buffered_from_now(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~O_DIRECT)
+        self.direct = False
+
+
+class BoundedWriteback:
+    """Keep a file's dirty pages to about two windows while it is written through the page cache.
+
+    Left to itself the kernel lets gigabytes of written data pile up in the page cache, then throttles the
+    writer and flushes it all in the final fsync. Here each full window is handed to the disk at once
+    (sync_file_range WRITE), the window before it is waited for and dropped from the cache, so the disk
+    writes while we compute. Linux only; elsewhere (or where the call fails) it does nothing and the
+    closing fsync does all the work.
+    """
+
+    WINDOW = 256 << 20
+    _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
+
+    def __init__(self, fd: int, start: int = 0):
+        self._fd = fd
+        self._written = self._kicked = self._flushed = start
+        self._sync_file_range = _sync_file_range()
+
+    def advance(self, nbytes: int) -> None:
+        self._written += nbytes
+        if self._sync_file_range is not None and self._written - self._kicked >= self.WINDOW:
+            try:
+                self._write_back()
+            except OSError:
+                self._sync_file_range = None  # e.g. a file system without it: fsync at close still syncs
+
+    def _write_back(self) -> None:
+        fd = self._fd
+        self._sync_file_range(fd, self._kicked, self._written - self._kicked, self._WRITE)
+        if self._kicked > self._flushed:
+            self._sync_file_range(fd, self._flushed, self._kicked - self._flushed,
+                                  self._WAIT_BEFORE | self._WRITE | self._WAIT_AFTER)
+            os.posix_fadvise(fd, self._flushed, self._kicked - self._flushed, os.POSIX_FADV_DONTNEED)
+            self._flushed = self._kicked
+        self._kicked = self._written
+
+
+def _sync_file_range():
+    """libc's sync_file_range as a callable raising OSError, or None where there is none."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
+        if call(fd, offset, nbytes, flags) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+    return sync_file_range
