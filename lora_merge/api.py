@@ -97,7 +97,7 @@ class MergeResult:
     settings_source: str  # where r and alpha came from
     skipped: dict[str, int]  # what was deliberately not written, by reason
     files: list[str] = field(default_factory=list)
-    sha256: dict[str, str] = field(default_factory=dict)  # file -> digest, hashed while writing (README.md aside)
+    sha256: dict[str, str] = field(default_factory=dict)  # file -> digest, hashed while writing (README.md aside; none with sha256=False)
     seconds: float = 0.0
     verified: bool = False
     verify_report: VerifyReport | None = None
@@ -184,7 +184,7 @@ def _dtype_choice(value: str) -> str:
 
 def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
-          force: bool = False, verify: bool = False, report=None, dry_run: bool = False,
+          force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
           progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
@@ -193,7 +193,7 @@ def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: 
                            dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size),
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                            allow_partial_lora=allow_partial_lora, force=force, verify=verify,
-                           report=_path(report, "report", "a file"), dry_run=dry_run,
+                           report=_path(report, "report", "a file"), dry_run=dry_run, sha256=bool(sha256),
                            progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
     return run_merge(opts)
 
@@ -373,7 +373,7 @@ def run_merge(opts) -> MergeResult:
     check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
     with StagedOutput(opts.out, opts.force, inputs) as stage:
         staging = stage.dir
-        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=True)
+        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=opts.sha256)
         progress = _Progress(opts.progress, writer.total_bytes) if opts.progress is not None else None
         background = BackgroundWriter(writer.write)
         try:
@@ -392,7 +392,10 @@ def run_merge(opts) -> MergeResult:
                                           reference=reference, base=None if hf_base else inp.base)
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
-        hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
+        if opts.sha256:
+            hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
+        else:
+            hashes = dict.fromkeys(files)  # listed, not hashed (--no-sha256)
         (staging / "README.md").write_text(model_card(opts.out.name, inp.base, inp.lora, hf_config, inp.settings,
                                                       str(dtype).removeprefix("torch."), plan.merged_modules, hashes))
         files.append("README.md")
@@ -403,7 +406,8 @@ def run_merge(opts) -> MergeResult:
                        dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
                        lora_modules=plan.merged_modules, r=inp.settings.r, alpha=inp.settings.alpha,
                        scale=inp.settings.scale, settings_source=inp.settings.source, skipped=dict(plan.skipped),
-                       files=files, sha256=hashes, seconds=time.monotonic() - started,
+                       files=files, sha256={f: h for f, h in hashes.items() if h is not None},
+                       seconds=time.monotonic() - started,
                        verified=verify_report is not None, verify_report=verify_report)
 
 

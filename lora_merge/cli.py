@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest safetensors shard, at least 1MB, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
     p.add_argument("--verify", action="store_true", help="read the output back and verify it (see `lora-merge "
                    "verify`) before it is moved into place; doubles the I/O")
+    p.add_argument("--no-sha256", dest="sha256", action="store_false", help="do not hash the output files (the "
+                   "model card and --report then give no sha256); hashing costs ~1 CPU-second per 1.3 GB, which "
+                   "slows a merge only where cores are few")
     p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
     p.add_argument("--allow-partial-lora", action="store_true", help="merge even though some layers lack LoRA "
                    "weights for a target (by default that stops the merge: the checkpoint looks incomplete)")

@@ -115,3 +115,19 @@ def test_verify_against_megatron_base_without_reference_weights(setup, capsys):
                  "--base", str(FIXTURES / NAME / "base")])
     text = capsys.readouterr().out
     assert code == 0 and "baseline: Megatron base" in text and "28 merged" in text, text
+
+
+def test_no_sha256_writes_the_same_model_and_says_the_hashes_were_not_computed(tmp_path, capsys, merged_fixture):
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    assert main(merge_args(NAME, out) + ["--no-sha256", "--report", str(report)]) == 0
+    files = json.loads(report.read_text())["files"]
+    assert files and all(entry == {"sha256": None} for entry in files.values())
+    assert "model.safetensors" in files and "config.json" in files
+    card = (out / "README.md").read_text()
+    assert "| model.safetensors | not computed (--no-sha256) |" in card and "`" not in card.split("## Files")[1]
+    assert (out / "model.safetensors").read_bytes() == (merged_fixture(NAME) / "model.safetensors").read_bytes()
+
+    import lora_merge
+    result = lora_merge.merge(base=FIXTURES / NAME / "base", lora=FIXTURES / NAME / "lora",
+                              hf_ref=FIXTURES / NAME / "hf_ref", out=tmp_path / "api", sha256=False)
+    assert result.sha256 == {} and "model.safetensors" in result.files

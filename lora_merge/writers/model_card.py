@@ -29,7 +29,8 @@ def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str,
     if experts is not None:
         lines.append(f"| experts | {_cell(str(experts))} |")
     lines += [f"| output dtype | {dtype} |", "", "## Files", "", "| file | sha256 |", "|---|---|"]
-    lines += [f"| {name} | `{digest}` |" for name, digest in sorted(hashes.items())]
+    lines += [f"| {name} | " + (f"`{digest}` |" if digest else "not computed (--no-sha256) |")
+              for name, digest in sorted(hashes.items())]
     return "\n".join(header + lines) + "\n"
 
 
