@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import mmap
 import os
 import sys
@@ -112,6 +111,8 @@ class OutputFile:
             self._writeback.advance(nbytes)
 
     def _buffered_from_now(self) -> None:
+        import fcntl  # only where there is O_DIRECT: not on Windows
+
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~O_DIRECT)
         self.direct = False
 
