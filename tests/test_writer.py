@@ -272,6 +272,39 @@ def test_output_file_does_not_hide_a_refusal_after_data_was_written(tmp_path, mo
 
     monkeypatch.setattr(os, "write", failing_second_write)
     f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError):  # raised by a later write or by close: the writes run on a thread of their own
         f.write(b"x" * 3 * 8192)
+        f.close()
+    f.abort()
+
+
+def test_a_failed_write_on_the_io_thread_is_raised_to_the_writer_not_waited_for(tmp_path, monkeypatch):
+    """Every buffer but one may be queued when a write fails: the next write must raise that failure
+    (ENOSPC here) instead of waiting for a free buffer forever, and abort must still clean up."""
+    import threading
+
+    real_write, calls = os.write, []
+
+    def disk_full_at_the_second(fd, data):
+        calls.append(len(data))
+        if len(calls) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", disk_full_at_the_second)
+    f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
+    raised = []
+
+    def fill():
+        try:
+            for _ in range(4 * output_file.BUFFERS):
+                f.write(b"y" * 8192)
+            f.close()
+        except OSError as exc:
+            raised.append(exc)
+    writer = threading.Thread(target=fill, daemon=True)
+    writer.start()
+    writer.join(timeout=30)
+    assert not writer.is_alive(), "the writer waits for a buffer that never comes back"
+    assert raised and raised[0].errno == errno.ENOSPC
     f.abort()

@@ -37,6 +37,11 @@ class OrderedWorker:
             raise self._error
         self._queue.put((call, args))
 
+    def check(self) -> None:
+        """Raise the failure of a call, if one failed."""
+        if self._error is not None:
+            raise self._error
+
     def close(self) -> None:
         """Wait until every submitted call has run; re-raise a failure."""
         if self._thread.is_alive():
