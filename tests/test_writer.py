@@ -259,23 +259,103 @@ def test_output_file_falls_back_where_the_first_direct_write_is_refused(tmp_path
 
 
 @pytest.mark.skipif(not output_file.O_DIRECT, reason="no O_DIRECT here")
-def test_output_file_does_not_hide_a_refusal_after_data_was_written(tmp_path, monkeypatch):
+@pytest.mark.skipif(not output_file.O_DIRECT, reason="no O_DIRECT here")
+@pytest.mark.parametrize("refused_call", [2, 4])  # a full buffer mid-file; the padded last block
+def test_output_file_goes_on_through_the_page_cache_where_a_later_direct_write_is_refused(tmp_path, monkeypatch,
+                                                                                        refused_call):
     if not direct_allowed(tmp_path):
         pytest.skip("this file system refuses O_DIRECT at open")
     real_write, calls = os.write, []
 
-    def failing_second_write(fd, data):
-        calls.append(fd)
-        if len(calls) == 2:
+    def refusing(fd, data):
+        calls.append(len(data))
+        if len(calls) == refused_call:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    monkeypatch.setattr(os, "write", failing_second_write)
+    monkeypatch.setattr(os, "write", refusing)
+    parts = pieces(3 * 8192 + 5, 3)
     f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
-    with pytest.raises(OSError):  # raised by a later write or by close: the writes run on a thread of their own
-        f.write(b"x" * 3 * 8192)
+    for part in parts:
+        f.write(part)
+    f.close()
+    assert len(calls) > refused_call and not f.direct
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(parts)
+
+
+def test_output_file_falls_back_where_o_direct_is_not_supported_at_open(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def unsupported(path, flags, *args):
+        if flags & output_file.O_DIRECT:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", unsupported)
+    f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
+    f.write(b"abc" * 5000)
+    f.close()
+    assert not f.direct and (tmp_path / "out.bin").read_bytes() == b"abc" * 5000
+
+
+def test_output_file_refuses_use_after_close_or_abort_and_frees_what_it_opened(tmp_path, monkeypatch):
+    f = OutputFile(tmp_path / "a.bin", buffer_bytes=8192)
+    f.write(b"x")
+    f.close()
+    with pytest.raises(ValueError, match="after it was closed"):
         f.close()
-    f.abort()
+    g = OutputFile(tmp_path / "b.bin", buffer_bytes=8192)
+    g.abort()
+    with pytest.raises(ValueError, match="after it was closed"):
+        g.write(b"y" * 3 * 8192)  # an aborted file: raised, not a wait for buffers that never come back
+
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    calls = []
+
+    def no_memory(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real_mmap(*args)
+    real_mmap = output_file.mmap.mmap
+    monkeypatch.setattr(output_file.mmap, "mmap", no_memory)
+    with pytest.raises(OSError):
+        OutputFile(tmp_path / "c.bin", buffer_bytes=8192)
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds  # the file's descriptor closed again
+
+
+def test_zero_byte_tensors_are_planned_written_and_read_back(tmp_path):
+    data = {"big.weight": torch.ones(40, 10), "empty.bias": torch.zeros(0, 3), "after.weight": torch.ones(2, 2)}
+    plan = [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in data.items()]
+    writer = ShardedSafetensorsWriter(tmp_path, plan, max_shard_bytes=100)  # big alone; empty starts the next
+    for name, t in data.items():
+        if t.numel():  # the merge yields no rows for an empty tensor
+            writer.write(name, t)
+    files = writer.finish()
+    seen = {}
+    for name in files:
+        if name.endswith(".safetensors"):
+            with safe_open(tmp_path / name, framework="pt") as f:
+                seen.update({k: f.get_tensor(k) for k in f.keys()})
+    assert seen.keys() == data.keys() and all(torch.equal(seen[k], v) for k, v in data.items())
+
+    only_empty_last = {"big.weight": torch.ones(40, 10), "empty.bias": torch.zeros(0, 3)}
+    plan = [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in only_empty_last.items()]
+    (tmp_path / "b").mkdir()
+    writer = ShardedSafetensorsWriter(tmp_path / "b", plan, max_shard_bytes=100)
+    writer.write("big.weight", only_empty_last["big.weight"])
+    files = writer.finish()
+    assert len([f for f in files if f.endswith(".safetensors")]) == 2
+    for name in files:  # every listed shard exists and reads
+        assert (tmp_path / "b" / name).is_file()
+    with safe_open(tmp_path / "b" / files[1], framework="pt") as f:
+        assert list(f.keys()) == ["empty.bias"] and f.get_tensor("empty.bias").shape == (0, 3)
+
+    unfinished = ShardedSafetensorsWriter(tmp_path / "b", plan, max_shard_bytes=100)
+    with pytest.raises(RuntimeError, match="only 0 of 2"):
+        unfinished.finish()
+    unfinished.abort()
 
 
 def test_a_failed_write_on_the_io_thread_is_raised_to_the_writer_not_waited_for(tmp_path, monkeypatch):

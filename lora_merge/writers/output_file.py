@@ -27,6 +27,8 @@ from pathlib import Path
 from lora_merge.writers.background import OrderedWorker
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+# how file systems say they do not do direct I/O (at open, or at a write)
+REFUSED = {errno.EINVAL, getattr(errno, "EOPNOTSUPP", errno.EINVAL), getattr(errno, "ENOTSUP", errno.EINVAL)}
 ALIGN = 4096  # covers every logical block size in use (512 and 4096)
 BUFFER_BYTES = 8 << 20
 BUFFERS = 4  # one filling, the others queued for or being written by the I/O thread
@@ -40,24 +42,31 @@ class OutputFile:
         buffer_bytes = buffer_bytes or BUFFER_BYTES
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self._fd = None
+        self._buffers = []
+        self._closed = False
         if O_DIRECT:
             try:
                 self._fd = os.open(path, flags | O_DIRECT, 0o666)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
+                if exc.errno not in REFUSED:
                     raise
         self.direct = self._fd is not None
         if self._fd is None:
             self._fd = os.open(path, flags, 0o666)
-        size = -(-buffer_bytes // ALIGN) * ALIGN
-        self._buffers = [(buffer, memoryview(buffer)) for buffer in (mmap.mmap(-1, size) for _ in range(BUFFERS))]
+        try:
+            size = -(-buffer_bytes // ALIGN) * ALIGN
+            for _ in range(BUFFERS):
+                buffer = mmap.mmap(-1, size)
+                self._buffers.append((buffer, memoryview(buffer)))
+        except BaseException:
+            self._release()
+            raise
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for pair in self._buffers[1:]:
             self._free.put(pair)
         self._current = self._buffers[0]
         self._fill = 0  # bytes gathered in the current buffer
         self._queued = 0  # bytes handed to the I/O thread
-        self._written = 0  # bytes the file has (on the I/O thread)
         self._writeback = BoundedWriteback(self._fd)
         self._io = OrderedWorker("lora-merge-io", depth=BUFFERS)
 
@@ -66,6 +75,7 @@ class OutputFile:
         return self._queued + self._fill
 
     def write(self, data) -> None:
+        self._check_open()
         data = memoryview(data).cast("B")
         pos = 0
         while pos < len(data):
@@ -85,9 +95,15 @@ class OutputFile:
                 return self._free.get(timeout=0.05)
             except queue.Empty:
                 self._io.check()  # a failed write returns no buffer: raise its error instead of waiting
+                self._check_open()  # aborted from another thread (an interrupted run): no buffer comes back
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: written to after it was closed or aborted")
 
     def close(self) -> None:
         """Write what is gathered, then fsync and close."""
+        self._check_open()
         self._io.close()  # every full buffer written (or a write's failure raised)
         size, gathered = self.size, self._fill
         if gathered:
@@ -95,8 +111,7 @@ class OutputFile:
                 padded = -(-gathered // ALIGN) * ALIGN
                 self._current[1][gathered:padded] = bytes(padded - gathered)
                 self._write_buffer(self._current, padded, gathered)
-                if self.direct:  # (not if the file system refused this last write)
-                    os.ftruncate(self._fd, size)
+                os.ftruncate(self._fd, size)  # the padding off (also where this write fell back mid-block)
             else:
                 self._write_buffer(self._current, gathered, gathered)
             self._fill = 0
@@ -112,6 +127,7 @@ class OutputFile:
         self._release()
 
     def _release(self) -> None:
+        self._closed = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -129,14 +145,19 @@ class OutputFile:
         while done < nbytes:
             try:
                 with pair[1][done:nbytes] as rest:
-                    done += os.write(self._fd, rest)
+                    wrote = os.write(self._fd, rest)
             except OSError as exc:
-                # some file systems accept O_DIRECT at open and refuse it at the first write
-                if exc.errno != errno.EINVAL or not self.direct or self._written + done:
+                # Some file systems accept O_DIRECT at open and refuse it at the first write; a device with
+                # blocks larger than ALIGN refuses the padded last block. The same bytes through the page
+                # cache are the same file, so the rest of it goes that way.
+                if exc.errno not in REFUSED or not self.direct:
                     raise
                 self._buffered_from_now()
-                nbytes = gathered  # no padding through the page cache
-        self._written += nbytes
+                nbytes = max(gathered, done)  # no more padding; close() cuts what was written of it
+                continue
+            if wrote <= 0:
+                raise OSError(errno.EIO, f"{self.path}: the file system accepted no bytes of a write")
+            done += wrote
         if not self.direct:
             self._writeback.advance(nbytes)
         self._free.put(pair)

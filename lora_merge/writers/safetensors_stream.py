@@ -101,6 +101,7 @@ class ShardedSafetensorsWriter:
             if self._done_bytes:
                 self._next += 1
                 self._done_bytes = 0
+            self._skip_empty()
             if self._next >= len(self._order):
                 raise RuntimeError(f"writer: {name} is beyond the plan")
         shard_index, planned = self._order[self._next]
@@ -120,6 +121,14 @@ class ShardedSafetensorsWriter:
                 self._hasher.submit(then)
         elif then is not None:
             then()
+
+    def _skip_empty(self) -> None:
+        """Tensors of no bytes get no write (the merge yields no rows for them): they are complete as planned."""
+        while self._next < len(self._order) and self._order[self._next][1].nbytes == 0 and not self._done_bytes:
+            shard_index = self._order[self._next][0]
+            if shard_index != self._file_index:  # a shard may hold nothing else: its file must still be written
+                self._open(shard_index)
+            self._next += 1
 
     def _open(self, shard_index: int) -> None:
         self._close_file()
@@ -144,7 +153,11 @@ class ShardedSafetensorsWriter:
 
     def finish(self) -> list[str]:
         """Close the last shard and write the index; returns the files written."""
-        complete = self._next + (1 if self._order and self._done_bytes == self._order[self._next][1].nbytes else 0)
+        if self._order and self._next < len(self._order) and self._done_bytes == self._order[self._next][1].nbytes:
+            self._next += 1
+            self._done_bytes = 0
+        self._skip_empty()
+        complete = self._next
         if complete != len(self._order):
             raise RuntimeError(f"writer: only {complete} of {len(self._order)} planned tensors were written")
         self._close_file()
