@@ -383,6 +383,7 @@ def run_merge(opts) -> MergeResult:
                 background.close()
             files = writer.finish()
         finally:
+            background.stop()  # interrupted while waiting for it: the writer thread may still be writing
             writer.abort()
         files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:

@@ -388,3 +388,27 @@ def test_a_failed_write_on_the_io_thread_is_raised_to_the_writer_not_waited_for(
     assert not writer.is_alive(), "the writer waits for a buffer that never comes back"
     assert raised and raised[0].errno == errno.ENOSPC
     f.abort()
+
+
+def test_stopping_the_background_writer_waits_for_the_write_in_progress_and_drops_its_error():
+    """A run interrupted while waiting for the writer thread must not close the files under a write in
+    progress: stop() returns only once the thread has ended, and a write's error is not raised over the
+    run's own."""
+    import time
+
+    from lora_merge.writers.background import BackgroundWriter
+
+    done = []
+
+    def slow(name, tensor, then):
+        time.sleep(0.1)
+        done.append(name)
+        if name == "c":
+            raise OSError(errno.EIO, "Input/output error")
+
+    writer = BackgroundWriter(slow)
+    for name in "abc":
+        writer.write(name, None)
+    writer.stop()
+    assert done == ["a", "b", "c"] and not writer._worker._thread.is_alive()
+    writer.stop()  # again: nothing left to wait for

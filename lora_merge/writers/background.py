@@ -66,3 +66,12 @@ class BackgroundWriter:
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a write error."""
         self._worker.close()
+
+    def stop(self) -> None:
+        """On the way out of a failed run: wait for the writer thread to end (it finishes what is queued, a
+        few chunks), so that the files are not closed under a write in progress; its errors are dropped (the
+        run's own is the one to report)."""
+        try:
+            self._worker.close()
+        except BaseException:  # noqa: BLE001
+            pass

@@ -132,8 +132,8 @@ class OutputFile:
             os.close(self._fd)
             self._fd = None
         for buffer, view in self._buffers:
-            view.release()
             try:
+                view.release()
                 buffer.close()
             except BufferError:  # a failed write's traceback still holds a view: unmapped when it goes
                 pass
