@@ -10,8 +10,9 @@ O_DIRECT needs block-aligned memory, file offsets and lengths, so bytes are gath
 buffers and written a whole buffer at a time; the last block is written padded and the file cut to its
 true length. A direct write returns only once the disk has the data, so the writes run on a thread of their
 own while the next buffers fill: the disk is never left waiting for a copy, and a slow read elsewhere does
-not stall it at once. Where the file system refuses O_DIRECT (tmpfs, some network or FUSE file systems), at open or at
-the first write, the same buffers go through the page cache, with its dirty pages bounded.
+not stall it at once. Where the file system refuses O_DIRECT (tmpfs on older kernels, some network or FUSE
+file systems), at open or at a write, the rest of the file goes through the page cache, its dirty pages
+bounded.
 """
 
 from __future__ import annotations
