@@ -76,13 +76,13 @@ def many_tensors(count=40):
     return {f"t{i}.weight": torch.randn(64, 33 + i, generator=g) for i in range(count)}
 
 
-def through_the_page_cache(monkeypatch):
-    """Make every OutputFile refuse O_DIRECT at open, with small buffers, as on tmpfs."""
+def through_the_page_cache(monkeypatch, refusal: int = errno.EINVAL):
+    """Make every OutputFile refuse O_DIRECT at open (with `refusal`), with small buffers, as on tmpfs."""
     real_open = os.open
 
     def refusing_open(path, flags, *args):
         if flags & output_file.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real_open(path, flags, *args)
     monkeypatch.setattr(os, "open", refusing_open)
     monkeypatch.setattr(output_file, "BUFFER_BYTES", 4096)
@@ -284,14 +284,7 @@ def test_output_file_goes_on_through_the_page_cache_where_a_later_direct_write_i
 
 
 def test_output_file_falls_back_where_o_direct_is_not_supported_at_open(tmp_path, monkeypatch):
-    real_open = os.open
-
-    def unsupported(path, flags, *args):
-        if flags & output_file.O_DIRECT:
-            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", unsupported)
+    through_the_page_cache(monkeypatch, errno.EOPNOTSUPP)
     f = OutputFile(tmp_path / "out.bin", buffer_bytes=8192)
     f.write(b"abc" * 5000)
     f.close()

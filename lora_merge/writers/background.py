@@ -50,6 +50,14 @@ class OrderedWorker:
         if self._error is not None:
             raise self._error
 
+    def stop(self) -> None:
+        """On the way out of a failed run: wait until the thread has ended (it runs what is queued: a few
+        calls), dropping a failure: the run's own error is the one to report."""
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
 
 class BackgroundWriter:
     """`write(name, tensor, then)` calls on a writer thread, so reading and merging the next chunk overlaps
@@ -68,10 +76,6 @@ class BackgroundWriter:
         self._worker.close()
 
     def stop(self) -> None:
-        """On the way out of a failed run: wait for the writer thread to end (it finishes what is queued, a
-        few chunks), so that the files are not closed under a write in progress; its errors are dropped (the
-        run's own is the one to report)."""
-        try:
-            self._worker.close()
-        except BaseException:  # noqa: BLE001
-            pass
+        """On the way out of a failed run: let the writer thread end, so that the files are not closed under
+        a write in progress (OrderedWorker.stop)."""
+        self._worker.stop()

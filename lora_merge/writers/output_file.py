@@ -121,10 +121,7 @@ class OutputFile:
 
     def abort(self) -> None:
         """Close without writing what is gathered (the file is about to be removed)."""
-        try:
-            self._io.close()
-        except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to report
-            pass
+        self._io.stop()
         self._release()
 
     def _release(self) -> None:

@@ -176,7 +176,4 @@ class ShardedSafetensorsWriter:
             self._file.abort()
             self._file = None
         if self._hasher is not None:
-            try:
-                self._hasher.close()
-            except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to report
-                pass
+            self._hasher.stop()
