@@ -30,8 +30,9 @@ from lora_merge.errors import MergeError
 from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapter, write_adapter
 from lora_merge.lora import LoraSettings, resolve_settings
 from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, execute
-from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
-from lora_merge.transformers_config import check_with_transformers
+from lora_merge.hf_config import read_hf_config
+from lora_merge.megatron_args import check_against_args
+from lora_merge.model_shape import DTYPES, ModelShape
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
@@ -243,8 +244,10 @@ class Inputs:
 
 
 def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts, need_base: bool) -> Inputs:
-    shape, hf_config = read_hf_config(hf_dir)
-    check_with_transformers(shape, hf_dir, opts.warn)
+    notes: list[str] = []
+    shape, hf_config = read_hf_config(hf_dir, notes)
+    for note in notes:
+        opts.warn(note)
     arch = architecture_for(shape)
     if lora_dir is not None and is_peft_adapter_dir(lora_dir):
         return _open_peft(shape, hf_config, arch, hf_dir, base_dir, lora_dir, opts)

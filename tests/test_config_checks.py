@@ -22,11 +22,8 @@ from conftest import FIXTURES
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.architectures import ARCHITECTURES
-from lora_merge.model_shape import (
-    check_against_args,
-    read_hf_config,
-    tokenizer_vocab_size,
-)
+from lora_merge.hf_config import read_hf_config, tokenizer_vocab_size
+from lora_merge.megatron_args import check_against_args
 
 SMALL_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
                "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -149,7 +146,6 @@ def test_wrong_field_type_in_cli(tmp_path, capsys, key, value, words):
     ({"quantization_config": {"quant_method": "awq"}}, ["quantization_config (awq)", "quantized"]),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
      ["quantization_config (fp8)", "weight_scale_inv", "fp8_cast_bf16.py"]),
-    ({"final_logit_softcapping": 30.0}, ["final_logit_softcapping=30.0", "soft-capping"]),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ["rope_type 'dynamic'"]),
     ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 10000.0}}, ["RoPE scaling llama3", "args record none"]),
     ({"rope_scaling": LLAMA3_ROPE}, ["rope_scaling says llama3", "rope_parameters says no scaling"]),
@@ -163,14 +159,27 @@ def test_config_that_changes_the_function_in_cli(tmp_path, capsys, change, words
     assert_nothing_written(out)
 
 
-def test_unknown_field_in_cli(tmp_path, capsys):
+def test_keys_transformers_does_not_read_are_kept_with_a_note_in_cli(tmp_path, capsys):
+    """Qwen2.5 and DeepSeek-R1-Distill-Qwen publish "use_mrope": false, which transformers' Qwen2 never reads."""
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
-    edit_config(root, lambda c: c.__setitem__("foo", 1))
+    edit_config(root, lambda c: c.update(use_mrope=False, foo={"bar": 1}, final_logit_softcapping=30.0))
     out = tmp_path / "out"
-    line = fails_in_cli(copied_args(root, out), capsys)
-    assert line.endswith("config.json: unknown field 'foo' for qwen2; it may change what the model computes "
-                         "(remove it if it does not)"), line
-    assert_nothing_written(out)
+    assert main(copied_args(root, out) + ["--no-progress"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "does not read" in line]
+    assert len(notes) == 1 and notes[0].endswith("final_logit_softcapping, foo, use_mrope"), notes
+    written = json.loads((out / "config.json").read_text())
+    assert (written["use_mrope"], written["foo"]) == (False, {"bar": 1})  # kept as published
+
+
+def test_a_key_the_model_reads_that_lora_merge_does_not_know_is_refused_unless_default(tmp_path, monkeypatch):
+    """A newer transformers adding a switch to a config class cannot slip past: its default is accepted,
+    any other value refused with the key named."""
+    import lora_merge.hf_config as hf_config
+
+    real = hf_config._class_keys
+    monkeypatch.setattr(hf_config, "_class_keys", lambda cls: {**real(cls), "new_switch": False})
+    assert read(tmp_path, new_switch=False).hidden == 64
+    refused(tmp_path, "new_switch=True", "Qwen2Config reads it", "expected new_switch=False", new_switch=True)
 
 
 def test_absent_key_takes_the_transformers_default_in_cli(tmp_path, capsys):
@@ -219,11 +228,14 @@ def test_llama3_rope_scaling_merges_only_with_matching_args(tmp_path, capsys):
 ])
 def test_wrong_types_are_refused(tmp_path, key, value):
     message = refused(tmp_path, repr(key), **{key: value})
-    assert "must be" in message
+    assert "must be" in message or "transformers" in message and "refuses" in message
 
 
-def test_missing_required_field(tmp_path):
-    refused(tmp_path, "'intermediate_size' must be a positive integer", "missing", intermediate_size=DROP)
+def test_an_absent_key_is_transformers_default_and_marked_so(tmp_path):
+    shape = read(tmp_path, intermediate_size=DROP)
+    assert shape.ffn == transformers.Qwen2Config().intermediate_size and "intermediate_size" in shape.defaulted
+    with pytest.raises(MergeError, match="absent from config.json, so transformers' qwen2 default"):
+        check_against_args(shape, megatron_args(replace(shape, ffn=96)), "ckpt")
 
 
 @pytest.mark.parametrize("content,words", [
@@ -250,21 +262,34 @@ def test_missing_config(tmp_path):
 
 @pytest.mark.parametrize("model_type", [None, "gemma2", 7])
 def test_unsupported_model_type(tmp_path, model_type):
-    refused(tmp_path, "is not supported (expected one of deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)", model_type=model_type)
+    refused(tmp_path, "is not supported (expected one of deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, or a config whose architectures names one of", model_type=model_type, architectures=["Gemma2ForCausalLM"])
     refused(tmp_path, "no model_type (expected one of deepseek_v2, deepseek_v3, llama", model_type=DROP)
 
 
 @pytest.mark.parametrize("config,key", [
     (SMALL_QWEN2, "foo"),
-    ({**SMALL_QWEN2, "model_type": "llama"}, "sliding_window"),  # not a LlamaConfig field
+    (SMALL_QWEN2, "use_mrope"),
+    ({**SMALL_QWEN2, "model_type": "llama"}, "sliding_window"),  # neither LlamaConfig nor Llama's code reads it
     ({**SMALL_QWEN2, "model_type": "mistral", "sliding_window": None}, "use_sliding_window"),
     (SMALL_QWEN2, "num_experts"),
-    (SMALL_QWEN2, "original_max_position_embeddings"),  # transformers reads it for scaled RoPE
+    (SMALL_QWEN2, "attn_logit_softcapping"),
 ])
-def test_unknown_fields_are_refused(tmp_path, config, key):
-    message = refused(tmp_path, config=config, **{key: 1})
-    assert message.endswith(f"unknown field {key!r} for {config['model_type']}; it may change what the model "
-                            "computes (remove it if it does not)"), message
+def test_keys_transformers_does_not_read_are_a_note(tmp_path, config, key):
+    notes = []
+    read_hf_config(write_config(tmp_path, {**config, key: 1}), notes)
+    assert len(notes) == 1 and "does not read (kept as published)" in notes[0] and notes[0].endswith(key), notes
+
+
+def test_the_rope_transformers_applies_must_be_the_one_stated(tmp_path, monkeypatch):
+    """transformers 5 can move a top-level original_max_position_embeddings into the scaled RoPE it
+    applies; where what it applies differs from what config.json states, the merge stops."""
+    import lora_merge.rope as rope
+
+    real = rope.transformers_rope
+    monkeypatch.setattr(rope, "transformers_rope", lambda config, path: {
+        **real(config, path), "original_max_position_embeddings": 16})
+    refused(tmp_path, "transformers applies RoPE scaling llama3", "original_max_position_embeddings=16",
+            "config.json states llama3", rope_scaling=LLAMA3_ROPE)
 
 
 def test_multimodal_config_is_refused(tmp_path):
@@ -279,8 +304,7 @@ def test_multimodal_config_is_refused(tmp_path):
     ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5"]),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
      ["partial_rotary_factor=0.25"]),
-    ({"quantization_config": None}, ["quantization_config"]),
-    ({"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping=50.0"]),
+    ({"quantization_config": {"quant_method": "gptq"}}, ["quantization_config (gptq)"]),
     ({"pruned_heads": {"0": [1]}}, ["pruned_heads"]),
     ({"architectures": ["Qwen2ForSequenceClassification"]}, ["ForCausalLM"]),
     ({"mlp_bias": True}, ["mlp_bias"]),
@@ -292,13 +316,14 @@ def test_fields_that_change_the_function_are_refused(tmp_path, changes, words):
 def test_harmless_values_of_function_fields_are_accepted(tmp_path):
     shape = read(tmp_path, sliding_window=131072, use_sliding_window=False, max_window_layers=2,
                  partial_rotary_factor=1.0, final_logit_softcapping=None, attn_logit_softcapping=None,
-                 pruned_heads={}, architectures=None, layer_types=["full_attention"] * 4)
+                 pruned_heads={}, architectures=None, layer_types=["full_attention"] * 4, quantization_config=None,
+                 pad_token_id=None, dtype="bfloat16")
     assert shape.rope_scaling is None
 
 
 def test_mistral_sliding_window_default_is_refused(tmp_path):
     mistral = {**SMALL_QWEN2, "model_type": "mistral"}
-    refused(tmp_path, "sliding_window=4096 (MistralConfig's default when the key is absent)",
+    refused(tmp_path, "sliding_window=4096 (transformers' mistral default when the key is absent)",
             "sliding-window attention is not supported", config=mistral)
     refused(tmp_path, "sliding_window=1024:", config=mistral, sliding_window=1024)
     assert read(tmp_path, config=mistral, sliding_window=None).groups == 4
@@ -336,37 +361,6 @@ def _rope_theta(hf_config) -> float:
     # transformers 5.x keeps rope_theta only inside rope_parameters; 4.x as an attribute
     params = getattr(hf_config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", None)))
-
-
-@pytest.mark.parametrize("model_type,cls", [("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config"),
-                                            ("llama", "LlamaConfig"), ("mistral", "MistralConfig"),
-                                            ("qwen3_moe", "Qwen3MoeConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
-                                            ("mixtral", "MixtralConfig"), ("deepseek_v3", "DeepseekV3Config"),
-                                            ("deepseek_v2", "DeepseekV2Config")])
-def test_defaults_table_matches_transformers(model_type, cls):
-    hf = getattr(transformers, cls)()
-    table = ARCHITECTURES[model_type].config.all_defaults
-    assert table["rope_theta"] == _rope_theta(hf)
-    for key in ("rms_norm_eps", "hidden_act", "tie_word_embeddings", "max_position_embeddings"):
-        assert table[key] == getattr(hf, key), key
-    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if hasattr(hf, key):
-            assert table[key] == getattr(hf, key), key
-    # num_key_value_heads and head_dim: None in the table means "computed from the heads"
-    small = getattr(transformers, cls)(hidden_size=64, num_attention_heads=16)
-    assert small.num_key_value_heads == (table["num_key_value_heads"] or 16)
-    if model_type.startswith("deepseek"):  # MLA: head_dim is qk_rope_head_dim's, and unused
-        assert small.head_dim == small.qk_rope_head_dim
-    else:
-        assert (getattr(small, "head_dim", None) or 64 // 16) == (table["head_dim"] or 64 // 16)  # None: computed
-    if model_type == "mistral":
-        assert table["sliding_window"] == hf.sliding_window == 4096
-    if model_type in ("qwen2", "qwen3"):
-        assert hf.sliding_window is None  # unused while use_sliding_window is off
-    # the Mixture-of-Experts sizes and routing switches (transformers 5 calls Qwen3-MoE's count num_local_experts)
-    for key in set(table) - set(ARCHITECTURES["qwen2"].config.all_defaults):
-        attr = key if hasattr(hf, key) else {"num_experts": "num_local_experts"}.get(key, key)
-        assert table[key] == getattr(hf, attr), key
 
 
 # --- what transformers writes, and real configs
@@ -473,7 +467,6 @@ def test_rope_forms_of_transformers_4_and_5_are_the_same(tmp_path):
     ({"rope_scaling": {"rope_type": "linear"}}, ["rope_scaling.factor must be a positive number", "missing"]),
     ({"rope_scaling": {**LLAMA3_ROPE, "factor": "8"}}, ["rope_scaling.factor must be a positive number", "'8'"]),
     ({"rope_scaling": {**LLAMA3_ROPE, "low_freq_factor": None}}, ["low_freq_factor must be a positive number"]),
-    ({"rope_scaling": {**LLAMA3_ROPE, "foo": 1}}, ["unknown key 'foo' in rope_scaling"]),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ["rope_type 'dynamic'"]),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0], "long_factor": [2.0]}},
      ["rope_type 'longrope'"]),
@@ -672,57 +665,35 @@ def test_configs_transformers_would_refuse_or_misread_are_refused(tmp_path, chan
     refused(tmp_path, *words, config={**SMALL_QWEN2, **changes})
 
 
-# --- what the installed transformers reads (AutoConfig) must be what we read
+# --- what the installed transformers reads is what is checked
 
 
-def test_a_default_transformers_reads_differently_is_refused(tmp_path, capsys, monkeypatch):
-    """Our per-type defaults stand in for a newer transformers changing one: the value transformers will
-    use (AutoConfig, local files only) decides, and a disagreement is refused, not merged."""
-    root = copy_fixture("tp2_fp32_filtered", tmp_path)
-    edit_config(root, lambda c: c.pop("rms_norm_eps", None))
-    monkeypatch.setitem(ARCHITECTURES["qwen2"].config.all_defaults, "rms_norm_eps", 1e-5)
-    set_args(rank_files(root / "base") + rank_files(root / "lora"), norm_epsilon=1e-5)
-    out = tmp_path / "out"
-    fails_in_cli(copied_args(root, out), capsys, "transformers", "reads rms_norm_eps as 1e-06, lora-merge as 1e-05")
-    assert_nothing_written(out)
-
-
-def test_a_model_type_this_transformers_cannot_read_is_a_warning(tmp_path, capsys, monkeypatch):
+def test_a_config_transformers_refuses_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     import transformers
 
-    def unknown(*args, **kwargs):
-        raise ValueError("The checkpoint you are trying to load has model type `qwen2` but Transformers does not "
-                         "recognize this architecture.")
+    def refuses(cls, *args, **kwargs):
+        raise TypeError("rope_scaling must be a dict\nsecond line")
 
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unknown)
+    monkeypatch.setattr(transformers.Qwen2Config, "from_dict", classmethod(refuses))
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
-    assert main(copied_args(root, tmp_path / "out") + ["--no-progress"]) == 0
-    err = capsys.readouterr().err
-    assert "cannot read it (The checkpoint you are trying to load has model type `qwen2`" in err
-    assert "read with lora-merge's own table of qwen2 defaults" in err
+    fails_in_cli(copied_args(root, tmp_path / "out"), capsys, "transformers", "refuses it: rope_scaling must be a dict")
 
 
-def test_a_config_transformers_refuses_is_refused(tmp_path, capsys, monkeypatch):
+def test_a_model_type_the_installed_transformers_does_not_know_is_refused(tmp_path, monkeypatch):
     import transformers
 
-    def refuses(*args, **kwargs):
-        raise TypeError("rope_scaling must be a dict")
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuses)
-    root = copy_fixture("tp2_fp32_filtered", tmp_path)
-    fails_in_cli(copied_args(root, tmp_path / "out"), capsys, "refuses it: rope_scaling must be a dict")
+    monkeypatch.delitem(transformers.CONFIG_MAPPING._extra_content, "qwen2", raising=False)
+    monkeypatch.setattr(type(transformers.CONFIG_MAPPING), "__getitem__",
+                        lambda self, key: (_ for _ in ()).throw(KeyError(key)))
+    refused(tmp_path, "does not know model type 'qwen2'", "could not load the merged model")
 
 
-@pytest.mark.parametrize("fixture", ["tp2_fp32_filtered"])
-def test_transformers_reads_every_compared_field_as_we_do(fixture):
-    """The comparison is not vacuous: on a real fixture every field it compares has a value on both sides."""
-    from lora_merge.transformers_config import _compared, transformers_reading
-
-    hf = FIXTURES / fixture / "hf_ref"
-    shape, _ = read_hf_config(hf)
-    config, reason = transformers_reading(hf)
-    assert reason is None
-    rows = _compared(shape, config)
-    assert {"hidden_size", "rms_norm_eps", "rope_theta", "num_key_value_heads", "head_dim", "dtype"} <= {r[0] for r in rows}
-    assert all(theirs == ours or abs(float(theirs) - float(ours)) < 1e-9 for _, theirs, ours in rows
-               if not isinstance(theirs, str) and theirs is not None), rows
+def test_the_shape_is_transformers_reading_of_the_file(tmp_path):
+    """Values come from transformers' config object: a 4.x file's rope_theta and torch_dtype, and what
+    the class fills in, are what the shape holds."""
+    shape = read(tmp_path, torch_dtype="bfloat16", rope_theta=12345.0, num_key_value_heads=DROP, num_attention_heads=32)
+    hf = transformers.Qwen2Config.from_dict({**{k: v for k, v in SMALL_QWEN2.items() if k != "num_key_value_heads"},
+                                             "num_attention_heads": 32})
+    assert shape.groups == hf.num_key_value_heads and shape.dtype is transformers.Qwen2Config.from_dict(
+        {**SMALL_QWEN2, "torch_dtype": "bfloat16"}).dtype
+    assert shape.rope_theta == 12345.0

@@ -3,7 +3,7 @@ over layers and experts in output order."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from lora_merge.errors import MergeError
@@ -16,34 +16,21 @@ MEGATRON_LAYER = "decoder.layers.{i}."
 HF_LAYER = "model.layers.{i}."
 
 
-# What transformers' decoder config classes use when config.json leaves a key out (same in 4.x and 5.x;
-# tests/test_config_checks.py compares each table with the installed classes). In a table, None means
-# computed from other keys (num_key_value_heads → num_attention_heads, head_dim → hidden / heads).
-COMMON_HF_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
-                      "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0}
-
-
 @dataclass(frozen=True)
 class HfConfig:
-    """How one HF model type's config.json describes the model (read by `model_shape`, which checks every
-    field against the Megatron args and refuses fields it does not know)."""
+    """How one HF model type's config.json describes the model. `hf_config` reads it through transformers'
+    own config class (its defaults, its validation) and refuses values this type cannot have trained."""
 
     model_type: str
     causal_lm: str  # the class `architectures` must name (loaders such as vLLM pick the model by it)
-    family: str  # "qwen", "llama" or "mistral": which attention and sliding-window fields it has
-    defaults: dict  # the config class's values for absent keys, beyond COMMON_HF_DEFAULTS
-    own_keys: frozenset = frozenset()  # keys only this type has that are read and checked (e.g. MoE sizes)
+    family: str  # "qwen", "llama" or "mistral": which sliding-window fields it has
+    examined_keys: frozenset = frozenset()  # keys only this type has, read by its readers below
     qkv_bias: bool | str = False  # q/k/v biases: always (True), never, or as this key says
     qk_norm: bool = False
-    head_dim_required: bool = False  # head_dim may not be null (its class has a number as default)
-    # (typed config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
+    # (config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None
-    read_mla: Callable | None = None  # (typed config fields) -> mla_shape.MlaShape, for multi-latent attention
+    read_mla: Callable | None = None  # (config fields) -> mla_shape.MlaShape, for multi-latent attention
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
-    all_defaults: dict = field(init=False, repr=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "all_defaults", {**COMMON_HF_DEFAULTS, **self.defaults})
 
 
 @dataclass(frozen=True)

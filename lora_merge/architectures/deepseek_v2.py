@@ -4,9 +4,8 @@ class never renormalises, whatever norm_topk_prob says), scaled weights; group-l
 group by its best expert."""
 
 from lora_merge.architectures.base import HfConfig
-from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_DEFAULTS, MLA_KEYS, deepseek_decoder,
-                                          dense_layer_count, expected_values, read_mla, shared_experts_count)
-from lora_merge.architectures.moe import TRAINING_ONLY_KEYS
+from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
+                                          expected_values, read_mla, shared_experts_count)
 from lora_merge.errors import MergeError
 from lora_merge.moe_shape import MoeShape
 
@@ -17,7 +16,7 @@ def read_moe(fields, num_layers: int) -> MoeShape:
         raise MergeError(f"{fields.path}: norm_topk_prob=true, which transformers' deepseek_v2 ignores (it never "
                          "renormalises) but DeepSeek's own code and vLLM honour: the model would depend on the "
                          "loader; expected false")
-    method = fields.cfg.get("topk_method", fields.default("topk_method"))
+    method = fields.get("topk_method", "greedy")
     if method == "greedy":
         groups = None
     elif method == "group_limited_greedy":
@@ -35,11 +34,7 @@ def read_moe(fields, num_layers: int) -> MoeShape:
 
 CONFIG = HfConfig(
     "deepseek_v2", causal_lm="DeepseekV2ForCausalLM", family="llama",
-    defaults={**MLA_DEFAULTS, "num_key_value_heads": None, "head_dim": 64, "max_position_embeddings": 2048, "n_routed_experts": 64,
-              "n_shared_experts": 2, "num_experts_per_tok": None, "moe_intermediate_size": 1407,
-              "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": None, "topk_group": None,
-              "first_k_dense_replace": 0, "q_lora_rank": 1536, "topk_method": "greedy", "rms_norm_eps": 1e-6},
-    own_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS | TRAINING_ONLY_KEYS, read_moe=read_moe, read_mla=read_mla,
+    examined_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS, read_moe=read_moe, read_mla=read_mla,
     fused_experts="mlp.experts",
 )
 

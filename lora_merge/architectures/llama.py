@@ -5,5 +5,4 @@ from lora_merge.architectures.dense import DENSE_DECODER
 
 ARCHITECTURE = DENSE_DECODER.of(HfConfig(
     "llama", causal_lm="LlamaForCausalLM", family="llama",
-    defaults={"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
 ))

@@ -6,5 +6,4 @@ from lora_merge.architectures.dense import DENSE_DECODER
 
 ARCHITECTURE = DENSE_DECODER.of(HfConfig(
     "mistral", causal_lm="MistralForCausalLM", family="mistral",
-    defaults={"num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096, "max_position_embeddings": 131072},
 ))

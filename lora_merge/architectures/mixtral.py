@@ -12,9 +12,7 @@ def read_moe(fields, num_layers):
 
 ARCHITECTURE = moe_decoder(
     moe_config("mixtral", causal_lm="MixtralForCausalLM", family="mistral",
-               defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": None, "sliding_window": None,
-                         "max_position_embeddings": 131072, "num_local_experts": 8, "num_experts_per_tok": 2},
-               own_keys={"num_local_experts", "num_experts_per_tok"}, read_moe=read_moe),
+               examined_keys={"num_local_experts", "num_experts_per_tok"}, read_moe=read_moe),
     *routed_experts(router="block_sparse_moe.gate.weight", gate="block_sparse_moe.experts.{expert}.w1.weight",
                     up="block_sparse_moe.experts.{expert}.w3.weight", down="block_sparse_moe.experts.{expert}.w2.weight"),
 )

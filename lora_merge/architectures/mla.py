@@ -47,17 +47,14 @@ MLA_ATTENTION = (
 
 MLA_KEYS = frozenset({"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                       "qk_head_dim"})
-# DeepSeek's MoE fields; beyond them, keys of the original training code that act only there (expert
-# parallel size, load-balancing loss) and the MTP layers, which transformers does not load
-# (Megatron's are refused by the args check).
+# DeepSeek's MoE fields. scoring_func, topk_method and moe_layer_freq are read by DeepSeek's own code (and
+# vLLM), not by transformers' class: each architecture checks they say what the class computes. ep_size,
+# aux_loss_alpha and seq_aux act only in training; the MTP layers transformers does not load (Megatron's
+# are refused by the args check).
 DEEPSEEK_MOE_KEYS = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                                "moe_intermediate_size", "norm_topk_prob", "routed_scaling_factor", "n_group",
                                "topk_group", "first_k_dense_replace", "topk_method", "scoring_func",
                                "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"})
-# num_key_value_heads and head_dim: unused by MLA (each head has its own key and value, sized by the MLA
-# fields); the values are the classes' own.
-MLA_DEFAULTS = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                "v_head_dim": 128}
 
 
 def read_mla(fields) -> MlaShape:
@@ -70,23 +67,17 @@ def expected_values(fields, model_type: str, expected: dict) -> None:
     """Fields of the released config.json that only DeepSeek's own modeling code reads: they must say what
     transformers' class computes, or the model would differ between loaders."""
     for key, value in expected.items():
-        if key in fields.cfg and fields.cfg[key] != value:
-            raise MergeError(f"{fields.path}: {key}={fields.cfg[key]!r}; transformers' {model_type} computes "
+        if key in fields.raw and fields.raw[key] != value:
+            raise MergeError(f"{fields.path}: {key}={fields.raw[key]!r}; transformers' {model_type} computes "
                              f"{key}={value!r}")
 
 
 def dense_layer_count(fields) -> int:
-    dense = fields.cfg.get("first_k_dense_replace", fields.default("first_k_dense_replace"))
-    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
-        raise MergeError(f"{fields.path}: 'first_k_dense_replace' must be a layer count, found {dense!r}")
-    return dense
+    return fields.count("first_k_dense_replace")
 
 
 def shared_experts_count(fields) -> int:
-    shared = fields.cfg.get("n_shared_experts", fields.default("n_shared_experts")) or 0
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-        raise MergeError(f"{fields.path}: 'n_shared_experts' must be a count, found {shared!r}")
-    return shared
+    return fields.count("n_shared_experts")
 
 
 def deepseek_decoder(config: HfConfig, *router_rules) -> Architecture:

@@ -16,8 +16,6 @@ from lora_merge.errors import MergeError
 from lora_merge.layout import GatedColumn, Replicated, RowParallel
 from lora_merge.moe_shape import MoeShape
 
-# Read by the MoE config classes but acting only in training (load-balancing loss, router noise).
-TRAINING_ONLY_KEYS = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"})
 # Qwen's MoE configs: which layers have experts, and how many experts of what size.
 QWEN_MOE_KEYS = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                            "decoder_sparse_step", "mlp_only_layers"})
@@ -61,7 +59,7 @@ def qwen_moe(fields, num_layers: int, shared_ffn: int = 0, shared_gate: bool = F
     """Qwen2-MoE / Qwen3-MoE: experts in the layers not in `mlp_only_layers` whose number + 1 is a multiple
     of `decoder_sparse_step`."""
     step = fields.positive_int("decoder_sparse_step")
-    dense = fields.null_or("mlp_only_layers") or []
+    dense = fields.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
         raise MergeError(f"{fields.path}: 'mlp_only_layers' must be a list of layer numbers, found {dense!r}")
     layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
@@ -72,14 +70,13 @@ def qwen_moe(fields, num_layers: int, shared_ffn: int = 0, shared_gate: bool = F
 
 def _num_experts(fields) -> int:
     # transformers 5 names Qwen3-MoE's count num_local_experts; released configs say num_experts
-    stated = {k: fields.positive_int(k) for k in ("num_experts", "num_local_experts") if k in fields.cfg}
-    if len(set(stated.values())) > 1:
-        raise MergeError(f"{fields.path}: num_experts={stated['num_experts']} and num_local_experts="
-                         f"{stated['num_local_experts']} disagree; expected one number of experts")
-    return next(iter(stated.values()), None) or fields.positive_int("num_experts")
+    stated = {k: fields.raw[k] for k in ("num_experts", "num_local_experts") if k in fields.raw}
+    if len(set(map(repr, stated.values()))) > 1:
+        raise MergeError(f"{fields.path}: num_experts={stated['num_experts']!r} and num_local_experts="
+                         f"{stated['num_local_experts']!r} disagree; expected one number of experts")
+    return fields.positive_int("num_experts")
 
 
-def moe_config(model_type: str, causal_lm: str, family: str, defaults: dict, own_keys, read_moe, **more) -> HfConfig:
-    return HfConfig(model_type, causal_lm=causal_lm, family=family, defaults=defaults,
-                    own_keys=frozenset(own_keys) | TRAINING_ONLY_KEYS, read_moe=read_moe,
-                    fused_experts="mlp.experts", **more)  # Mixtral's too (transformers 5 renamed block_sparse_moe)
+def moe_config(model_type: str, causal_lm: str, family: str, examined_keys, read_moe, **more) -> HfConfig:
+    return HfConfig(model_type, causal_lm=causal_lm, family=family, examined_keys=frozenset(examined_keys),
+                    read_moe=read_moe, fused_experts="mlp.experts", **more)  # Mixtral's too (transformers 5 renamed block_sparse_moe)  # Mixtral's too (transformers 5 renamed block_sparse_moe)

@@ -4,6 +4,5 @@ from lora_merge.architectures.base import HfConfig
 from lora_merge.architectures.dense import DENSE_DECODER
 
 ARCHITECTURE = DENSE_DECODER.of(HfConfig(
-    "qwen2", causal_lm="Qwen2ForCausalLM", family="qwen", qkv_bias=True, head_dim_required=True,
-    defaults={"num_key_value_heads": 32, "head_dim": None, "use_sliding_window": False, "max_position_embeddings": 32768},
+    "qwen2", causal_lm="Qwen2ForCausalLM", family="qwen", qkv_bias=True,
 ))

@@ -10,11 +10,7 @@ def read_moe(fields, num_layers):
 
 ARCHITECTURE = moe_decoder(
     moe_config("qwen2_moe", causal_lm="Qwen2MoeForCausalLM", family="qwen", qkv_bias="qkv_bias",
-               defaults={"num_key_value_heads": 16, "head_dim": None, "use_sliding_window": False,
-                         "max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
-                         "moe_intermediate_size": 1408, "norm_topk_prob": False, "decoder_sparse_step": 1,
-                         "mlp_only_layers": [], "shared_expert_intermediate_size": 5632, "qkv_bias": True},
-               own_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"}, read_moe=read_moe),
+               examined_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"}, read_moe=read_moe),
     *routed_experts(router="mlp.gate.weight", gate="mlp.experts.{expert}.gate_proj.weight",
                     up="mlp.experts.{expert}.up_proj.weight", down="mlp.experts.{expert}.down_proj.weight"),
     *shared_expert(gate="mlp.shared_expert.gate_proj.weight", up="mlp.shared_expert.up_proj.weight",

@@ -4,6 +4,5 @@ from lora_merge.architectures.base import HfConfig
 from lora_merge.architectures.dense import DENSE_DECODER
 
 ARCHITECTURE = DENSE_DECODER.of(HfConfig(
-    "qwen3", causal_lm="Qwen3ForCausalLM", family="qwen", qk_norm=True, head_dim_required=True,
-    defaults={"num_key_value_heads": 32, "head_dim": 128, "use_sliding_window": False, "max_position_embeddings": 32768},
+    "qwen3", causal_lm="Qwen3ForCausalLM", family="qwen", qk_norm=True,
 ))

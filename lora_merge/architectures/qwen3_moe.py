@@ -4,11 +4,7 @@ from lora_merge.architectures.moe import QWEN_MOE_KEYS, moe_config, moe_decoder,
 
 ARCHITECTURE = moe_decoder(
     moe_config("qwen3_moe", causal_lm="Qwen3MoeForCausalLM", family="qwen", qk_norm=True,
-               defaults={"num_key_value_heads": 4, "head_dim": None, "use_sliding_window": False,
-                         "max_position_embeddings": 32768, "num_experts": 128, "num_experts_per_tok": 8,
-                         "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
-                         "mlp_only_layers": []},
-               own_keys=QWEN_MOE_KEYS | {"num_local_experts"}, read_moe=qwen_moe),
+               examined_keys=QWEN_MOE_KEYS | {"num_local_experts"}, read_moe=qwen_moe),
     *routed_experts(router="mlp.gate.weight", gate="mlp.experts.{expert}.gate_proj.weight",
                     up="mlp.experts.{expert}.up_proj.weight", down="mlp.experts.{expert}.down_proj.weight"),
 )

@@ -1,0 +1,115 @@
+"""The HF model's shape checked against the args the Megatron run recorded: every architecture fact both
+state must agree, or the merged model is not the one that was trained."""
+
+from __future__ import annotations
+
+import math
+
+from lora_merge.errors import MergeError
+from lora_merge.layer_numbering import noop_layers
+from lora_merge.mla_shape import check_mla_args
+from lora_merge.model_shape import ModelShape
+from lora_merge.moe_shape import check_moe_args
+from lora_merge.rope import check_rope_scaling
+
+
+def check_against_args(shape: ModelShape, args, where: str) -> None:
+    """Every architecture fact that the Megatron args also record must agree with the HF config."""
+    def arg(name, default=None):
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    gqa = bool(arg("group_query_attention", False))
+    groups = int(arg("num_query_groups", shape.heads)) if gqa else int(arg("num_attention_heads", shape.heads))
+    heads = int(arg("num_attention_heads", shape.heads))
+    checks = [
+        ("num_layers", arg("num_layers"), shape.num_layers + _noop_count(args), "num_hidden_layers"),
+        ("hidden_size", arg("hidden_size"), shape.hidden, "hidden_size"),
+        ("num_attention_heads", heads, shape.heads, "num_attention_heads"),
+    ]
+    if shape.mla is None:  # multi-latent attention has its own head sizes (check_mla_args)
+        checks += [("num_query_groups", groups, shape.groups, "num_key_value_heads"),
+                   ("kv_channels", arg("kv_channels", shape.hidden // heads if heads else None), shape.head_dim,
+                    "head_dim")]
+    if shape.moe is None or len(shape.moe.layers) < shape.num_layers:  # only dense layers use it
+        checks.append(("ffn_hidden_size", arg("ffn_hidden_size"), shape.ffn, "intermediate_size"))
+    for arg_name, theirs, ours, hf_name in checks:
+        if theirs is not None and int(theirs) != ours:
+            raise MergeError(f"{where}: args.{arg_name}={theirs} but the HF config's {hf_name} implies {ours}"
+                             f"{_defaulted(shape, hf_name)}")
+    untie = arg("untie_embeddings_and_output_weights")
+    if untie is not None and bool(untie) == shape.tied:
+        raise MergeError(f"{where}: args.untie_embeddings_and_output_weights={untie} but the HF config has "
+                         f"tie_word_embeddings={shape.tied}{_defaulted(shape, 'tie_word_embeddings')}")
+    qkv_bias = arg("add_qkv_bias")
+    if qkv_bias is None and arg("add_bias_linear") is not None:
+        qkv_bias = arg("add_bias_linear")
+    if qkv_bias is not None and bool(qkv_bias) != shape.qkv_bias:
+        raise MergeError(f"{where}: args.add_qkv_bias={qkv_bias} but the HF config ({shape.model_type}) "
+                         f"{'has' if shape.qkv_bias else 'has no'} q/k/v biases")
+    qk_norm = arg("qk_layernorm")  # with MLA: the norms of the compressed q and kv, which DeepSeek always has
+    if qk_norm is not None and bool(qk_norm) != (shape.qk_norm or shape.mla is not None):
+        raise MergeError(f"{where}: args.qk_layernorm={qk_norm} but the HF config ({shape.model_type}) "
+                         f"{'has' if shape.qk_norm else 'has no'} q/k norms")
+    _check_function_args(shape, arg, where)
+    check_moe_args(shape.moe, args, shape.num_layers, where)
+    check_mla_args(shape.mla, args, where)
+    check_rope_scaling(shape, args, arg, where)
+    _check_vocab_args(shape, arg, where)
+    if arg("mtp_num_layers"):
+        raise MergeError(f"{where}: args.mtp_num_layers={arg('mtp_num_layers')}: the checkpoint has multi-token-"
+                         "prediction layers (mtp.*), which this tool cannot map yet and will not drop; merge a "
+                         "checkpoint trained without MTP")
+    if arg("swiglu") is False:
+        raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
+
+
+def _check_function_args(shape: ModelShape, arg, where: str) -> None:
+    """Args that change what the trained model computes without changing any tensor shape: the HF config
+    must describe the same function, or the merged model is not the trained one."""
+    fixed = [("rotary_interleaved", False), ("apply_layernorm_1p", False), ("add_bias_linear", False),
+             ("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("rotary_percent", 1.0)]
+    for name, expected in fixed:
+        value = arg(name)
+        if value is not None and value != expected:
+            raise MergeError(f"{where}: args.{name}={value!r}; only {expected!r} maps onto a HF {shape.model_type} model")
+    for name, theirs, ours, hf_name in (("rotary_base", arg("rotary_base"), shape.rope_theta, "rope_theta"),
+                                        ("norm_epsilon", arg("norm_epsilon"), shape.norm_eps, "rms_norm_eps")):
+        if theirs is not None and ours is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6):
+            raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf_name} is {ours}"
+                             f"{_defaulted(shape, hf_name)}: the merged model would not compute what was trained")
+    # MindSpeed --sliding-window, Megatron --window-size: attention limited to a window in training.
+    for name in ("sliding_window", "window_size"):
+        if arg(name) is not None:
+            raise MergeError(f"{where}: args.{name}={arg(name)!r}: the model was trained with sliding-window "
+                             "attention, which the HF config does not describe; expected none")
+
+
+def _check_vocab_args(shape: ModelShape, arg, where: str) -> None:
+    padded = arg("padded_vocab_size")
+    if padded is not None and int(padded) < shape.vocab:
+        raise MergeError(f"{where}: args.padded_vocab_size={padded} is smaller than the HF vocab_size={shape.vocab}")
+    # The unpadded vocabulary some Megatron/MindSpeed args record: its rows were trained, none may be cut.
+    unpadded = arg("vocab_size")
+    if unpadded is not None and int(unpadded) > shape.vocab:
+        raise MergeError(f"{where}: args.vocab_size={unpadded} is larger than the HF config's vocab_size={shape.vocab}; "
+                         f"trained rows would be cut (expected vocab_size >= {unpadded})")
+
+
+# Megatron-LM: --use-rope-scaling applies the llama3 rule with low/high_freq_factor 1/4 and an original
+# context of 8192 fixed in RotaryEmbedding._apply_scaling, and --rope-scaling-factor (default 8.0);
+# --rotary-seq-len-interpolation-factor is linear position interpolation (positions / factor).
+# MindSpeed-LLM: --rope-scaling-type {llama3, yarn, longrope, plm}. llama3 reads --rope-scaling-factor,
+# --low-freq-factor, --high-freq-factor, --original-max-position-embeddings. yarn reads --rope-scaling-factor
+# (older releases --yarn-scaling-factor), --rope-scaling-beta-fast/-slow (newer --beta-fast/--beta-slow),
+# --rope-scaling-mscale, --rope-scaling-mscale-all-dim (cos/sin scaled by their mscale ratio) and
+
+
+def _defaulted(shape: ModelShape, hf_name: str) -> str:
+    if hf_name in shape.defaulted:
+        return f" (absent from config.json, so transformers' {shape.model_type} default)"
+    return ""
+
+
+def _noop_count(args) -> int:
+    return len(noop_layers(args))
