@@ -9,6 +9,7 @@ weights, fixed seed, its LoRA factors randomised so that every delta is non-zero
 and our merged model must compute what PEFT's unmerged model computes."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,101 @@ def test_verify_checks_every_expert_of_a_target_parameters_merge(bases, tmp_path
     capsys.readouterr()
     assert main(["verify", str(out), *inputs]) == 1
     assert victim in capsys.readouterr().out
+
+
+# --- the fused form written by export-adapter: PEFT loads it, and it reads back to the direct merge ---------
+
+MEGATRON = {name: TESTS / group / name for group, name in [
+    ("fixtures_moe", "qwen3moe_ep2"), ("fixtures_moe", "mixtral_ep2"), ("fixtures_moe", "qwen2moe_tp2ep2"),
+    ("fixtures_moe", "qwen3moe_mindspeed_grouped_lora_ep2"), ("fixtures_deepseek", "deepseek_v3_ep2"),
+    ("fixtures_deepseek", "deepseek_v2_lite_ep2")]}
+
+
+@pytest.fixture(scope="module")
+def megatron_merges(tmp_path_factory):
+    """name -> (the direct merge of the Megatron base + LoRA, the Megatron base alone in HF form)."""
+    from conftest import BASE_ONLY
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            root, out = MEGATRON[name], tmp_path_factory.mktemp(name)
+            args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                    "--no-progress"]
+            assert main(args + ["--out", str(out / "merged")]) == 0
+            assert main(args + ["--out", str(out / "base")] + BASE_ONLY) == 0
+            cache[name] = (out / "merged", out / "base")
+        return cache[name]
+
+    return get
+
+
+def export_fused(name: str, out: Path) -> int:
+    root = MEGATRON[name]
+    return main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out),
+                 "--expert-format", "fused"])
+
+
+@pytest.mark.parametrize("name", list(MEGATRON))
+def test_fused_export_reads_back_to_the_direct_merge(name, megatron_merges, tmp_path, capsys):
+    """export-adapter --expert-format fused, then that adapter merged onto the Megatron base in HF form: the
+    same tensors as merging the Megatron LoRA directly (same factors, same scale, one rounding)."""
+    direct, base = megatron_merges(name)
+    adapter = tmp_path / "adapter"
+    assert export_fused(name, adapter) == 0
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"]
+    capsys.readouterr()
+    root = MEGATRON[name]
+    assert main(["--base", str(base), "--lora", str(adapter), "--hf-ref", str(root / "hf_ref"), "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 0, capsys.readouterr().err
+    want, got, before = read_dir(direct), read_dir(tmp_path / "out"), read_dir(base)
+    assert set(got) == set(want)
+    worst = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    experts = [k for k in want if ".experts." in k]
+    assert experts and all(not torch.equal(want[k], before[k]) for k in experts)  # every expert was adapted
+    print(f"\n{name}: fused export read back, max |round trip - direct merge| = {worst:.1e} "
+          f"({sum(not torch.equal(got[k], want[k]) for k in want)} of {len(want)} tensors not bit-identical)")
+    assert all((got[k].float() - want[k].float()).abs().max() <= 1e-6 * max(1.0, want[k].float().abs().max().item())
+               for k in want)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v2_lite_ep2"])
+def test_peft_loads_the_fused_deepseek_adapter_whole(name, megatron_merges, tmp_path, capsys):
+    """DeepSeek: PEFT (0.21) rewrites gate_proj/up_proj/down_proj target_modules into fused-expert parameters
+    (at rank 2r), dropping the dense layers' and shared experts' MLP LoRA; the fused export names those as
+    LoRA on their 2-D weights instead. PEFT loads every key, computes what Megatron+LoRA computed, and its
+    merge_and_unload equals our direct merge, dense MLPs and shared experts included."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    direct, base_dir = megatron_merges(name)
+    adapter = tmp_path / "adapter"
+    assert export_fused(name, adapter) == 0
+    assert "warning" not in capsys.readouterr().err
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert not {"gate_proj", "up_proj", "down_proj"} & set(config["target_modules"])
+    assert {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} <= set(config["target_parameters"])
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
+    loaded = probe.load_adapter(adapter, adapter_name="probe")
+    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]
+    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
+
+    model = PeftModel.from_pretrained(base(), adapter).eval()
+    ref = torch.load(MEGATRON[name] / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        adapted = model(ref["input_ids"]).logits
+    assert (adapted - ref["logits_lora"]).abs().max() <= 1e-4
+    theirs = model.merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(direct, dtype=torch.float32).state_dict()
+    untouched = base().state_dict()
+    assert theirs.keys() == ours.keys()
+    worst = max((theirs[k] - ours[k]).abs().max().item() for k in ours)
+    dense = [k for k in ours if re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.weight$", k)]
+    assert dense and all(not torch.equal(theirs[k], untouched[k]) for k in dense)  # PEFT adapted them too
+    print(f"\n{name} (fused): max |PEFT merge_and_unload - ours| = {worst:.1e}, max |PEFT adapted logits - "
+          f"Megatron+LoRA| = {(adapted - ref['logits_lora']).abs().max():.1e}")
+    assert worst <= 1e-5

@@ -251,9 +251,10 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
             expected[module + WRAPPED * depth] = item
     unused = [t for t in targets if t not in used]
     if unused:
+        fused = arch.config.fused_experts if arch.config is not None and shape.moe is not None else None
         raise MergeError(f"{weights.parent / CONFIG}: target_parameters entry {unused[0]!r} selects no parameter of this "
-                         f"{shape.model_type} model (transformers 5 names its routed experts' parameters "
-                         f"{arch.config.fused_experts if arch.config else 'mlp.experts'}.gate_up_proj and .down_proj)")
+                         f"{shape.model_type} model" + (f" (transformers 5 names its routed experts' parameters "
+                                                       f"{fused}.gate_up_proj and {fused}.down_proj)" if fused else ""))
     missing = [(module, key) for module, (key, _) in expected.items() if module not in pairs]
     if missing:
         shown = ", ".join(key for _, key in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
