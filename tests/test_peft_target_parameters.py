@@ -54,6 +54,8 @@ def configs(model_type: str) -> dict:
     }
     if model_type == "qwen2_moe":  # its shared expert's modules and the routed experts' parameters together
         cases["expert_modules_converted"]["target_parameters"] = EXPERTS
+    else:  # "all-linear", which PEFT resolves on transformers 5 to the attention, experts and router
+        cases["all_linear"] = dict(r=2, lora_alpha=5, target_modules="all-linear")
     return cases
 
 
@@ -114,6 +116,8 @@ def peft_merged(base: Path, adapter: Path, out: Path, dtype=torch.float32):
     ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids).logits
+        with model.disable_adapter():
+            assert (model(ids).logits - logits).abs().max() > 1e-3  # the adapter moves these logits
     model.merge_and_unload().save_pretrained(out)
     return ids, logits
 
@@ -136,6 +140,8 @@ def test_target_parameters_adapter_merges_as_peft_does(model_type, case, bases, 
 
     base, adapter = bases(model_type), tmp_path / "adapter"
     make_adapter(base, adapter, **configs(model_type)[case])
+    config = hf_config(model_type)
+    count = getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None) or config.num_experts
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert saved["target_parameters"], saved  # what this test is about: LoRA on parameters
     ids, unmerged = peft_merged(base, adapter, tmp_path / "peft")
@@ -155,10 +161,11 @@ def test_target_parameters_adapter_merges_as_peft_does(model_type, case, bases, 
         worst = max(worst, err)
         assert err <= 1e-6 * max(1.0, theirs[key].abs().max().item()), (key, err)
     experts = [k for k in changed if ".experts." in k]
-    config = hf_config(model_type)
-    count = getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None) or config.num_experts
     moe_layers = {k.split(".")[2] for k in before if ".experts.0." in k}
     projections = {"down_proj_only_rslora_patterns": 1, "router_and_gate_up": 2}.get(case, 3)
+    if case == "down_proj_only_rslora_patterns":  # rank_pattern gave the parameter r=3: PEFT's factors have it
+        factors = load_file(adapter / "adapter_model.safetensors")
+        assert {t.shape[0] for k, t in factors.items() if k.endswith("experts.lora_A.weight")} == {3 * count}
     assert len(experts) == len(moe_layers) * count * projections, (len(experts), len(moe_layers), count)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()(ids).logits
