@@ -194,7 +194,8 @@ def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arc
     return [f"PEFT (0.21) on transformers 5 turns every {'/'.join(sorted(expert_leaves))} target of a {arch.name} "
             f"model into a routed-expert parameter, so it drops the LoRA of {len(dropped)} dense-MLP and shared-expert "
             f"modules of this adapter without an error ({shown}); vLLM and transformers 4 load them. The merged "
-            "model (lora-merge without export-adapter) has them"]
+            "model (lora-merge without export-adapter) has them, and --expert-format fused writes them in a form PEFT "
+            "loads"]
 
 
 def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
