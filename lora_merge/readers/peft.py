@@ -276,6 +276,9 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
             raise MergeError(f"{weights}: {key} has {'lora_A' if 'A' in ab else 'lora_B'} but not the other factor")
         r, alpha = _pattern(config, "rank_pattern", key, config["r"]), _pattern(config, "alpha_pattern", key,
                                                                                 config["lora_alpha"])
+        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+            raise MergeError(f"{weights.parent / CONFIG}: rank {r!r} for {key} (r / rank_pattern); expected a positive "
+                             "integer")
         a, b = ab["A"], ab["B"]
         experts = what.shape[0] if isinstance(what, ExpertParam) else 1
         out_dim, in_dim = what.shape[-2:]
