@@ -33,7 +33,8 @@ ATTENTION = {"qwen3_moe": ["q_proj", "o_proj"], "mixtral": ["k_proj", "v_proj"],
 # target_modules PEFT itself turns into target_parameters on transformers 5 (gate_up_proj at rank 2r, alpha 2α);
 # qwen2_moe has no such conversion: there gate_proj/up_proj/down_proj are its shared expert's modules.
 EXPERT_MODULES = {"qwen3_moe": ["gate_proj", "up_proj", "down_proj"], "mixtral": ["w1", "w3", "w2"],
-                  "qwen2_moe": ["gate_proj", "up_proj", "down_proj"], "deepseek_v3": ["gate_proj", "up_proj", "down_proj"]}
+                  "qwen2_moe": ["gate_proj", "up_proj", "down_proj"],
+                  "deepseek_v3": ["gate_proj", "up_proj", "down_proj"]}
 
 
 def configs(model_type: str) -> dict:
@@ -141,7 +142,8 @@ def test_target_parameters_adapter_merges_as_peft_does(model_type, case, bases, 
     base, adapter = bases(model_type), tmp_path / "adapter"
     make_adapter(base, adapter, **configs(model_type)[case])
     config = hf_config(model_type)
-    count = getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None) or config.num_experts
+    count = (getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None)
+             or config.num_experts)
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert saved["target_parameters"], saved  # what this test is about: LoRA on parameters
     ids, unmerged = peft_merged(base, adapter, tmp_path / "peft")
@@ -261,7 +263,8 @@ def test_factors_of_a_parameter_not_in_target_parameters_are_refused(bases, tmp_
 def test_expert_factors_without_target_parameters_are_refused(bases, tmp_path, capsys):
     base, adapter = _adapter(bases, tmp_path, case="down_proj_only_rslora_patterns")
     config = json.loads((adapter / "adapter_config.json").read_text())
-    _edit_config(adapter, target_parameters=None, rank_pattern={}, alpha_pattern={}, target_modules=config["target_modules"])
+    _edit_config(adapter, target_parameters=None, rank_pattern={}, alpha_pattern={},
+                 target_modules=config["target_modules"])
     _refused(base, adapter, tmp_path, capsys, "base_model.model.model.layers.0.mlp.experts.lora_A/lora_B belong to no "
              "parameter target_parameters=[] selects")
 

@@ -101,8 +101,8 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
         else:
             raise MergeError(f"{weights}: {key} is neither a LoRA factor nor a trained bias; cannot merge it")
     if config.get("target_parameters") and (arch is None or shape is None):
-        raise MergeError(f"{path / CONFIG}: target_parameters={config['target_parameters']!r}: LoRA on parameters needs "
-                         "the model's config to place it")
+        raise MergeError(f"{path / CONFIG}: target_parameters={config['target_parameters']!r}: LoRA on parameters "
+                         "needs the model's config to place it")
     if arch is not None and shape is not None:
         for name, factors in parameter_factors(pairs, config, arch, shape, weights).items():
             adapter.factors[name] = factors
@@ -224,7 +224,8 @@ def model_parameters(arch, shape) -> dict[str, list[tuple[str, ExpertParam | Mat
                 continue
             if renamed and renamed[0] != renamed[1] and name.startswith(renamed[0] + "."):
                 name = renamed[1] + name[len(renamed[0]):]
-            found.setdefault(prefix + name.removesuffix(".weight"), []).append(("weight", MatrixParam(tuple(dims), full)))
+            module = prefix + name.removesuffix(".weight")
+            found.setdefault(module, []).append(("weight", MatrixParam(tuple(dims), full)))
     return found
 
 
@@ -233,7 +234,8 @@ def _selects(key: str, target: str) -> bool:
     return key == target or key.endswith(f".{target}")
 
 
-def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch, shape, weights: Path) -> dict[str, Factors]:
+def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch, shape,
+                      weights: Path) -> dict[str, Factors]:
     """Take the factors of LoRA on parameters out of `pairs` (by saved module name) and return them as
     factors by HF checkpoint tensor; refuse factors of a parameter target_parameters does not select."""
     targets = config.get("target_parameters") or []
@@ -252,8 +254,8 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
     unused = [t for t in targets if t not in used]
     if unused:
         fused = arch.config.fused_experts if arch.config is not None and shape.moe is not None else None
-        raise MergeError(f"{weights.parent / CONFIG}: target_parameters entry {unused[0]!r} selects no parameter of this "
-                         f"{shape.model_type} model" + (f" (transformers 5 names its routed experts' parameters "
+        raise MergeError(f"{weights.parent / CONFIG}: target_parameters entry {unused[0]!r} selects no parameter of "
+                         f"this {shape.model_type} model" + (f" (transformers 5 names its routed experts' parameters "
                                                        f"{fused}.gate_up_proj and {fused}.down_proj)" if fused else ""))
     missing = [(module, key) for module, (key, _) in expected.items() if module not in pairs]
     if missing:
@@ -283,9 +285,9 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
         experts = what.shape[0] if isinstance(what, ExpertParam) else 1
         out_dim, in_dim = what.shape[-2:]
         if tuple(a.shape) != (experts * r, in_dim) or tuple(b.shape) != (out_dim, r * experts):
-            raise MergeError(f"{weights}: {key} {list(what.shape)} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
-                             f"with r={r} (adapter_config.json) PEFT's are [{experts * r}, {in_dim}] and "
-                             f"[{out_dim}, {r * experts}]")
+            raise MergeError(f"{weights}: {key} {list(what.shape)} has lora_A {list(a.shape)} and lora_B "
+                             f"{list(b.shape)}; with r={r} (adapter_config.json) PEFT's are [{experts * r}, {in_dim}] "
+                             f"and [{out_dim}, {r * experts}]")
         scale = _scale(config, r, alpha)
         if isinstance(what, MatrixParam):
             factors[what.name] = Factors(b=b, a=a, scale=scale, r=r)
@@ -296,7 +298,8 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
             for name, first, end in parts:
                 rows = slice(start + first, start + end)
                 factors[name] = Factors(b=_derived(b, f"expert {e} rows {rows.start}:{rows.stop}", (end - first, r),
-                                                   lambda t, e=e, rows=rows, view=(out_dim, r, experts): t.reshape(view)[rows, :, e]),
+                                                   lambda t, e=e, rows=rows, view=(out_dim, r, experts):
+                                                   t.reshape(view)[rows, :, e]),
                                         a=a_e, scale=scale, r=r)
                 start += end - first
     return factors
