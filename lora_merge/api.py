@@ -289,7 +289,7 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
     if not is_hf_model_dir(base_dir):
         raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
                          "model dir with safetensors weights")
-    adapter = read_peft_adapter(lora_dir)
+    adapter = read_peft_adapter(lora_dir, arch, shape)
     settings = LoraSettings(r=adapter.config["r"], alpha=float(adapter.config["lora_alpha"]),
                             source="adapter_config.json" + (", rsLoRA" if adapter.config.get("use_rslora") else "")
                             + (", per-module patterns" if adapter.config.get("rank_pattern")

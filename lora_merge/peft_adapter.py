@@ -12,8 +12,14 @@ Routed experts come in one of two namings (`EXPERT_FORMATS`):
 - "fused": one LoRA per fused 3-D expert parameter of transformers 5 (`mlp.experts.gate_up_proj`
   [E, 2F, H], `mlp.experts.down_proj` [E, H, F]) as PEFT's `target_parameters` stores it: lora_A
   [E·r, in] expert-major, lora_B [out, r·E] rank-major (column j·E + e is expert e's B column j). Each
-  expert keeps its own rank-r factors; fc1's shared A makes gate_up one rank-r LoRA per expert. Not for
-  deepseek_v2/v3, which PEFT builds at rank 2r from its own conversion (refused).
+  expert keeps its own rank-r factors; fc1's shared A makes gate_up one rank-r LoRA per expert.
+  PEFT (0.21) on transformers 5 rewrites the target_modules of qwen3_moe, mixtral and deepseek_v2/v3
+  adapters when it loads them: every target named like an expert projection (gate_proj, up_proj,
+  down_proj; Mixtral's w1/w3/w2) becomes a fused-experts parameter (gate_up_proj at rank 2r), so those
+  names can no longer adapt a dense layer's MLP or a shared expert (DeepSeek's), and a rank-r gate_up_proj
+  would not load. The fused adapter therefore names no such target_modules: those modules' LoRA is given
+  as LoRA on their 2-D weights (`target_parameters` "gate_proj.weight" …, PEFT's ParamWrapper, the same
+  keys and the same ΔW = s·B·A), which PEFT leaves as they are.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ EXPERT_FORMATS = ("per-expert", "fused")
 # target named gate_proj/up_proj/down_proj becomes a routed-expert parameter (gate_up at rank 2r), so the
 # same names on dense MLPs and shared experts stop being adapted and their factors are dropped unloaded.
 PEFT_REMAPS_EVERY_MLP_TARGET = ("deepseek_v2", "deepseek_v3")
+# Model types whose target_modules PEFT (0.21) rewrites on transformers 5 (peft/utils/
+# transformers_weight_conversion.py: transformers' conversion pattern is mixtral or qwen2_moe; qwen2_moe
+# itself has none): a fused adapter gives their non-expert modules named like an expert projection as
+# LoRA on those modules' weights instead (see the module docstring).
+PEFT_CONVERTS_EXPERT_TARGETS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
 
 @dataclass
@@ -58,10 +69,6 @@ def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
     experts = expert_keys(tensors, arch)
     if not experts:
         return Adapter(tensors, target_modules(tensors), warnings=warnings)
-    if expert_format == "fused" and arch.name in PEFT_REMAPS_EVERY_MLP_TARGET:
-        raise MergeError(f"{lora.path}: --expert-format fused for {arch.name}: PEFT (0.21) converts per-expert "
-                         f"{arch.name} adapters onto transformers 5's fused experts itself, and builds them at rank "
-                         "2r, so a fused adapter at rank r does not load; export with --expert-format per-expert")
     if expert_format == "fused":
         adapter = fuse_experts(tensors, experts, arch, shape, str(lora.path))
         adapter.warnings[:0] = warnings
@@ -164,7 +171,14 @@ def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architec
         out[f"{owner}.lora_A.weight"] = a_stack.reshape(-1, a_stack.shape[-1]).contiguous()
         out[f"{owner}.lora_B.weight"] = b_stack.permute(1, 2, 0).reshape(b_stack.shape[1], -1).contiguous()
     others = {k: v for k, v in tensors.items() if k not in experts}
-    return Adapter(out, target_modules(others), [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present])
+    parameters = [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present]
+    modules = target_modules(others)
+    if arch.name in PEFT_CONVERTS_EXPERT_TARGETS:
+        leaves = {name.removesuffix(".weight").rsplit(".", 1)[-1] for rule in arch.layer_rules if rule.per_expert
+                  for name in rule.hf_names()}
+        parameters += [f"{leaf}.weight" for leaf in modules if leaf in leaves]  # dense MLPs, shared experts
+        modules = [leaf for leaf in modules if leaf not in leaves]
+    return Adapter(out, modules, parameters)
 
 
 def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arch: Architecture) -> list[str]:
@@ -180,7 +194,8 @@ def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arc
     return [f"PEFT (0.21) on transformers 5 turns every {'/'.join(sorted(expert_leaves))} target of a {arch.name} "
             f"model into a routed-expert parameter, so it drops the LoRA of {len(dropped)} dense-MLP and shared-expert "
             f"modules of this adapter without an error ({shown}); vLLM and transformers 4 load them. The merged "
-            "model (lora-merge without export-adapter) has them"]
+            "model (lora-merge without export-adapter) has them, and --expert-format fused writes them in a form PEFT "
+            "loads"]
 
 
 def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:

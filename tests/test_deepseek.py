@@ -436,12 +436,7 @@ def test_peft_loads_the_exported_adapter_except_what_it_drops_and_we_warn_of(nam
     assert attention and experts and all(not torch.equal(theirs[k], untouched[k]) for k in attention + experts)
 
 
-def test_a_fused_expert_adapter_for_deepseek_is_refused(tmp_path, capsys):
-    root = DEEPSEEK / "deepseek_v3_ep2"
-    _failing(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
-              str(tmp_path / "adapter"), "--expert-format", "fused"], capsys, "builds them at rank 2r",
-             "--expert-format per-expert")
-    assert not (tmp_path / "adapter").exists()
+# The fused form for DeepSeek (which PEFT loads whole): tests/test_peft_target_parameters.py.
 
 
 # --- MLA at TP=2 (Megatron-Core's local spec: the down-projections are column-parallel) -----------------
