@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,12 +24,13 @@ from typing import Callable
 import torch
 
 from lora_merge.architectures import Architecture, architecture_for
-from lora_merge.describe import describe
+from lora_merge.describe import describe_dir
 from lora_merge.errors import MergeError
 from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapter, write_adapter
 from lora_merge.lora import LoraSettings, resolve_settings
 from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, execute
 from lora_merge.model_shape import DTYPES, ModelShape, check_against_args, read_hf_config
+from lora_merge.options import DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, parse_size  # noqa: F401  (part of the API)
 from lora_merge.transformers_config import check_with_transformers
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
@@ -46,23 +46,11 @@ from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.writers.targets import InputPaths, check_report_path
 
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-MIN_SHARD_BYTES = 10**6
-DEFAULT_SHARD_BYTES = 5 * 10**9
 # What each path argument names, for the message when it is missing or not a path.
 LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
 HF_REF = "the HF model dir of the base model"
 BASE = "the base checkpoint dir"
 OUT = "the output dir"
-
-
-def parse_size(text: str) -> int:
-    m = SIZE.match(text)
-    if not m or (m.group(2) or "").upper() not in UNITS:
-        raise MergeError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
-    return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
 
 
 def shard_size(value: int | float | str) -> int:
@@ -225,9 +213,12 @@ def verify(out, *, lora=None, base=None, hf_ref=None, lora_r: int | None = None,
     return run_verify(opts)
 
 
-def inspect(checkpoint) -> str:
-    """What a Megatron checkpoint is (format, iteration, parallel layout, experts, LoRA, files), as text."""
-    return "\n".join(describe(open_checkpoint(_required(checkpoint, "checkpoint", "a Megatron checkpoint dir"))))
+def inspect(checkpoint, verbose: bool = False) -> str:
+    """What an input is, as text: a Megatron checkpoint (format, iteration, parallel layout, experts, LoRA,
+    files), an HF model dir (model type, layers, tensors, dtypes, files) or a PEFT adapter (r, alpha, targets,
+    adapted modules); `verbose` lists every tensor."""
+    path = _required(checkpoint, "checkpoint", "a Megatron checkpoint, HF model or PEFT adapter dir")
+    return "\n".join(describe_dir(path, verbose=verbose))
 
 
 # --- the runs, on an options namespace (the CLI's parsed arguments or the functions' keywords) ---
