@@ -59,8 +59,8 @@ else
         "default index (on Linux x86_64, PyPI's wheel is the CUDA build)"
     run .venv/bin/pip install -q "torch==$TORCH_VERSION"
 fi
-if [ -z "$DRY_RUN" ]; then
-    say "installed: $(.venv/bin/python -c 'import torch
-print(f"torch {torch.__version__}, " + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"))')"
-fi
 run .venv/bin/pip install -q -e ".[test]"
+if [ -z "$DRY_RUN" ]; then  # after the dependencies: torch warns when imported without numpy
+    say ".venv has $(.venv/bin/python -c 'import torch
+print(f"torch {torch.__version__}, " + (f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"))')"
+fi
