@@ -323,6 +323,14 @@ def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | No
     return found
 
 
+def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
+    """The HF weights a merged output is checked against: those the LoRA went onto when the base is HF (an
+    HF --base, or --hf-ref's own for a PEFT adapter given without --base), else the reference's, if any."""
+    if isinstance(inp.base, HfModel):
+        return inp.base.path
+    return hf_ref if has_weights(hf_ref) else None
+
+
 class VerificationFailed(MergeError):
     def __init__(self, out: Path, report: VerifyReport, published: bool):
         self.report, self.out = report, out
@@ -378,10 +386,9 @@ def run_merge(opts) -> MergeResult:
             writer.abort()
         files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:
-            hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline
-            reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
+            reference = baseline_dir(inp, opts.hf_ref)
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
-                                          reference=reference, base=None if hf_base else inp.base)
+                                          reference=reference, base=None if isinstance(inp.base, HfModel) else inp.base)
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
         if opts.sha256:
@@ -438,11 +445,15 @@ def run_verify(opts) -> VerifyReport:
     check_report_path(opts.report, opts.force, roots)
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
-    inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
+    base_dir = opts.base
+    if base_dir is None and opts.lora is not None and is_peft_adapter_dir(opts.lora) and has_weights(opts.hf_ref):
+        base_dir = opts.hf_ref  # as the merge took it: a PEFT adapter without --base went onto --hf-ref's weights
+    inp = open_inputs(out, base_dir, opts.lora, opts, need_base=False)
     check_report_path(opts.report, opts.force, input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora))
     dtype = inp.shape.dtype or torch.float32
-    hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline, as in merge --verify
-    reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
+    hf_base = isinstance(inp.base, HfModel)
+    # A PEFT adapter with neither --base nor weights in --hf-ref is opened onto the output itself: no baseline.
+    reference = None if hf_base and inp.base.path == out else baseline_dir(inp, opts.hf_ref)
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=None if hf_base else inp.base)
     if opts.report:
