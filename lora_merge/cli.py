@@ -166,7 +166,8 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-ref", type=Path, required=True, help="HF model dir of the base model (its config.json "
                    "defines the architecture)")
     p.add_argument("--out", type=Path, required=True, help="adapter output dir (must not exist unless --force)")
-    p.add_argument("--base", type=Path, help="optional base Megatron checkpoint, only cross-checked against the config")
+    p.add_argument("--base", type=Path, help="optional: the base (a Megatron checkpoint, cross-checked against the "
+                   "config, or an HF model dir); the adapter does not depend on it")
     p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="per-expert",
