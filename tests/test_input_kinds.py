@@ -116,6 +116,10 @@ def test_inspect_describes_a_peft_adapter(inputs, capsys):
     code, verbose, _ = _run(capsys, "inspect", "--verbose", got["peft"])
     assert code == 0 and "    model.layers.3.self_attn.o_proj.weight: r=2, scale 2" in verbose
 
+    import lora_merge  # the Python API describes the same way
+    assert lora_merge.inspect(got["peft"]).splitlines() == stdout
+    assert lora_merge.inspect(got["hf"]).startswith(f"{got['hf']}: HF model dir, model_type 'qwen2'")
+
 
 def test_inspect_refuses_what_is_no_input_in_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
