@@ -28,7 +28,6 @@ from lora_merge.writers.staged_dir import PUBLISHED
 
 if TYPE_CHECKING:
     from lora_merge.api import MergeResult
-    from lora_merge.verification import VerifyReport
 
 SUBCOMMANDS = ("merge", "verify", "inspect", "export-adapter")
 
@@ -263,12 +262,6 @@ def print_summary(console: Console, s: MergeResult) -> None:
         console.detail(f"  {name}" + (f"  sha256 {s.sha256[name]}" if name in s.sha256 else ""))
 
 
-def print_verify_problems(report: VerifyReport) -> None:
-    """Problems are what a failed verification found: printed even with --quiet."""
-    for problem in report.problems:
-        print(f"  problem: {problem}")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
@@ -285,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             if opts.debug:
                 raise
             report = getattr(exc, "report", None)  # api.VerificationFailed: what the check found
-            if report is not None:
-                print_verify_problems(report)
+            for problem in report.problems if report is not None else ():
+                console.problem(problem)
             console.error(str(exc))
             return 1 if report is not None else 2
         except BrokenPipeError:  # output piped into `head`
@@ -345,7 +338,8 @@ def _run(command: str, opts, console: Console) -> int:
         for name, status in report.statuses.items():
             console.detail(f"    {name}: {status}")
         if not report.ok:
-            print_verify_problems(report)
+            for problem in report.problems:
+                console.problem(problem)
             console.error(f"{opts.out}: verification failed ({len(report.problems)} problem(s))")
             return 1
         console.result(f"verify: OK, {len(report.statuses)} tensors checked")

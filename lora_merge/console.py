@@ -1,7 +1,8 @@
 """Everything the command tells its user goes through one `Console`, so that `-q` and `-v` mean the same in
 every subcommand:
 
-- errors: always, on stderr, one line each (`lora-merge: error: …`);
+- errors: always, on stderr, one line each (`lora-merge: error: …`), and what a failed verification found
+  (the error's detail, on stdout);
 - warnings: on stderr, unless `--quiet`;
 - results (plans, summaries, inspect's description, verify's counts) and notes: on stdout, unless `--quiet`;
 - details (every tensor, every file): on stdout, only with `--verbose`;
@@ -28,6 +29,9 @@ class Console:
 
     def error(self, message: str) -> None:
         print(f"{PREFIX}: error: {message}", file=sys.stderr)
+
+    def problem(self, message: str) -> None:
+        print(f"  problem: {message}")
 
     def interrupted(self, message: str) -> None:
         print(f"{PREFIX}: {message}", file=sys.stderr)
