@@ -108,7 +108,7 @@ def describe_peft_adapter(adapter, verbose: bool = False) -> list[str]:
     targets = config.get("target_modules")
     targets = targets if isinstance(targets, str) else sorted(targets or [])
     lines.append(f"  LoRA: r={config.get('r')} lora_alpha={config.get('lora_alpha')}, target_modules={targets}"
-                 + "".join(f", {k}={config[k]}" for k in PEFT_KEYS if config.get(k)))
+                 + "".join(f", {k}={config[k]}" for k in PEFT_KEYS if config.get(k) not in (None, False, "none", {}, [])))
     projections = Counter(name.removesuffix(".weight").rsplit(".", 1)[-1] for name in adapter.factors)
     ranks = sorted({f.r for f in adapter.factors.values()})
     scales = sorted({f.scale for f in adapter.factors.values()})

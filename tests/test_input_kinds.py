@@ -109,7 +109,7 @@ def test_inspect_describes_a_peft_adapter(inputs, capsys):
     code, stdout, err = _run(capsys, "inspect", got["peft"])
     assert code == 0 and not err, err
     assert stdout[0].startswith(f"{got['peft']}: PEFT LORA adapter (PEFT ") and str(got["hf"]) in stdout[0]
-    assert stdout[1] == "  LoRA: r=2 lora_alpha=4, target_modules=['o_proj', 'q_proj'], bias=none"
+    assert stdout[1] == "  LoRA: r=2 lora_alpha=4, target_modules=['o_proj', 'q_proj']"
     assert stdout[2] == "  adapted modules: 8 (o_proj x4, q_proj x4) in layers 4 (0-3); rank [2], scale 2"
     assert "  tensors: 16 (16 float32)" in stdout
 
