@@ -8,7 +8,7 @@ They are imported on first use, so that `import lora_merge` stays light (the com
 before torch is imported).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the only place the version is written: pyproject.toml reads it from here
 
 _API = {"merge", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
 __all__ = sorted(_API | {"MergeError", "__version__"})

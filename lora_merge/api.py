@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Callable
 import torch
 
 from lora_merge.architectures import Architecture, architecture_for
-from lora_merge.describe import describe
+from lora_merge.describe import describe_dir
 from lora_merge.errors import MergeError
 from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapter, write_adapter
 from lora_merge.lora import LoraSettings, resolve_settings
@@ -33,6 +32,7 @@ from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, exe
 from lora_merge.hf_config import read_hf_config
 from lora_merge.megatron_args import check_against_args
 from lora_merge.model_shape import DTYPES, ModelShape
+from lora_merge.options import DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, parse_size  # noqa: F401  (part of the API)
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
@@ -47,23 +47,11 @@ from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.writers.targets import InputPaths, check_report_path
 
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-MIN_SHARD_BYTES = 10**6
-DEFAULT_SHARD_BYTES = 5 * 10**9
 # What each path argument names, for the message when it is missing or not a path.
 LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
 HF_REF = "the HF model dir of the base model"
 BASE = "the base checkpoint dir"
 OUT = "the output dir"
-
-
-def parse_size(text: str) -> int:
-    m = SIZE.match(text)
-    if not m or (m.group(2) or "").upper() not in UNITS:
-        raise MergeError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
-    return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
 
 
 def shard_size(value: int | float | str) -> int:
@@ -226,9 +214,12 @@ def verify(out, *, lora=None, base=None, hf_ref=None, lora_r: int | None = None,
     return run_verify(opts)
 
 
-def inspect(checkpoint) -> str:
-    """What a Megatron checkpoint is (format, iteration, parallel layout, experts, LoRA, files), as text."""
-    return "\n".join(describe(open_checkpoint(_required(checkpoint, "checkpoint", "a Megatron checkpoint dir"))))
+def inspect(checkpoint, verbose: bool = False) -> str:
+    """What an input is, as text: a Megatron checkpoint (format, iteration, parallel layout, experts, LoRA,
+    files), an HF model dir (model type, layers, tensors, dtypes, files) or a PEFT adapter (r, alpha, targets,
+    adapted modules); `verbose` lists every tensor."""
+    path = _required(checkpoint, "checkpoint", "a Megatron checkpoint, HF model or PEFT adapter dir")
+    return "\n".join(describe_dir(path, verbose=verbose))
 
 
 # --- the runs, on an options namespace (the CLI's parsed arguments or the functions' keywords) ---
@@ -335,6 +326,14 @@ def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | No
     return found
 
 
+def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
+    """The HF weights a merged output is checked against: those the LoRA went onto when the base is HF (an
+    HF --base, or --hf-ref's own for a PEFT adapter given without --base), else the reference's, if any."""
+    if isinstance(inp.base, HfModel):
+        return inp.base.path
+    return hf_ref if has_weights(hf_ref) else None
+
+
 class VerificationFailed(MergeError):
     def __init__(self, out: Path, report: VerifyReport, published: bool):
         self.report, self.out = report, out
@@ -390,10 +389,9 @@ def run_merge(opts) -> MergeResult:
             writer.abort()
         files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:
-            hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline
-            reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
+            reference = baseline_dir(inp, opts.hf_ref)
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
-                                          reference=reference, base=None if hf_base else inp.base)
+                                          reference=reference, base=None if isinstance(inp.base, HfModel) else inp.base)
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
         if opts.sha256:
@@ -450,11 +448,15 @@ def run_verify(opts) -> VerifyReport:
     check_report_path(opts.report, opts.force, roots)
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
-    inp = open_inputs(out, opts.base, opts.lora, opts, need_base=False)
+    base_dir = opts.base
+    if base_dir is None and opts.lora is not None and is_peft_adapter_dir(opts.lora) and has_weights(opts.hf_ref):
+        base_dir = opts.hf_ref  # as the merge took it: a PEFT adapter without --base went onto --hf-ref's weights
+    inp = open_inputs(out, base_dir, opts.lora, opts, need_base=False)
     check_report_path(opts.report, opts.force, input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora))
     dtype = inp.shape.dtype or torch.float32
-    hf_base = isinstance(inp.base, HfModel)  # its weights are the baseline, as in merge --verify
-    reference = opts.base if hf_base else opts.hf_ref if has_weights(opts.hf_ref) else None
+    hf_base = isinstance(inp.base, HfModel)
+    # A PEFT adapter with neither --base nor weights in --hf-ref is opened onto the output itself: no baseline.
+    reference = None if hf_base and inp.base.path == out else baseline_dir(inp, opts.hf_ref)
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=None if hf_base else inp.base)
     if opts.report:

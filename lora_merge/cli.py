@@ -2,7 +2,7 @@
 
     lora-merge [merge] --base BASE --lora LORA --hf-ref HF --out OUT   merge into an HF model
     lora-merge verify OUT --lora LORA [--base BASE] [--hf-ref HF]      check a merged output
-    lora-merge inspect DIR                                            what a checkpoint is
+    lora-merge inspect DIR                                            what an input dir is
     lora-merge export-adapter --lora LORA --hf-ref HF --out DIR        unmerged PEFT adapter
 """
 
@@ -14,18 +14,20 @@ import shutil
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+# Only light modules here: `--help`, `--version` and usage errors answer before torch, transformers and
+# safetensors are imported (seconds); the runs import what they need in `_run`.
 from lora_merge import __version__
-from lora_merge.api import (DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, MergeResult, VerificationFailed, parse_size,
-                            run_export, run_merge, run_verify)
+from lora_merge.console import NORMAL, QUIET, VERBOSE, Console
 from lora_merge.errors import MergeError
-from lora_merge.peft_adapter import EXPERT_FORMATS, VLLM_DEFAULT_MAX_LORA_RANK
 from lora_merge.interrupts import Interrupted, signals_raise
-from lora_merge.model_shape import DTYPES
-from lora_merge.readers import open_checkpoint
-from lora_merge.describe import describe
-from lora_merge.verification import VerifyReport
+from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS, MIN_SHARD_BYTES,
+                                VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
 from lora_merge.writers.staged_dir import PUBLISHED
+
+if TYPE_CHECKING:
+    from lora_merge.api import MergeResult
 
 SUBCOMMANDS = ("merge", "verify", "inspect", "export-adapter")
 
@@ -51,12 +53,32 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"lora-merge: error: {message} (see `{self.prog} --help`)\n")
 
 
+# What --base and --lora accept, said once for every subcommand's help.
+BASE_HELP = ("base model: a Megatron checkpoint dir (legacy or torch_dist; with latest_checkpointed_iteration.txt, or "
+             "an iter_*/release dir), or an HF model dir (config.json + safetensors) whose weights the LoRA is merged "
+             "onto")
+LORA_HELP = ("LoRA: a Megatron LoRA checkpoint dir as MindSpeed-LLM writes it (filtered: only *lora* keys; or "
+             "unfiltered: base weights included), or a PEFT adapter dir (adapter_config.json + "
+             "adapter_model.safetensors), merged onto an HF --base (or onto --hf-ref's weights)")
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    """-q and -v, the same in every subcommand (see `console.Console`)."""
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", dest="level", action="store_const", const=QUIET, default=NORMAL,
+                       help="print only errors (the exit status tells the rest)")
+    level.add_argument("-v", "--verbose", dest="level", action="store_const", const=VERBOSE,
+                       help="print more: every tensor planned, checked or written, every file")
+    p.add_argument("--debug", action="store_true", help="show a traceback on errors")
+
+
 def _lora_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora-r", type=int, help="LoRA rank; overrides args.lora_r of the LoRA checkpoint")
-    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (> 0); overrides args.lora_alpha of the LoRA checkpoint")
+    p.add_argument("--lora-r", type=int, help="LoRA rank; overrides args.lora_r of a Megatron LoRA checkpoint")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (> 0); overrides args.lora_alpha of a Megatron LoRA "
+                   "checkpoint")
     p.add_argument("--report", type=Path, metavar="FILE", help="write a JSON report: inputs, LoRA settings, "
                    "per-tensor status, sha256 of every output file")
-    p.add_argument("--debug", action="store_true", help="show a traceback on errors")
+    _output_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,25 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lora-merge",
         usage="lora-merge [merge] --base BASE --lora LORA --hf-ref HF --out OUT [options]\n"
               "       lora-merge verify|inspect|export-adapter ... (see below)",
-        description="Merge a MindSpeed-LLM / Megatron-Core LoRA checkpoint into a HuggingFace model "
-                    "(sharded safetensors + config + tokenizer), on CPU, without Megatron.",
+        description="Merge a MindSpeed-LLM / Megatron-Core LoRA checkpoint, or a PEFT adapter, into a HuggingFace "
+                    "model (sharded safetensors + config + tokenizer), on CPU, without Megatron.",
         epilog="subcommands (each has its own --help):\n"
                "  merge            (the default) merge LoRA into the base and write an HF model\n"
                "  verify           check a merged output against its inputs\n"
-               "  inspect          print what a Megatron checkpoint is\n"
-               "  export-adapter   write the LoRA as an unmerged PEFT adapter (PEFT, vLLM, SGLang)",
+               "  inspect          print what a checkpoint, HF model dir or PEFT adapter is\n"
+               "  export-adapter   write a Megatron LoRA as an unmerged PEFT adapter (PEFT, vLLM, SGLang)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--base", type=Path, help="base Megatron checkpoint dir (with latest_checkpointed_iteration.txt, "
-                   "or an iter_*/release dir); may be omitted when --lora is an unfiltered LoRA checkpoint")
-    p.add_argument("--lora", type=Path, required=True, help="LoRA checkpoint dir written by MindSpeed-LLM "
-                   "(filtered: only *lora* keys; or unfiltered: base weights included)")
+    p.add_argument("--base", type=Path, help=BASE_HELP + "; may be omitted when --lora is an unfiltered Megatron "
+                   "LoRA checkpoint or a PEFT adapter")
+    p.add_argument("--lora", type=Path, required=True, help=LORA_HELP)
     p.add_argument("--hf-ref", type=Path, required=True, help="HF model dir of the base model: its config.json "
-                   "defines the architecture; config, generation config and tokenizer files are copied (weights are not)")
+                   "defines the architecture; config, generation config and tokenizer files are copied (its weights, "
+                   "if any, are read only as the baseline of --verify, or as the base of a PEFT adapter given "
+                   "without --base)")
     p.add_argument("--out", type=Path, required=True, help="output dir for the merged HF model (must not exist "
                    "unless --force); written atomically")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="output dtype; auto = the reference "
-                   "config's dtype, else the checkpoint's training dtype (default: auto)")
+    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto", help="output dtype; auto = the "
+                   "reference config's dtype, else the checkpoint's training dtype (default: auto)")
     p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_SHARD_BYTES, metavar="SIZE",
                    help="largest safetensors shard, at least 1MB, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
     p.add_argument("--verify", action="store_true", help="read the output back and verify it (see `lora-merge "
@@ -106,13 +129,14 @@ def build_verify_parser() -> argparse.ArgumentParser:
         prog="lora-merge verify",
         description="Check a merged output: tensor names, shapes and dtypes against its config; finiteness; "
                     "untouched tensors bit-identical to the baseline; LoRA-touched tensors equal to "
-                    "baseline + (alpha/r)·B·A within one rounding. The baseline is the reference model's weights "
-                    "when --hf-ref holds *.safetensors, else the Megatron --base.",
+                    "baseline + (alpha/r)·B·A within one rounding. The baseline is an HF --base's weights, else "
+                    "the reference model's weights when --hf-ref holds *.safetensors, else the Megatron --base.",
     )
     p.add_argument("out", type=Path, help="the merged HF model dir")
-    p.add_argument("--lora", type=Path, help="the LoRA checkpoint that was merged (needed for the value checks)")
-    p.add_argument("--base", type=Path, help="base Megatron checkpoint (baseline when --hf-ref has no weights)")
-    p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline")
+    p.add_argument("--lora", type=Path, help=LORA_HELP + " (the one that was merged; needed for the value checks)")
+    p.add_argument("--base", type=Path, help=BASE_HELP + " (the one that was merged onto)")
+    p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline when "
+                   "--base is not an HF model dir")
     p.add_argument("--force", action="store_true", help="replace --report if it exists")
     _lora_options(p)
     return p
@@ -121,24 +145,29 @@ def build_verify_parser() -> argparse.ArgumentParser:
 def build_inspect_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="lora-merge inspect",
-        description="Print what a Megatron checkpoint is: format, iteration, TP/PP/VPP, architecture from its "
-                    "args, tensors per rank file, LoRA targets with r/alpha, dtype, total size.")
-    p.add_argument("checkpoint", type=Path, help="checkpoint dir (with latest_checkpointed_iteration.txt, or iter_*)")
-    p.add_argument("--debug", action="store_true", help="show a traceback on errors")
+        description="Print what an input is. A Megatron checkpoint: format, iteration, TP/PP/VPP, architecture from "
+                    "its args, LoRA targets with r/alpha, dtype, tensors per rank file. An HF model dir: model type, "
+                    "layers, tensors, dtypes, size per file. A PEFT adapter dir: r, lora_alpha, targets, adapted "
+                    "modules, dtypes, size.")
+    p.add_argument("checkpoint", type=Path, metavar="DIR", help="a Megatron checkpoint dir (with "
+                   "latest_checkpointed_iteration.txt, or iter_*), an HF model dir or a PEFT adapter dir")
+    _output_options(p)
     return p
 
 
 def build_export_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="lora-merge export-adapter",
-        description="Write the LoRA as an unmerged PEFT adapter (adapter_model.safetensors + adapter_config.json, "
-                    "HF module names) that PEFT and vLLM load on top of the HF base model.")
-    p.add_argument("--lora", type=Path, required=True, help="LoRA checkpoint dir written by MindSpeed-LLM")
+        description="Write a Megatron LoRA as an unmerged PEFT adapter (adapter_model.safetensors + "
+                    "adapter_config.json, HF module names) that PEFT and vLLM load on top of the HF base model.")
+    p.add_argument("--lora", type=Path, required=True, help="Megatron LoRA checkpoint dir written by MindSpeed-LLM "
+                   "(a PEFT adapter is already what this writes)")
     p.add_argument("--hf-ref", type=Path, required=True, help="HF model dir of the base model (its config.json "
                    "defines the architecture)")
     p.add_argument("--out", type=Path, required=True, help="adapter output dir (must not exist unless --force)")
-    p.add_argument("--base", type=Path, help="optional base Megatron checkpoint, only cross-checked against the config")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+    p.add_argument("--base", type=Path, help="optional: the base (a Megatron checkpoint, cross-checked against the "
+                   "config, or an HF model dir); the adapter does not depend on it")
+    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="per-expert",
                    help="routed experts' LoRA: per-expert = one LoRA per expert and projection under the HF checkpoint "
@@ -157,113 +186,121 @@ PARSERS = {"merge": build_parser, "verify": build_verify_parser, "inspect": buil
            "export-adapter": build_export_parser}
 
 
-def print_plan(opts, result: MergeResult) -> None:
+def lora_targets(plan) -> list[str]:
+    """The projections the LoRA adapts, by the name its own kind uses: a Megatron module's last part
+    (`linear_qkv`), or the HF name a PEFT factor adapts (`q_proj`)."""
+    found = set()
+    for task in plan.tasks:
+        if task.lora is not None:
+            found.add(task.lora_module.rsplit(".", 1)[-1])
+        for name in task.delta or ():
+            found.add(name.removesuffix(".weight").rsplit(".", 1)[-1])
+    return sorted(found)
+
+
+def expert_layout(inp) -> str:
+    """How each input stores routed experts: a Megatron checkpoint's own layout (EP, ETP, expert class), an HF
+    base's per-expert tensors; a PEFT adapter names HF tensors like its base."""
+    parts = []
+    for role, ckpt in (("base", inp.base), ("LoRA", inp.lora)):
+        if ckpt is None or (role == "LoRA" and ckpt is inp.base):
+            continue
+        layout = getattr(ckpt, "experts", None)  # only Megatron checkpoints have one
+        if layout is not None:
+            parts.append(f"{role} checkpoint: {layout}")
+        elif role == "base":
+            parts.append("base: HF per-expert tensors")
+    return "; ".join(parts)
+
+
+def print_plan(console: Console, opts, result: MergeResult) -> None:
     inp, plan = result.inputs, result.plan
     s = inp.shape
-    targets = sorted({t.megatron.rsplit(".", 2)[-2] for t in plan.tasks if t.lora is not None})
     total = sum(t.nbytes for t in plan.tensors)
     shards = -(-total // opts.max_shard_size)
     free = shutil.disk_usage(opts.out.parent if opts.out.parent.is_dir() else Path.cwd()).free
-    print("plan (dry run: nothing is written)")
-    print(f"  base:   {inp.base.describe()}")
+    out = console.result
+    out("plan (dry run: nothing is written)")
+    out(f"  base:   {inp.base.describe()}")
     if inp.lora is not inp.base:
-        print(f"  lora:   {inp.lora.describe()}")
+        out(f"  lora:   {inp.lora.describe()}")
     heads = f"{s.heads} heads, {s.mla}" if s.mla else f"{s.heads} heads / {s.groups} kv heads x {s.head_dim}"
-    print(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {heads}, ffn {s.ffn}, vocab {s.vocab}, "
-          f"{'tied' if s.tied else 'untied'} embeddings"
-          f"{', qkv bias' if s.qkv_bias else ''}")
+    out(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {heads}, ffn {s.ffn}, vocab {s.vocab}, "
+        f"{'tied' if s.tied else 'untied'} embeddings"
+        f"{', qkv bias' if s.qkv_bias else ''}")
     if s.moe is not None:
-        print(f"  experts: {s.moe} in layers {sorted(s.moe.layers)}; checkpoint: {inp.base.experts}")
-    print(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
-          f"{inp.settings.source}) on {', '.join(targets)}: {plan.merged_modules} modules")
-    print(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "
-          f"in about {shards} shard(s) -> {opts.out}")
-    print(f"  disk:   needs {total / 1e9:.3f} GB, {free / 1e9:.1f} GB free")
+        out(f"  experts: {s.moe} in layers {sorted(s.moe.layers)}; {expert_layout(inp)}")
+    out(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
+        f"{inp.settings.source}) on {', '.join(lora_targets(plan)) or 'nothing'}: {plan.merged_modules} modules")
+    out(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "
+        f"in about {shards} shard(s) -> {opts.out}")
+    out(f"  disk:   needs {total / 1e9:.3f} GB, {free / 1e9:.1f} GB free")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(plan.skipped.items())) or "nothing"
-    print(f"  skipped on purpose: {skipped}")
+    out(f"  skipped on purpose: {skipped}")
+    if console.verbose:
+        console.detail("  tensors:")
+        for task in plan.tasks:
+            for t in task.outputs:
+                merged = task.lora is not None or t.name[len(task.hf_prefix):] in (task.delta or {})
+                console.detail(f"    {t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} <- {task.megatron}"
+                               + (" + LoRA" if merged else ""))
 
 
-class ProgressBar:
-    """The API's progress(done, total) callback as a tqdm bar on stderr."""
-
-    def __init__(self):
-        self.bar = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="merging", file=sys.stderr, disable=None,
-                            dynamic_ncols=True)
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def warn(message: str) -> None:
-    print(f"lora-merge: warning: {message}", file=sys.stderr)
-
-
-def print_summary(s: MergeResult) -> None:
-    print(f"base:   {s.base}")
+def print_summary(console: Console, s: MergeResult) -> None:
+    out = console.result
+    out(f"base:   {s.base}")
     if s.lora != s.base:
-        print(f"lora:   {s.lora}")
-    print(f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
-          f"(scale {s.scale:g}, from {s.settings_source})")
+        out(f"lora:   {s.lora}")
+    out(f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
+        f"(scale {s.scale:g}, from {s.settings_source})")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(s.skipped.items())) or "nothing"
-    print(f"skipped on purpose: {skipped}")
-    print(f"wrote {s.tensors} tensors, {s.bytes / 1e9:.3f} GB as {s.dtype} in "
-          f"{sum(f.endswith('.safetensors') for f in s.files)} shard(s) to {s.out} in {s.seconds:.1f} s"
-          + (" (verified)" if s.verified else ""))
-
-
-def print_verify_problems(report: VerifyReport) -> None:
-    for problem in report.problems:
-        print(f"  problem: {problem}")
+    out(f"skipped on purpose: {skipped}")
+    out(f"wrote {s.tensors} tensors, {s.bytes / 1e9:.3f} GB as {s.dtype} in "
+        f"{sum(f.endswith('.safetensors') for f in s.files)} shard(s) to {s.out} in {s.seconds:.1f} s"
+        + (" (verified)" if s.verified else ""))
+    for name in s.files:
+        console.detail(f"  {name}" + (f"  sha256 {s.sha256[name]}" if name in s.sha256 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
     opts = PARSERS[command]().parse_args(argv)
+    console = Console(opts.level)
     if getattr(opts, "out", None) is not None and command != "verify":
         opts.out = Path(os.path.abspath(opts.out))  # `--out .` or `--out ..` name a directory, not a link
     PUBLISHED.clear()
-    opts.warn, opts.progress = warn, None
+    opts.warn, opts.progress = console.warn, None
     with signals_raise():
         try:
-            return _run(command, opts)
-        except VerificationFailed as exc:
-            if opts.debug:
-                raise
-            print_verify_problems(exc.report)
-            print(f"lora-merge: error: {exc}", file=sys.stderr)
-            return 1
+            return _run(command, opts, console)
         except MergeError as exc:
             if opts.debug:
                 raise
-            print(f"lora-merge: error: {exc}", file=sys.stderr)
-            return 2
+            report = getattr(exc, "report", None)  # api.VerificationFailed: what the check found
+            for problem in report.problems if report is not None else ():
+                console.problem(problem)
+            console.error(str(exc))
+            return 1 if report is not None else 2
         except BrokenPipeError:  # output piped into `head`
             return 0
         except OSError as exc:  # disk full, permissions, a file vanishing mid-run
             if opts.debug:
                 raise
-            print(f"lora-merge: error: {exc.filename or 'I/O'}: {exc.strerror or exc}; {_what_was_written()}",
-                  file=sys.stderr)
+            console.error(f"{exc.filename or 'I/O'}: {exc.strerror or exc}; {_what_was_written()}")
             return 2
         except Interrupted as exc:
-            print(f"lora-merge: interrupted by {exc.name}; {_what_was_written()}", file=sys.stderr)
+            console.interrupted(f"interrupted by {exc.name}; {_what_was_written()}")
             return exc.exit_code
         except KeyboardInterrupt:
-            print(f"lora-merge: interrupted; {_what_was_written()}", file=sys.stderr)
+            console.interrupted(f"interrupted; {_what_was_written()}")
             return 130
         except Exception as exc:  # a bug: still one line, and the truth about the output
             if opts.debug:
                 raise
-            print(f"lora-merge: error: unexpected {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                  f" (a bug in lora-merge; --debug shows the traceback); {_what_was_written()}", file=sys.stderr)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            console.error(f"unexpected {type(exc).__name__}: {first} (a bug in lora-merge; --debug shows the "
+                          f"traceback); {_what_was_written()}")
             return 2
 
 
@@ -273,41 +310,49 @@ def _what_was_written() -> str:
     return "no output was written"
 
 
-def _run(command: str, opts) -> int:
+def _run(command: str, opts, console: Console) -> int:
+    from lora_merge import api  # torch, transformers, safetensors: only once the arguments are understood
+
     if command == "export-adapter":
-        s = run_export(opts)
-        print(f"lora:   {s.lora}")
-        print(f"wrote a PEFT adapter to {opts.out}: {s.tensors} tensors ({s.bytes / 1e6:.1f} MB), "
-              f"r={s.r} alpha={s.alpha:g}, target_modules={s.target_modules + s.target_parameters}")
+        s = api.run_export(opts)
+        console.result(f"lora:   {s.lora}")
+        console.result(f"wrote a PEFT adapter to {opts.out}: {s.tensors} tensors ({s.bytes / 1e6:.1f} MB), "
+                       f"r={s.r} alpha={s.alpha:g}, target_modules={s.target_modules + s.target_parameters}")
+        for name in s.files:
+            console.detail(f"  {name}")
         if s.r > VLLM_DEFAULT_MAX_LORA_RANK:
-            print(f"note: r={s.r} exceeds vLLM's default --max-lora-rank ({VLLM_DEFAULT_MAX_LORA_RANK}); "
-                  f"start vLLM with --max-lora-rank {s.r} or more")
+            console.note(f"r={s.r} exceeds vLLM's default --max-lora-rank ({VLLM_DEFAULT_MAX_LORA_RANK}); "
+                         f"start vLLM with --max-lora-rank {s.r} or more")
         return 0
     if command == "inspect":
-        print("\n".join(describe(open_checkpoint(opts.checkpoint))))
+        from lora_merge.describe import describe_dir
+        for line in describe_dir(opts.checkpoint, verbose=console.verbose):
+            console.result(line)
         return 0
     if command == "verify":
-        report = run_verify(opts)
+        report = api.run_verify(opts)
         counts = Counter(report.statuses.values())
-        print(f"baseline: {report.baseline}")
+        console.result(f"baseline: {report.baseline}")
         for status, n in sorted(counts.items()):
-            print(f"  {n:5d} {status}")
+            console.result(f"  {n:5d} {status}")
+        for name, status in report.statuses.items():
+            console.detail(f"    {name}: {status}")
         if not report.ok:
-            print_verify_problems(report)
-            print(f"lora-merge: error: {opts.out}: verification failed ({len(report.problems)} problem(s))",
-                  file=sys.stderr)
+            for problem in report.problems:
+                console.problem(problem)
+            console.error(f"{opts.out}: verification failed ({len(report.problems)} problem(s))")
             return 1
-        print(f"verify: OK, {len(report.statuses)} tensors checked")
+        console.result(f"verify: OK, {len(report.statuses)} tensors checked")
         return 0
-    bar = None if opts.no_progress or opts.dry_run else ProgressBar()
+    bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
     opts.progress = bar
     try:
-        result = run_merge(opts)
+        result = api.run_merge(opts)
     finally:
         if bar is not None:
             bar.close()
     if result.dry_run:
-        print_plan(opts, result)
+        print_plan(console, opts, result)
     else:
-        print_summary(result)
+        print_summary(console, result)
     return 0

@@ -1,11 +1,15 @@
-"""`lora-merge inspect DIR`: what a checkpoint is, before anyone tries to merge it."""
+"""`lora-merge inspect DIR`: what an input is — a Megatron checkpoint, an HF model dir or a PEFT adapter —
+before anyone tries to merge it."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from pathlib import Path
 
-from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.errors import MergeError
+from lora_merge.readers.checkpoint import Checkpoint, TensorRef
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "ffn_hidden_size", "padded_vocab_size", "add_qkv_bias", "qk_layernorm", "swiglu",
@@ -18,7 +22,111 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def describe(ckpt: Checkpoint) -> list[str]:
+# The config.json keys that say what an HF model is (those present are shown, in this order).
+HF_ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "num_experts",
+                "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "n_shared_experts", "q_lora_rank", "kv_lora_rank",
+                "first_k_dense_replace")
+# The adapter_config.json keys that decide what a PEFT LoRA computes (those set are shown).
+PEFT_KEYS = ("use_rslora", "bias", "rank_pattern", "alpha_pattern", "layers_to_transform", "use_dora",
+             "modules_to_save", "target_parameters")
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def describe_dir(path: Path, verbose: bool = False) -> list[str]:
+    """Whichever input `path` is: a PEFT adapter (adapter_config.json), an HF model dir (config.json +
+    safetensors) or a Megatron checkpoint; each described by what its own files say."""
+    from lora_merge.readers import open_checkpoint
+    from lora_merge.readers.hf_model import is_hf_model_dir, read_hf_model
+    from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
+
+    path = Path(path)
+    if not path.exists():
+        raise MergeError(f"{path}: does not exist")
+    if is_peft_adapter_dir(path):
+        return describe_peft_adapter(read_peft_adapter(path), verbose)
+    if is_hf_model_dir(path):
+        return describe_hf_model(read_hf_model(path), verbose)
+    if (path / "config.json").is_file():
+        raise MergeError(f"{path}: has a config.json but no *.safetensors or model.safetensors.index.json; an HF "
+                         "model dir needs its safetensors weights (other weight formats are not read)")
+    return describe(open_checkpoint(path), verbose)
+
+
+def _dtypes(refs) -> str:
+    counts = Counter(str(r.dtype).removeprefix("torch.") for r in refs)
+    return ", ".join(f"{n} {d}" for d, n in counts.most_common()) or "none"
+
+
+def _layers(names) -> str:
+    found = sorted({int(m.group(1)) for name in names if (m := LAYER.search(name))})
+    if not found:
+        return "none"
+    if found == list(range(found[0], found[-1] + 1)):
+        return f"{len(found)} ({found[0]}-{found[-1]})" if len(found) > 1 else f"1 ({found[0]})"
+    return f"{len(found)} ({', '.join(map(str, found))})"
+
+
+def _file_of(ref: TensorRef) -> str:
+    return Path(ref.where.split("[", 1)[0]).name  # a reader's `where` is "file[tensor name]"
+
+
+def _per_file(tensors: dict[str, TensorRef], verbose: bool) -> list[str]:
+    files: dict[str, list] = {}
+    for name, ref in tensors.items():
+        files.setdefault(_file_of(ref), []).append((name, ref))
+    lines = [f"  files: {len(files)}, {_gb(sum(r.nbytes for r in tensors.values()))} of tensors"]
+    for file, entries in sorted(files.items()):
+        lines.append(f"    {file}: {len(entries)} tensors, {_gb(sum(r.nbytes for _, r in entries))}")
+        if verbose:
+            lines += [f"      {name} {list(ref.shape)} {str(ref.dtype).removeprefix('torch.')}"
+                      for name, ref in sorted(entries)]
+    return lines
+
+
+def describe_hf_model(model, verbose: bool = False) -> list[str]:
+    config = json.loads((Path(model.path) / "config.json").read_text())
+    archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
+    lines = [f"{model.path}: HF model dir, model_type {config.get('model_type')!r} ({archs})"]
+    arch = [f"{k}={config[k]}" for k in HF_ARCH_KEYS if config.get(k) is not None]
+    lines.append(f"  architecture (config.json): {', '.join(arch) or 'none of the usual keys'}")
+    lines.append(f"  dtype (config.json): {config.get('dtype') or config.get('torch_dtype')}")
+    lines.append(f"  tensors: {len(model.tensors)} ({_dtypes(model.tensors.values())}), in layers "
+                 f"{_layers(model.tensors)}")
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(model.skipped.items()))
+    if skipped:
+        lines.append(f"  not weights (skipped by a merge): {skipped}")
+    lines += _per_file(model.tensors, verbose)
+    return lines
+
+
+def describe_peft_adapter(adapter, verbose: bool = False) -> list[str]:
+    config = adapter.config
+    lines = [f"{adapter.path}: PEFT {config.get('peft_type')} adapter (PEFT {config.get('peft_version', 'version not recorded')}), "
+             f"base model {config.get('base_model_name_or_path') or 'not named'}"]
+    targets = config.get("target_modules")
+    targets = targets if isinstance(targets, str) else sorted(targets or [])
+    lines.append(f"  LoRA: r={config.get('r')} lora_alpha={config.get('lora_alpha')}, target_modules={targets}"
+                 + "".join(f", {k}={config[k]}" for k in PEFT_KEYS if config.get(k) not in (None, False, "none", {}, [])))
+    projections = Counter(name.removesuffix(".weight").rsplit(".", 1)[-1] for name in adapter.factors)
+    ranks = sorted({f.r for f in adapter.factors.values()})
+    scales = sorted({f.scale for f in adapter.factors.values()})
+    lines.append(f"  adapted modules: {len(adapter.factors)} ({', '.join(f'{p} x{n}' for p, n in sorted(projections.items()))})"
+                 f" in layers {_layers(adapter.factors)}; rank {ranks}, scale {', '.join(f'{s:g}' for s in scales)}")
+    if adapter.biases:
+        lines.append(f"  trained biases: {len(adapter.biases)} (they replace the base's)")
+    refs = {f"{name} lora_{ab}": ref for name, f in adapter.factors.items() for ab, ref in (("A", f.a), ("B", f.b))}
+    refs.update(adapter.biases)
+    lines.append(f"  tensors: {len(refs)} ({_dtypes(refs.values())})")
+    lines += _per_file(refs, verbose)
+    if verbose:
+        lines.append("  modules (weight adapted: r, scale):")
+        lines += [f"    {name}: r={f.r}, scale {f.scale:g}" for name, f in sorted(adapter.factors.items())]
+    return lines
+
+
+def describe(ckpt: Checkpoint, verbose: bool = False) -> list[str]:
     args = ckpt.args
     lines = [f"{ckpt.path}: {ckpt.format} Megatron checkpoint, iteration {ckpt.iteration}"]
     others = sorted(p.name for p in Path(ckpt.path).glob("iter_*") if p.is_dir() and not p.name.endswith(
@@ -60,4 +168,10 @@ def describe(ckpt: Checkpoint) -> list[str]:
     lines.append(f"  files: {len(ckpt.files)}, {_gb(total)} of tensors")
     for file, count, nbytes in ckpt.files:
         lines.append(f"    {file}: {count} tensors, {_gb(nbytes)}")
+    if verbose:
+        lines.append("  parameters (shape of each piece):")
+        lines += [f"    {name} {[list(r.shape) for r in refs]} {str(refs[0].dtype).removeprefix('torch.')}"
+                  for name, refs in sorted(ckpt.params.items())]
+        lines += [f"    {module} lora_A {[list(r.shape) for r in m.a]} lora_B {[list(r.shape) for r in m.b]}"
+                  for module, m in sorted(ckpt.lora.items())]
     return lines

@@ -7,18 +7,20 @@ from __future__ import annotations
 import sys
 
 from lora_merge.allocator import reuse_freed_chunks
+from lora_merge.console import Console
 from lora_merge.interrupts import RECEIVED, Interrupted, ignore_signals, signals_raise
 
 
 def main() -> int:
+    console = Console()  # only interruptions are reported here; the command's own options set its Console
     with signals_raise():
         try:
             from lora_merge.cli import main as run
         except Interrupted as exc:
-            print(f"lora-merge: interrupted by {exc.name} while starting; no output was written", file=sys.stderr)
+            console.interrupted(f"interrupted by {exc.name} while starting; no output was written")
             return exc.exit_code
         except KeyboardInterrupt:
-            print("lora-merge: interrupted while starting; no output was written", file=sys.stderr)
+            console.interrupted("interrupted while starting; no output was written")
             return 130
         except BaseException:
             # A library caught the signal's exception inside an import and failed otherwise (a half-imported
@@ -27,7 +29,7 @@ def main() -> int:
                 raise
         if RECEIVED:  # raised inside an import that swallowed it
             exc = Interrupted(RECEIVED[0])
-            print(f"lora-merge: interrupted by {exc.name} while starting; no output was written", file=sys.stderr)
+            console.interrupted(f"interrupted by {exc.name} while starting; no output was written")
             return exc.exit_code
         reuse_freed_chunks()
         code = run()

@@ -89,7 +89,7 @@ def test_verify_export_and_inspect(tmp_path, merged_fixture):
     ("export_adapter", dict(lora=None), "lora is missing"),
     ("export_adapter", dict(out=None), "out is missing: expected the path of the adapter dir"),
     ("verify", dict(out=None), "out is missing: expected the path of the merged HF model dir"),
-    ("inspect", dict(checkpoint=None), "checkpoint is missing: expected the path of a Megatron checkpoint dir"),
+    ("inspect", dict(checkpoint=None), "checkpoint is missing: expected the path of a Megatron checkpoint, HF model or PEFT adapter dir"),
 ])
 def test_missing_or_mistyped_arguments_raise_merge_error(tmp_path, function, kwargs, expected):
     given = {"merge": dict(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o"),
