@@ -74,7 +74,7 @@ def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
         adapter.warnings[:0] = warnings
         return adapter
     if arch.name == "qwen2_moe":
-        warnings.append("PEFT (0.21) does not convert per-expert qwen2_moe adapters onto transformers 5's fused "
+        warnings.append("PEFT (0.20 and later) does not convert per-expert qwen2_moe adapters onto transformers 5's fused "
                         "experts and drops them without an error; load this adapter with vLLM, or export with "
                         "--expert-format fused for PEFT")
     if arch.name in PEFT_REMAPS_EVERY_MLP_TARGET:
@@ -191,7 +191,7 @@ def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arc
     if not dropped:
         return []
     shown = ", ".join(_module_label(k) for k in dropped[:3]) + (" …" if len(dropped) > 3 else "")
-    return [f"PEFT (0.21) on transformers 5 turns every {'/'.join(sorted(expert_leaves))} target of a {arch.name} "
+    return [f"PEFT (0.20 and later) on transformers 5 turns every {'/'.join(sorted(expert_leaves))} target of a {arch.name} "
             f"model into a routed-expert parameter, so it drops the LoRA of {len(dropped)} dense-MLP and shared-expert "
             f"modules of this adapter without an error ({shown}); vLLM and transformers 4 load them. The merged "
             "model (lora-merge without export-adapter) has them, and --expert-format fused writes them in a form PEFT "

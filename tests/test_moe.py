@@ -188,7 +188,7 @@ def test_per_expert_qwen2_moe_adapter_warns_that_peft_drops_it(tmp_path, capsys)
     assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
                  str(tmp_path / "adapter")]) == 0
     err = capsys.readouterr().err
-    assert "warning: PEFT (0.21) does not convert per-expert qwen2_moe adapters" in err and "--expert-format fused" in err
+    assert "warning: PEFT (0.20 and later) does not convert per-expert qwen2_moe adapters" in err and "--expert-format fused" in err
 
 
 def test_every_parameter_says_how_it_was_split():
