@@ -15,7 +15,7 @@ import ctypes
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 64 << 20  # above any merge chunk (merge_plan.CHUNK_BYTES of float32)
+MMAP_THRESHOLD = 64 << 20  # above any merge chunk (merge_pipeline.CHUNK_BYTES of float32)
 TRIM_THRESHOLD = 256 << 20
 
 

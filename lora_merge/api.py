@@ -28,7 +28,8 @@ from lora_merge.describe import describe_dir
 from lora_merge.errors import MergeError
 from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapter, write_adapter
 from lora_merge.lora import LoraSettings, resolve_settings
-from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, execute
+from lora_merge.merge_pipeline import execute
+from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets
 from lora_merge.hf_config import read_hf_config
 from lora_merge.megatron_args import check_against_args
 from lora_merge.model_shape import DTYPES, ModelShape
@@ -155,6 +156,12 @@ def _lora_alpha(value) -> float | None:
     return value
 
 
+def _workers(value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise MergeError(f"workers={value!r}: expected a whole number of at least 1, or None for every core")
+    return value
+
+
 def _callable(value, name: str, optional: bool = False):
     if not (callable(value) or (optional and value is None)):
         raise MergeError(f"{name}={value!r}: expected a function" + (" or None" if optional else ""))
@@ -174,7 +181,7 @@ def _dtype_choice(value: str) -> str:
 def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
-          progress: Callable[[int, int], None] | None = None,
+          workers: int | None = None, progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
     opts = SimpleNamespace(base=_path(base, "base", BASE), lora=_required(lora, "lora", LORA),
@@ -183,7 +190,8 @@ def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: 
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                            allow_partial_lora=allow_partial_lora, force=force, verify=verify,
                            report=_path(report, "report", "a file"), dry_run=dry_run, sha256=bool(sha256),
-                           progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
+                           workers=_workers(workers), progress=_callable(progress, "progress", optional=True),
+                           warn=_callable(warn, "warn"))
     return run_merge(opts)
 
 
@@ -380,7 +388,8 @@ def run_merge(opts) -> MergeResult:
         background = BackgroundWriter(writer.write)
         try:
             try:
-                execute(plan, background.write, progress.update if progress is not None else None)
+                execute(plan, background.write, progress.update if progress is not None else None,
+                        workers=getattr(opts, "workers", None))
             finally:
                 background.close()
             files = writer.finish()

@@ -81,6 +81,16 @@ def _lora_options(p: argparse.ArgumentParser) -> None:
     _output_options(p)
 
 
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="lora-merge",
@@ -113,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sha256", dest="sha256", action="store_false", help="do not hash the output files (the "
                    "model card and --report then give no sha256); hashing costs ~1 CPU-second per 1.3 GB, which "
                    "slows a merge only where cores are few")
+    p.add_argument("--workers", type=_workers, default=None, metavar="N", help="threads merging pieces side by side "
+                   "(default: the cores this process may use, at most 16); the output is the same for any N")
     p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
     p.add_argument("--allow-partial-lora", action="store_true", help="merge even though some layers lack LoRA "
                    "weights for a target (by default that stops the merge: the checkpoint looks incomplete)")

@@ -1,12 +1,11 @@
-"""The merge itself: plan every output tensor from the layout table (checking every shape before any
-data is read), then stream: read pieces → un-shard → apply LoRA → HF names → writer.
+"""The merge plan: every output tensor planned from the layout table, every shape checked before any data
+is read; `merge_pipeline` then streams it: read pieces → un-shard → apply LoRA → HF names → writer.
 
 A task is one Megatron parameter, from however many pieces (rank files, torch_dist chunks, a singleton
 save's weight_w and weight_v), becoming however many HF tensors its rule names."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,11 +14,10 @@ import torch
 
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
-from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.layout import AsStored, Rule, Skip, check_shards, single
-from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors, merge_weight
+from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model_shape import ModelShape
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces, release_pages
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
 from lora_merge.readers.hf_model import HfModel
 from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import PlannedTensor
@@ -334,122 +332,3 @@ def _module_label(module: str) -> str:
 
 
 LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-# Rows are merged and written in chunks of about this many float32 bytes, so memory stays bounded
-# however large a tensor is (a 671B model's embedding is 1.9 GB). Several chunks are in flight at once
-# (queued for the writer and the hasher): at DeepSeek-V3 shapes 8 MB gave a peak RSS of 355-363 MB where
-# 64 MB gave 590-644 MB, at the same speed and CPU time (three alternating runs each).
-CHUNK_BYTES = 8 << 20
-
-
-def compute_threads() -> int:
-    """torch intra-op threads for the merge: the cores the checker and writer threads leave. More would
-    spin-wait against them (on 2 cores torch's default doubled the CPU time of a run)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 2)
-
-
-def execute(plan: MergePlan, write, progress=None) -> None:
-    """Run the plan, calling `write(name, rows, then)` for each HF tensor in plan order, in row pieces;
-    `then` (or None) is to be called once those rows are written. The CRC32 of every archive member read
-    is checked alongside; a mismatch fails the run (before the caller publishes anything)."""
-    threads = torch.get_num_threads()
-    checker = None
-    try:  # the caller's thread count comes back however this ends, a checker that fails to start included
-        torch.set_num_threads(min(threads, compute_threads()))
-        checker = RecordChecker(list(_crc_jobs(plan)))
-        due = 0
-        for task in plan.tasks:
-            checker.advance(due)
-            due += sum(ref.nbytes for ref in task.pieces)
-            _execute_task(plan, task, write, progress)
-        checker.finish()
-    finally:
-        if checker is not None:
-            checker.stop()
-        torch.set_num_threads(threads)
-
-
-def _crc_jobs(plan: MergePlan):
-    replicas = {}
-    for pair in plan.replicas:
-        replicas.setdefault(id(pair[0]), []).append(pair)
-    due = 0
-    for task in plan.tasks:
-        refs = (task.lora.refs if task.lora is not None else ()) + task.pieces.refs
-        yield due, refs, [pair for ref in refs for pair in replicas.pop(id(ref), [])]
-        due += sum(ref.nbytes for ref in task.pieces)
-    yield due, [], [pair for pairs in replicas.values() for pair in pairs]  # copies of skipped tensors
-
-
-def _execute_task(plan: MergePlan, task: Task, write, progress) -> None:
-    shape = plan.shape
-    where = f"{task.megatron} ({task.pieces[0].where})"
-    blocks = task.rule.hf_blocks([ref.load() for ref in task.pieces], shape, where, task.pieces.is_global)
-    if task.lora is not None:
-        factors = {name: (b, a, plan.settings.scale)
-                   for name, (b, a) in hf_factors(task.rule, task.lora, shape, task.lora_module).items()}
-    else:
-        factors = {name: (f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
-    for planned in task.outputs:
-        name = planned.name[len(task.hf_prefix):]
-        for piece, then in _pieces(blocks[name], factors.get(name), plan, planned, task.pieces.mapped):
-            write(planned.name, piece, then)
-            if progress is not None:
-                progress(piece.nbytes)
-    del blocks
-    delta = tuple(ref for f in (task.delta or {}).values() for ref in (f.a, f.b))
-    for ref in task.pieces.refs + (task.lora.refs if task.lora is not None else ()) + delta:
-        ref.release()  # replicated copies on other ranks, and the LoRA factors' pages
-
-
-def _release_all(views) -> None:
-    for view in views:
-        release_pages(view)
-
-
-def _pieces(blocks, factors, plan: MergePlan, planned: PlannedTensor, mapped: bool):
-    """(rows, then) pieces of one HF tensor in output dtype, merged with its LoRA factors if it has them.
-
-    Each piece covers at most CHUNK_BYTES of float32, and the checkpoint pages it came from are released
-    as soon as they are no longer needed, so resident memory stays at a few chunks.
-    """
-    name, dtype = planned.name, planned.dtype
-    offset = 0
-    for block in blocks:
-        step = max(1, CHUNK_BYTES // (4 * block.row_numel))
-        for start in range(0, block.rows, step):
-            stop = min(start + step, block.rows)
-            sources = [part[start:stop] for part in block.parts]
-            damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
-                       "the checkpoint is damaged or training diverged")
-            if factors is None:
-                for source in sources:
-                    check_finite(source, name, damaged)
-            if factors is None and len(sources) == 1 and sources[0].dtype == dtype:
-                # unchanged bytes: straight from the mapped checkpoint to the file, released once written
-                yield sources[0], (lambda views=sources: _release_all(views)) if mapped else None
-                continue
-            rows = block.take(start, stop)
-            if factors is None:
-                piece = rows.to(dtype)
-                check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose "
-                             "--dtype bfloat16 or float32")
-            else:
-                # NaN/Inf in W carries into W + ΔW, so the merged rows are checked once; only if they fail is
-                # the source checked, to say which of the two is at fault.
-                b, a, scale = factors
-                try:
-                    piece = merge_weight(rows, b[offset + start: offset + stop], a, scale, dtype, name)
-                except MergeError:
-                    for source in sources:
-                        check_finite(source, name, damaged)
-                    raise
-            if mapped:
-                _release_all(sources)
-            yield piece, None
-        offset += block.rows

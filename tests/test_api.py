@@ -143,14 +143,13 @@ def test_lora_r_and_alpha_are_type_checked(tmp_path, function, kwargs, expected)
 
 
 def test_a_failing_merge_restores_torch_threads(tmp_path, monkeypatch):
-    from lora_merge import merge_plan
+    from lora_merge import merge_pipeline
 
     def broken(jobs):
         raise RuntimeError("checker failed to start")
 
     threads = torch.get_num_threads()
-    monkeypatch.setattr(merge_plan, "compute_threads", lambda: 1)
-    monkeypatch.setattr(merge_plan, "RecordChecker", broken)
+    monkeypatch.setattr(merge_pipeline, "RecordChecker", broken)
     torch.set_num_threads(2)
     try:
         with pytest.raises(RuntimeError, match="checker failed to start"):
