@@ -34,6 +34,8 @@ def main() -> int:
         reuse_freed_chunks()
         code = run()
         ignore_signals()
+        from lora_merge.stage_clock import write_if_asked
+        write_if_asked()
         return code
 
 

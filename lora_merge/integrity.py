@@ -17,6 +17,7 @@ import threading
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.stage_clock import charge_thread
 from lora_merge.pages import release_pages
 
 # How far (in input bytes, in plan order) the checker may run ahead of the merge: enough to overlap,
@@ -102,6 +103,12 @@ class RecordChecker:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._check_all()
+        finally:
+            charge_thread("crc32")
+
+    def _check_all(self) -> None:
         seen = set()
         try:
             for due, refs, replicas in self._jobs:

@@ -13,6 +13,7 @@ exactly those of a one-worker run. Memory: the window holds at most 2 × workers
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -24,6 +25,7 @@ from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.lora import hf_factors, merge_weight
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.readers.checkpoint import release_pages
+from lora_merge.stage_clock import charge
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
 # Rows are merged and written in chunks of about this many float32 bytes, so memory stays bounded
@@ -100,6 +102,7 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise MergeError(f"workers={workers!r}: expected a whole number of at least 1")
     threads = torch.get_num_threads()
+    started = time.thread_time()
     checker = pool = None
     try:  # the caller's thread count comes back however this ends, a checker that fails to start included
         torch.set_num_threads(1)
@@ -127,6 +130,7 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
         if checker is not None:
             checker.stop()
         torch.set_num_threads(threads)
+        charge("dispatch", time.thread_time() - started)  # planning pieces, handing them to the writer
 
 
 def _crc_jobs(plan: MergePlan):
@@ -181,6 +185,14 @@ def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool):
 
 
 def _piece(block, start: int, stop: int, offset: int, factors, planned: PlannedTensor, mapped: bool):
+    started = time.thread_time()
+    try:
+        return _compute_piece(block, start, stop, offset, factors, planned, mapped)
+    finally:
+        charge("merge", time.thread_time() - started)
+
+
+def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: PlannedTensor, mapped: bool):
     name, dtype = planned.name, planned.dtype
     sources = [part[start:stop] for part in block.parts]
     damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "

@@ -66,20 +66,45 @@ model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dty
 model.merge_and_unload().save_pretrained(out)
 """
 
-LORA_MERGE = [str(Path(sys.executable).parent / "lora-merge")]
+# Run from the checkout (no install needed: a host with torch, safetensors and transformers is enough).
+LORA_MERGE = [sys.executable, "-m", "lora_merge"]
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+# --workers values measured for every input: "default" is the tool's own choice
+WORKER_SETTINGS = ["1", "default"]
+STAGES = ("merge", "dispatch", "writer", "io", "sha256", "crc32")
+
+
+def merge_variants(cmd: list[str], no_sha256: bool = False) -> list[tuple[str, list[str]]]:
+    """(label, command) for each worker setting (and with --no-sha256 where asked)."""
+    variants = []
+    for workers in WORKER_SETTINGS:
+        flags = [] if workers == "default" else ["--workers", workers]
+        label = f"workers {workers}"
+        variants.append((label, cmd + flags))
+        if no_sha256:
+            variants.append((label + ", --no-sha256", cmd + flags + ["--no-sha256"]))
+    return variants
 
 
 def measure(cmd: list[str]) -> dict:
-    """Run cmd in a fresh process; wall seconds, its CPU seconds (user + system) and its own peak RSS."""
+    """Run cmd in a fresh process; wall seconds, its CPU seconds (user + system) and its own peak RSS, and
+    for a lora-merge run the CPU seconds of each of its stages."""
+    stage_file = Path(f"/tmp/lora-merge-bench-stages-{os.getpid()}.json")
+    stage_file.unlink(missing_ok=True)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "LORA_MERGE_STAGE_TIMES": str(stage_file)})
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - start
     err = proc.stderr.read().decode()
     proc.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{err[-2000:]}")
-    return {"seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+    result = {"seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+    if stage_file.exists():
+        result["stages"] = json.loads(stage_file.read_text())
+        stage_file.unlink()
+    return result
 
 
 def dir_bytes(path: Path) -> int:
@@ -129,15 +154,36 @@ def copy_vs_merge(root: Path, base: Path, lora: Path, hf_ref: Path, repeat: int,
     check_free(root, in_bytes)
     merge_cmd = LORA_MERGE + ["--base", str(base), "--lora", str(lora), "--hf-ref", str(hf_ref), "--out",
                               str(root / "merged"), "--no-progress"]
-    cmds = [merge_cmd] + ([merge_cmd + ["--no-sha256"]] if no_sha256 else [])
-    copy, merges, out_bytes = copy_and_merge(root, [base, lora], cmds, repeat)
-    result |= {"input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy}
-    for key, ours in zip(["ours", "ours_no_sha256"], merges):
+    variants = merge_variants(merge_cmd, no_sha256)
+    copy, merges, out_bytes = copy_and_merge(root, [base, lora], [cmd for _, cmd in variants], repeat)
+    result |= {"input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
+    for (label, _), ours in zip(variants, merges):
         ours["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
         ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
-        result[key] = ours
+        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (out_bytes / 1e9)
+        ours["stage_cpu_s_per_gb"] = {k: v / (out_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
+        result["runs"][label] = ours
+    result["ours"] = result["runs"].get("workers default", merges[0])  # the run with the tool's defaults
     result["ratio_to_copy"] = result["ours"]["ratio_to_copy"]
     return result
+
+
+def print_runs(title: str, r: dict) -> None:
+    """One row per lora-merge run of an input: wall, ratio to the copy, CPU per GB written, cores used, RSS,
+    and each stage's CPU per GB written."""
+    print(f"\n{title}: {r['input_gb']:.2f} GB in, {r['output_gb']:.2f} GB out; copy + sync "
+          f"{r['copy']['seconds']:.1f} s ({r['copy']['cpu_seconds'] / (r['output_gb']):.2f} CPU s/GB)")
+    print("| run | wall s | / copy | CPU s | CPU s/GB | CPU / wall | peak RSS MB | " +
+          " | ".join(f"{s} s/GB" for s in STAGES) + " | other s/GB |")
+    print("|---|" + "---|" * (6 + len(STAGES) + 1))
+    for label, ours in r["runs"].items():
+        stages = ours.get("stage_cpu_s_per_gb", {})
+        other = ours["cpu_s_per_gb"] - sum(stages.values())
+        print(f"| {label} | {ours['seconds']:.1f} | {ours['ratio_to_copy']:.2f} | {ours['cpu_seconds']:.1f} | "
+              f"{ours['cpu_s_per_gb']:.2f} | {ours['cpu_seconds'] / ours['seconds']:.1f} | {ours['peak_rss_mb']:.0f} | " +
+              " | ".join(f"{stages.get(s, 0.0):.2f}" for s in STAGES) + f" | {other:.2f} |")
+    print("every run, s: copy " + ", ".join(f"{x:.1f}" for x in r["copy"]["all_seconds"]) +
+          "".join(f"; {label} " + ", ".join(f"{x:.1f}" for x in ours["all_seconds"]) for label, ours in r["runs"].items()))
 
 
 def check_free(root: Path, in_bytes: int) -> None:
@@ -212,23 +258,33 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
     return result
 
 
-def print_deepseek(r: dict, shape: list[str]) -> None:
-    label = "DeepSeek-V3 shapes" + (f" ({' '.join(shape)})" if shape else "")
-    print("| model | merge | input GB | output GB | copy + sync s | lora-merge s | / copy | GB/s (read+write) | "
-          "lora-merge CPU s | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    runs = [("default", r["ours"])] + ([("--no-sha256", r["ours_no_sha256"])] if "ours_no_sha256" in r else [])
-    for flag, ours in runs:
-        print(f"| {label} | {flag} | {r['input_gb']:.2f} | {r['output_gb']:.2f} | {r['copy']['seconds']:.1f} | "
-              f"{ours['seconds']:.1f} | {ours['ratio_to_copy']:.2f} | {ours['gb_per_s']:.2f} | "
-              f"{ours['cpu_seconds']:.1f} | {ours['peak_rss_mb']:.0f} |")
-    print(f"generated in {r['generate_seconds']:.0f} s; every run, s: copy " +
-          ", ".join(f"{x:.1f}" for x in r["copy"]["all_seconds"]) +
-          "".join(f"; lora-merge {flag} " + ", ".join(f"{x:.1f}" for x in ours["all_seconds"]) for flag, ours in runs))
-    for flag, ours in runs:
-        print(f"targets ({flag}): lora-merge <= 1.2x copy: {'met' if ours['ratio_to_copy'] <= 1.2 else 'MISSED'} "
+def print_targets(title: str, r: dict) -> None:
+    print(f"generated in {r['generate_seconds']:.0f} s")
+    for label, ours in r["runs"].items():
+        print(f"targets ({title}, {label}): <= 1.2x copy: {'met' if ours['ratio_to_copy'] <= 1.2 else 'MISSED'} "
               f"({ours['ratio_to_copy']:.2f}x); peak RSS <= 1 GB: {'met' if ours['peak_rss_mb'] <= 1024 else 'MISSED'} "
               f"({ours['peak_rss_mb']:.0f} MB)")
+
+
+def scaling(args) -> list[dict]:
+    """Dense 32B, MoE (Qwen3-30B-A3B) and DeepSeek-V3 layer shapes, each merged at every --workers setting
+    alternately with a copy of the same bytes: the table the README reports for a many-core host."""
+    results = []
+    for title, run in (
+            (f"dense, DeepSeek-R1-Distill-Qwen-32B layer shapes, {args.layers[0]} layers, TP=4",
+             lambda: bench(args.layers[0], args.workdir, True, args.repeat, preset=args.preset)),
+            (f"MoE, Qwen3-30B-A3B layer shapes, {args.layers[0]} layers, EP=4",
+             lambda: bench(args.layers[0], args.workdir, True, args.repeat, "sequential")),
+            ("DeepSeek-V3 layer shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "")
+             + ", 2 layers, EP=8, torch_dist base",
+             lambda: bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape))):
+        r = run()
+        r["title"] = title
+        print_runs(title, r)
+        print_targets(title, r)
+        results.append(r)
+        sys.stdout.flush()
+    return results
 
 
 def main() -> None:
@@ -247,14 +303,27 @@ def main() -> None:
                    "shapes; the adapter exported from the synthetic LoRA), against PEFT's own merge of the same two dirs")
     p.add_argument("--preset", default="qwen32b", help="dense layer shapes (synthetic_checkpoint.py --preset); "
                    "'small' for a quick check of the script")
+    p.add_argument("--workers", nargs="+", default=WORKER_SETTINGS, metavar="N|default",
+                   help="the --workers settings measured for every input (default: 1 default)")
+    p.add_argument("--scaling", action="store_true", help="dense, MoE and DeepSeek-V3 shapes in one run, each at "
+                   "every --workers setting (--layers: the first value; --deepseek-shape applies)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
+    WORKER_SETTINGS[:] = args.workers
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.scaling:
+        results = scaling(args)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     if args.moe + args.deepseek + args.peft > 1:
         p.error("--moe, --deepseek and --peft are separate benchmarks")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.deepseek:
         r = bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape)
-        print_deepseek(r, args.deepseek_shape)
+        title = "DeepSeek-V3 shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "")
+        print_runs(title, r)
+        print_targets(title, r)
         if args.json:
             args.json.write_text(json.dumps([r], indent=2))
         return
@@ -278,6 +347,8 @@ def main() -> None:
             a, b = rows[0]["ours"]["peak_rss_mb"], rows[-1]["ours"]["peak_rss_mb"]
             print(f"{layout or 'dense'}: peak RSS growth from {rows[0]['layers']} to {rows[-1]['layers']} layers: "
                   f"{100 * (b - a) / a:+.1f}%")
+    for r in results:
+        print_runs(f"{r['layout']}, {r['layers']} layers", r)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -14,6 +14,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    from synthetic_values import normal_like
+except ImportError:  # imported as scripts.<module>
+    from scripts.synthetic_values import normal_like
+
 PRESETS = {
     # DeepSeek-R1-Distill-Qwen-32B layer shapes
     "qwen32b": dict(hidden=5120, heads=40, groups=8, ffn=27648, vocab=152064),
@@ -34,8 +39,11 @@ def _args(d, layers, tp, pp, dtype, padded_vocab, lora_r=None, lora_alpha=None):
     )
 
 
+_drawn = iter(range(1 << 62))  # each tensor its own slice of the value pool
+
+
 def _rand(gen, *shape, dtype, std=0.02):
-    return (torch.randn(*shape, generator=gen) * std).to(dtype)
+    return normal_like(shape, dtype, std, key=next(_drawn))
 
 
 def write_checkpoint(out: Path, preset: str = "qwen32b", layers: int = 2, tp: int = 4, pp: int = 1,
@@ -71,8 +79,8 @@ def write_checkpoint(out: Path, preset: str = "qwen32b", layers: int = 2, tp: in
                                   "mlp.linear_fc1": ((r, d["hidden"]), (2 * d["ffn"] // tp, r)),
                                   "mlp.linear_fc2": ((r, d["ffn"] // tp), (d["hidden"], r))}
                         for module, (a_shape, b_shape) in shapes.items():
-                            model[f"{pre}{module}.lora_A.default.weight"] = (torch.randn(*a_shape) * 0.02).to(dtype)
-                            model[f"{pre}{module}.lora_B.default.weight"] = (torch.randn(*b_shape) * 0.02).to(dtype)
+                            model[f"{pre}{module}.lora_A.default.weight"] = normal_like(a_shape, dtype, key=next(_drawn))
+                            model[f"{pre}{module}.lora_B.default.weight"] = normal_like(b_shape, dtype, key=next(_drawn))
                             model[f"{pre}{module}.lora_B.default._extra_state"] = None
                 if kind == "base" and p == 0:
                     model["embedding.word_embeddings.weight"] = _rand(gen, padded // tp, d["hidden"], dtype=dtype)

@@ -52,6 +52,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+try:
+    from synthetic_values import normal_like
+except ImportError:  # imported as scripts.<module>
+    from scripts.synthetic_values import normal_like
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import (
     _StorageWriterTransforms,
@@ -100,13 +105,8 @@ def _gen(seed: int, *parts) -> torch.Generator:
 
 
 def _value(seed: int, key: str, offsets, sizes, dtype, kind: str) -> torch.Tensor:
-    g = _gen(seed, key, tuple(offsets))
-    t = torch.empty(tuple(sizes), dtype=dtype)
-    if kind == "norm":
-        return t.normal_(1.0, 0.05, generator=g)
-    if kind == "bias":
-        return t.normal_(0.0, 0.05, generator=g)
-    return t.normal_(0.0, 0.02, generator=g)
+    std, mean = {"norm": (0.05, 1.0), "bias": (0.05, 0.0)}.get(kind, (0.02, 0.0))
+    return normal_like(sizes, dtype, std, mean, key=(seed, key, tuple(offsets)))
 
 
 # --- the model's sharded state dict, in Megatron's order ------------------------------------------------
@@ -457,7 +457,7 @@ ROW_PARALLEL = ("linear_proj", "linear_fc2")  # their lora_A is a RowParallelLin
 
 def lora_value(seed: int, name: str, shape) -> torch.Tensor:
     """Factor values depend only on the GLOBAL module (dense LoRA repeated identically in every EP file)."""
-    return torch.empty(shape, dtype=BF16).normal_(0.0, 0.02, generator=_gen(seed, "lora", name))
+    return normal_like(shape, BF16, key=(seed, "lora", name))
 
 
 def global_module(d: dict, ep: int, rank: int, name: str) -> str:

@@ -19,6 +19,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    from synthetic_values import normal_like
+except ImportError:  # imported as scripts.<module>
+    from scripts.synthetic_values import normal_like
+
 SHAPES = dict(hidden=2048, heads=32, groups=4, head_dim=128, experts=128, ffn=768, vocab=151936)
 
 
@@ -37,8 +42,11 @@ def _args(d, layers, ep, padded, grouped, lora):
     )
 
 
+_drawn = iter(range(1 << 62))  # each tensor its own slice of the value pool
+
+
 def _rand(*shape):
-    return torch.empty(*shape, dtype=torch.bfloat16).normal_(0, 0.02)
+    return normal_like(shape, torch.bfloat16, key=next(_drawn))
 
 
 def write_checkpoint(out: Path, layers: int = 2, ep: int = 4, layout: str = "grouped", r: int = 8) -> dict:

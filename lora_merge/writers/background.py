@@ -9,18 +9,27 @@ from __future__ import annotations
 import queue
 import threading
 
+from lora_merge.stage_clock import charge_thread
+
 
 class OrderedWorker:
     """Runs submitted calls one after another, in order, on a thread of its own. After a call fails the
     rest are skipped, and the failure is raised to the submitting thread at its next submit or close."""
 
     def __init__(self, name: str, depth: int):
+        self.name = name
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            charge_thread(self.name.removeprefix("lora-merge-"))
+
+    def _serve(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
