@@ -149,20 +149,27 @@ def _open_regular(path: Path) -> int:
         raise MergeError(f"{path}: broken symlink (to {os.readlink(path)}); the reference file cannot be copied "
                          "to the output: restore it or remove the link")
     try:
+        _require_regular(path, os.stat(path).st_mode)  # a socket cannot even be opened
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise MergeError(f"{path}: cannot be read ({exc.strerror or exc}); the reference file must be readable "
                          "to be copied") from exc
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        _require_regular(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def _require_regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
         kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
                 "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "not a regular file")
+                else "of an unknown kind")
         raise MergeError(f"{path}: {kind}, not a regular file; every non-weight file of the reference is copied "
                          "to the output: replace it with the file, or remove it")
-    os.set_blocking(fd, True)
-    return fd
 
 
 def _checked_size(path: Path) -> int:
