@@ -339,15 +339,13 @@ def _inside(path: Path | None, directory: Path) -> bool:
     return path is not None and os.path.realpath(path.parent) == os.path.realpath(directory)
 
 
-def _base_model(opts, inp: Inputs, reference: Path) -> str | None:
-    """The Hub id for the card's base_model (and the adapter's base_model_name_or_path); warns once when
-    only local paths are known."""
+def _base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | None]:
+    """The Hub id for the card's base_model (and the adapter's base_model_name_or_path), and the warning to
+    give once the output is published when only local paths are known (it is about the published card, and
+    would only clutter a failure)."""
     explicit = checked_base_model_id(getattr(opts, "base_model_id", None))
     hf_base = inp.base.path if isinstance(inp.base, HfModel) else None
-    found, warning = resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
-    if warning:
-        opts.warn(warning)
-    return found
+    return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
 
 
 def _reference_files(opts, reference: Path) -> ReferenceFiles:
@@ -371,6 +369,7 @@ class VerificationFailed(MergeError):
 
 def run_merge(opts) -> MergeResult:
     started = time.monotonic()
+    checked_base_model_id(getattr(opts, "base_model_id", None))  # a usage error, before any work
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
@@ -385,7 +384,7 @@ def run_merge(opts) -> MergeResult:
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     for note in plan.notes:
         opts.warn(note)
-    base_model = _base_model(opts, inp, opts.hf_ref)
+    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     hf_config = {**inp.hf_config, **plan.config_changes}
     writer_plan = plan.tensors
     if opts.dry_run:
@@ -438,7 +437,8 @@ def run_merge(opts) -> MergeResult:
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
                                                      ref_files))
-
+    if base_model_warning:
+        opts.warn(base_model_warning)
     return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
                        dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
                        lora_modules=plan.merged_modules, r=inp.settings.r, alpha=inp.settings.alpha,
@@ -452,6 +452,7 @@ def run_export(opts) -> ExportResult:
     if is_peft_adapter_dir(opts.lora):
         raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
                          "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
+    checked_base_model_id(getattr(opts, "base_model_id", None))
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
@@ -465,7 +466,7 @@ def run_export(opts) -> ExportResult:
     tensors = adapter.tensors
     for warning in adapter.warnings:
         opts.warn(warning)
-    base_model = _base_model(opts, inp, opts.hf_ref)
+    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     with StagedOutput(opts.out, opts.force, inputs) as stage:
@@ -478,6 +479,8 @@ def run_export(opts) -> ExportResult:
         files.append("README.md")
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hashes, None))
+    if base_model_warning:
+        opts.warn(base_model_warning)
     return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
                         bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
                         target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,
@@ -498,7 +501,8 @@ def run_verify(opts) -> VerifyReport:
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=None if hf_base else inp.base)
     # The reference's files as the merge copied them (the merge copies from --hf-ref only, never from --base).
-    report.problems += check_output_files(out, reference_files(opts.hf_ref) if opts.hf_ref else None, card=True)
+    report.problems += check_output_files(out, reference_files(opts.hf_ref) if opts.hf_ref else None, card=True,
+                                          known=report.problems)
     if opts.report:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
         write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report),

@@ -454,13 +454,14 @@ MAX_CARD_BYTES = 64 << 20
 COMPARE_CHUNK = 1 << 20
 
 
-def check_output_files(out_dir: Path, reference, card: bool) -> list[str]:
+def check_output_files(out_dir: Path, reference, card: bool, known: list[str] = ()) -> list[str]:
     """Problems with the output's non-tensor files, one line each.
 
     `reference` (hf_files.ReferenceFiles): every file the merge copies from it must be in the output, a
     regular file byte-identical to the reference's (config.json is the output's own, checked through the
     config). `card`: every file the model card lists must be there with the sha256 the card gives, and
     nothing else may be (a tokenizer file added or replaced after the merge changes what the model does).
+    `known`: problems already found; a file one of them names gets no second line for the same cause.
     """
     problems = []
     if reference is not None:
@@ -469,7 +470,8 @@ def check_output_files(out_dir: Path, reference, card: bool) -> list[str]:
             if problem:
                 problems.append(problem)
     if card:
-        problems += _check_card(out_dir)
+        seen = {k.split(": ", 1)[0] for k in known}  # the path each known problem starts with
+        problems += [p for p in _check_card(out_dir) if p.split(": ", 1)[0] not in seen]
     return problems
 
 
