@@ -293,3 +293,17 @@ def test_a_report_inside_the_output_named_like_a_reference_file_is_refused(tmp_p
     out.mkdir()
     fails(copied_args(root, out) + ["--no-progress", "--force", "--report", str(out / "LICENSE")], capsys,
           "the output holds the reference's LICENSE under that name")
+
+
+def test_the_report_of_an_earlier_run_in_the_reference_is_not_copied(tmp_path, capsys):
+    """An output of lora-merge used as a reference: its card names its --report, which describes another run."""
+    first = tmp_path / "first"
+    assert main(copied_args(FIXTURES / NAME, first) + ["--no-progress", "--report", str(first / "run.json")]) == 0
+    root = copy_fixture(NAME, tmp_path)
+    args = copied_args(root, tmp_path / "second") + ["--no-progress", "--report", str(tmp_path / "r.json")]
+    args[args.index("--hf-ref") + 1] = str(first)
+    assert main(args) == 0
+    assert "run.json (the --report of the lora-merge run that wrote the reference" in capsys.readouterr().err
+    assert not (tmp_path / "second" / "run.json").exists()
+    left_out = json.loads((tmp_path / "r.json").read_text())["reference_files"]["left_out"]
+    assert set(left_out) == {"run.json", "README.md", "config.json", "model.safetensors"}

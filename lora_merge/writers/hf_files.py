@@ -50,11 +50,13 @@ REASON_WEIGHTS = "weights: the output holds the merged weights, never the refere
 REASON_INDEX = "index of the reference's weights"
 REASON_ADAPTER = "a PEFT adapter's config: in the merged model it would make transformers load it as an adapter"
 REASON_HIDDEN = "hidden: repository or download metadata (.git, .gitattributes, .cache), not the model"
+REASON_OLD_REPORT = "the --report of the lora-merge run that wrote the reference (its model card says so)"
 REASON_SUBDIR = ("a subdirectory: transformers reads a model, its tokenizer and code from the top level "
                  "(subdirectories hold other formats of the unmerged weights, or the original card's files)")
 # Left-out reasons a user would not expect, printed as a note (weights, hidden files and the files the
 # output writes itself are left out as every user expects).
-NOTED = (REASON_ADAPTER, REASON_SUBDIR)
+NOTED = (REASON_ADAPTER, REASON_SUBDIR, REASON_OLD_REPORT)
+MAX_CARD_BYTES = 64 << 20  # read whole only below this (a card listing 100,000 files is ~10 MB)
 
 
 @dataclass
@@ -109,7 +111,11 @@ def reference_files(hf_dir: Path) -> ReferenceFiles:
     """What of `hf_dir` the output holds, each file checked to be a readable regular file (opened, so that a
     file that cannot be copied stops the run before any shard is written)."""
     found = ReferenceFiles(Path(hf_dir))
+    reports = _earlier_reports(found.directory)
     for name, path in _entries(found.directory):
+        if name in reports:
+            found.left_out[name] = REASON_OLD_REPORT
+            continue
         is_dir = path.is_dir()  # follows a symlink: a link to a directory is a subdirectory
         reason = _left_out_reason(name, is_dir)
         if reason is not None:
@@ -127,6 +133,19 @@ def reference_files(hf_dir: Path) -> ReferenceFiles:
         else:
             found.copied[name] = _checked_size(path)
     return found
+
+
+def _earlier_reports(directory: Path) -> set[str]:
+    """A reference that is itself an output of lora-merge may hold that run's --report: not this model's."""
+    from lora_merge.writers.model_card import card_reports
+
+    card = directory / "README.md"
+    try:
+        if not card.is_file() or card.stat().st_size > MAX_CARD_BYTES:
+            return set()
+        return card_reports(card.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return set()
 
 
 def _entries(directory: Path) -> list[tuple[str, Path]]:

@@ -153,6 +153,15 @@ def adapter_card(out_name: str, lora, settings, target_modules: list[str], hashe
     return _card(data, out_name, lines)
 
 
+def card_reports(text: str) -> set[str]:
+    """The files a card lists as written after it: the --report of the run that wrote the card."""
+    lines = text.splitlines()
+    if FILES_HEADING not in lines:
+        return set()
+    return {re.sub(r"\\(.)", r"\1", m.group(1)) for m in map(FILE_ROW.match, lines[lines.index(FILES_HEADING) + 1:])
+            if m and m.group(4)}
+
+
 def card_files(text: str) -> dict[str, str | None] | None:
     """The files a card lists under "## Files": name -> sha256 (None: not hashed, or written after the card);
     None when the card has no such list."""
