@@ -17,6 +17,7 @@ damage in the reference, which is the user's input, is an error.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,8 @@ from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.readers.peft import PeftAdapter
+from lora_merge.writers.hf_files import COPIED_SUBDIRS
+from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 64 << 20
@@ -449,8 +452,6 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
 # --- the other files: the reference's copies, and the model card's sha256 list ------------------------
 
 README = "README.md"
-# The model card lists every file of a few kB each; 64 MB is far more than 100,000 files need.
-MAX_CARD_BYTES = 64 << 20
 COMPARE_CHUNK = 1 << 20
 
 
@@ -502,16 +503,11 @@ def _compare_with_reference(path: Path, ref: Path) -> str | None:
 
 
 def _card_name_ok(name: str) -> bool:
-    from lora_merge.writers.hf_files import COPIED_SUBDIRS
-
     parts = name.split("/")
     return (len(parts) == 1 or len(parts) == 2 and parts[0] in COPIED_SUBDIRS) and all(map(_plain_file_name, parts))
 
 
 def _check_card(out_dir: Path) -> list[str]:
-    from lora_merge.writers.hf_files import COPIED_SUBDIRS
-    from lora_merge.writers.model_card import card_files
-
     card = out_dir / README
     try:
         text = _read_bounded(card, MAX_CARD_BYTES).decode("utf-8")
@@ -552,8 +548,6 @@ def _check_card(out_dir: Path) -> list[str]:
 
 
 def _sha256(path: Path) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(4 << 20), b""):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.writers.model_card import MAX_CARD_BYTES, card_reports
 
 COPY_CHUNK = 1 << 20
 
@@ -56,7 +57,6 @@ REASON_SUBDIR = ("a subdirectory: transformers reads a model, its tokenizer and 
 # Left-out reasons a user would not expect, printed as a note (weights, hidden files and the files the
 # output writes itself are left out as every user expects).
 NOTED = (REASON_ADAPTER, REASON_SUBDIR, REASON_OLD_REPORT)
-MAX_CARD_BYTES = 64 << 20  # read whole only below this (a card listing 100,000 files is ~10 MB)
 
 
 @dataclass
@@ -137,8 +137,6 @@ def reference_files(hf_dir: Path) -> ReferenceFiles:
 
 def _earlier_reports(directory: Path) -> set[str]:
     """A reference that is itself an output of lora-merge may hold that run's --report: not this model's."""
-    from lora_merge.writers.model_card import card_reports
-
     card = directory / "README.md"
     try:
         if not card.is_file() or card.stat().st_size > MAX_CARD_BYTES:

@@ -18,6 +18,7 @@ from lora_merge.errors import MergeError
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub names repositories
 # huggingface_hub's cache: HF_HOME/hub/models--ORG--NAME/snapshots/REVISION/ (a repo id never holds "--").
 CACHE_REPO = re.compile(r"^models--(.+)$")
+MAX_CARD_BYTES = 64 << 20  # read whole only below this (a card listing 100,000 files is ~10 MB)
 NOT_HASHED = "not computed (--no-sha256)"
 WRITTEN_AFTER = "written after this card (this run's --report)"
 FILES_HEADING = "## Files"

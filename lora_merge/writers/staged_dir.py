@@ -23,13 +23,12 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
-from lora_merge.writers.model_card import card_files
+from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.targets import InputPaths
 
 # What this process has published, so that an interruption or error afterwards is reported truthfully.
 PUBLISHED: list[Path] = []
 OUTPUT_MARKERS = ("config.json", "adapter_config.json")
-MAX_CARD_BYTES = 64 << 20  # a card listing 100,000 files is ~10 MB
 
 
 def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool = False) -> None:
@@ -65,19 +64,28 @@ def _check_replaceable(out: Path) -> None:
         raise MergeError(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
     names = {e.name for e in entries}
     listed = _card_listed(out)  # the reference's other files (tiktoken.model, LICENSE, ...) an output copied
-    foreign = sorted(e.name for e in entries if not (
-        e.is_file(follow_symlinks=False) and (OUTPUT_FILE.match(e.name) or e.name in listed)
-        or e.name in COPIED_SUBDIRS and e.is_dir(follow_symlinks=False)
-        and all(f"{e.name}/{inner}" in listed for inner in os.listdir(e.path))))
+    foreign = sorted(e.name for e in entries if not _output_entry(e, listed))
     if entries and (foreign or not any(name in names for name in OUTPUT_MARKERS)):
         what = f"it holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}" if foreign else "no config.json"
         raise MergeError(f"{out}: exists and does not look like an output of lora-merge ({what}); not replacing it "
                          "even with --force: remove it yourself if it is not needed")
 
 
+def _output_entry(entry: os.DirEntry, listed: set[str]) -> bool:
+    """Whether an entry of an existing directory is one a lora-merge output holds."""
+    if entry.is_file(follow_symlinks=False):
+        return bool(OUTPUT_FILE.match(entry.name)) or entry.name in listed
+    if entry.name in COPIED_SUBDIRS and entry.is_dir(follow_symlinks=False):
+        try:
+            return all(f"{entry.name}/{inner}" in listed for inner in os.listdir(entry.path))
+        except OSError:
+            return False
+    return False
+
+
 def current_umask() -> int:
-    """The process's umask, read without changing it where Linux shows it (os.umask can only read it by
-    setting it, which for a moment would apply 0 to files other threads create)."""
+    """The process's umask, read without changing it where Linux shows it (os.umask reads it only by setting
+    another, which for a moment would apply to files other threads create)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
