@@ -307,3 +307,19 @@ def test_the_report_of_an_earlier_run_in_the_reference_is_not_copied(tmp_path, c
     assert not (tmp_path / "second" / "run.json").exists()
     left_out = json.loads((tmp_path / "r.json").read_text())["reference_files"]["left_out"]
     assert set(left_out) == {"run.json", "README.md", "config.json", "model.safetensors"}
+
+
+def test_a_file_name_that_is_not_text_is_refused_unless_left_out(tmp_path, capsys):
+    from test_damaged_inputs import fails
+
+    root = copy_fixture(NAME, tmp_path)
+    ref = os.fsencode(root / "hf_ref")
+    with open(os.path.join(ref, b".cache-\xff"), "wb"):  # hidden: left out, whatever its name
+        pass
+    assert merge(root, tmp_path / "first") == 0
+    with open(os.path.join(ref, b"vocab-\xff.txt"), "wb") as f:
+        f.write(b"x")
+    out = tmp_path / "out"
+    fails(copied_args(root, out) + ["--no-progress"], capsys, "holds a file whose name is not printable text",
+          "'vocab-\\udcff.txt'")
+    assert_nothing_written(out)

@@ -129,9 +129,9 @@ def reference_files(hf_dir: Path) -> ReferenceFiles:
                 elif weight_file(inner):
                     found.left_out[relative] = REASON_WEIGHTS
                 else:
-                    found.copied[relative] = _checked_size(inner_path)
+                    found.copied[relative] = _copied_size(inner_path)
         else:
-            found.copied[name] = _checked_size(path)
+            found.copied[name] = _copied_size(path)
     return found
 
 
@@ -152,11 +152,15 @@ def _entries(directory: Path) -> list[tuple[str, Path]]:
     except OSError as exc:
         raise MergeError(f"{directory}: cannot be listed ({exc.strerror or exc}); the reference's files are "
                          "copied to the output") from exc
-    for name in names:
-        if not name.isprintable():  # also False for the surrogates that stand for non-UTF-8 bytes
-            raise MergeError(f"{directory}: holds a file whose name is not printable text ({ascii(name)}); rename "
-                             "or remove it (the output lists every file it copies by name)")
     return [(name, directory / name) for name in names]
+
+
+def _copied_size(path: Path) -> int:
+    """The size of a file to copy, once checked to be a readable regular file with a name a card can list."""
+    if not path.name.isprintable():  # also False for the surrogates that stand for non-UTF-8 bytes
+        raise MergeError(f"{path.parent}: holds a file whose name is not printable text ({ascii(path.name)}); "
+                         "rename or remove it (the output lists every file it copies by name)")
+    return _checked_size(path)
 
 
 def _open_regular(path: Path) -> int:
