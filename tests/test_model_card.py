@@ -3,6 +3,7 @@ ModelCard, base_model a Hub id (from --base-model-id, an HF cache snapshot path,
 _name_or_path) or absent with one warning, no local path in a card or in adapter_config.json, tags naming
 the inputs actually merged; the adapter dir's files have the merged output's modes."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -111,7 +112,6 @@ def test_the_adapter_card_and_config_name_the_hub_id_and_peft_loads_it(tmp_path,
     assert PeftConfig.from_pretrained(adapter).base_model_name_or_path == "Qwen/Qwen2.5-0.5B"
     listed = (adapter / "README.md").read_text()
     for name in ("adapter_model.safetensors", "adapter_config.json"):
-        import hashlib
         assert f"| {name} | `{hashlib.sha256((adapter / name).read_bytes()).hexdigest()}` |" in listed
 
     base = tmp_path / "base"
