@@ -39,10 +39,10 @@ from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
 from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
 from lora_merge.report import hash_files, report_text, write_report
-from lora_merge.verification import VerifyReport, verify_output
+from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.background import BackgroundWriter
-from lora_merge.writers.hf_files import COPIED_FILES, copy_reference_files, reference_files
-from lora_merge.writers.model_card import model_card
+from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
+from lora_merge.writers.model_card import adapter_card, checked_base_model_id, model_card, resolve_base_model
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
@@ -181,7 +181,8 @@ def _dtype_choice(value: str) -> str:
 def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
-          workers: int | None = None, progress: Callable[[int, int], None] | None = None,
+          workers: int | None = None, base_model_id: str | None = None,
+          progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
     opts = SimpleNamespace(base=_path(base, "base", BASE), lora=_required(lora, "lora", LORA),
@@ -190,14 +191,15 @@ def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: 
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                            allow_partial_lora=allow_partial_lora, force=force, verify=verify,
                            report=_path(report, "report", "a file"), dry_run=dry_run, sha256=bool(sha256),
-                           workers=_workers(workers), progress=_callable(progress, "progress", optional=True),
-                           warn=_callable(warn, "warn"))
+                           workers=_workers(workers), base_model_id=checked_base_model_id(base_model_id),
+                           progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
     return run_merge(opts)
 
 
 def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_format: str = "per-expert",
                    lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
-                   force: bool = False, report=None, warn: Callable[[str], None] = _warn_default) -> ExportResult:
+                   force: bool = False, report=None, base_model_id: str | None = None,
+                   warn: Callable[[str], None] = _warn_default) -> ExportResult:
     """Write the LoRA as an unmerged PEFT adapter at `out` (see `lora-merge export-adapter --help`)."""
     if expert_format not in EXPERT_FORMATS:
         raise MergeError(f"expert_format {expert_format!r}: expected one of {', '.join(EXPERT_FORMATS)}")
@@ -207,7 +209,8 @@ def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_
                            out=_abs(_required(out, "out", "the adapter dir")),
                            dtype=_dtype_choice(dtype), expert_format=expert_format, lora_r=_lora_r(lora_r),
                            lora_alpha=_lora_alpha(lora_alpha), allow_partial_lora=allow_partial_lora, force=force,
-                           report=_path(report, "report", "a file"), warn=_callable(warn, "warn"))
+                           report=_path(report, "report", "a file"), base_model_id=checked_base_model_id(base_model_id),
+                           warn=_callable(warn, "warn"))
     return run_export(opts)
 
 
@@ -329,8 +332,33 @@ def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | No
             found.add_tree(ckpt.path, ckpt.sources)
     for hf_dir in [hf_dirs] if isinstance(hf_dirs, Path) else hf_dirs:
         if hf_dir is not None and hf_dir.is_dir():
-            found.add_tree(hf_dir, [hf_dir / name for name in ("config.json", "model.safetensors.index.json",
-                                                               *COPIED_FILES)] + sorted(hf_dir.iterdir()))
+            found.add_tree(hf_dir, [hf_dir / name for name in ("config.json", "model.safetensors.index.json")]
+                           + sorted(hf_dir.iterdir()) + sorted(hf_dir.glob("additional_chat_templates/*")))
+    return found
+
+
+def _inside(path: Path | None, directory: Path) -> bool:
+    return path is not None and os.path.realpath(path.parent) == os.path.realpath(directory)
+
+
+def _base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | None]:
+    """The Hub id for the card's base_model (and the adapter's base_model_name_or_path), and the warning to
+    give once the output is published when only local paths are known (it is about the published card, and
+    would only clutter a failure)."""
+    explicit = checked_base_model_id(getattr(opts, "base_model_id", None))
+    hf_base = inp.base.path if isinstance(inp.base, HfModel) else None
+    return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
+
+
+def _reference_files(opts, reference: Path) -> ReferenceFiles:
+    """What of the reference the output holds; a file that cannot be copied stops the run here, before any
+    shard is written, and so does a report named like one of them."""
+    found = reference_files(reference)
+    if _inside(opts.report, opts.out) and (opts.report.name in found.copied or opts.report.name == "config.json"):
+        raise MergeError(f"{opts.report}: the output holds the reference's {opts.report.name} under that name; "
+                         "name the report e.g. merge-report.json")
+    for note in found.notes():
+        opts.warn(note)
     return found
 
 
@@ -351,11 +379,12 @@ class VerificationFailed(MergeError):
 
 def run_merge(opts) -> MergeResult:
     started = time.monotonic()
+    checked_base_model_id(getattr(opts, "base_model_id", None))  # a usage error, before any work
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
-    reference_files(opts.hf_ref)  # a broken reference file stops the run before any shard is written
+    ref_files = _reference_files(opts, opts.hf_ref)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
@@ -365,6 +394,7 @@ def run_merge(opts) -> MergeResult:
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     for note in plan.notes:
         opts.warn(note)
+    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     hf_config = {**inp.hf_config, **plan.config_changes}
     writer_plan = plan.tensors
     if opts.dry_run:
@@ -380,7 +410,8 @@ def run_merge(opts) -> MergeResult:
     remove_abandoned_staging(opts.out, inputs)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
-    check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + (64 << 20))
+    # The copied reference files count byte for byte (a tokenizer can be GBs); the margin covers config and card.
+    check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + ref_files.total_bytes + (64 << 20))
     with StagedOutput(opts.out, opts.force, inputs) as stage:
         staging = stage.dir
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=opts.sha256)
@@ -401,18 +432,23 @@ def run_merge(opts) -> MergeResult:
             reference = baseline_dir(inp, opts.hf_ref)
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
                                           reference=reference, base=None if isinstance(inp.base, HfModel) else inp.base)
+            verify_report.problems += check_output_files(staging, ref_files, card=False)  # no card yet
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)
         if opts.sha256:
             hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
         else:
             hashes = dict.fromkeys(files)  # listed, not hashed (--no-sha256)
-        (staging / "README.md").write_text(model_card(opts.out.name, inp.base, inp.lora, hf_config, inp.settings,
-                                                      str(dtype).removeprefix("torch."), plan.merged_modules, hashes))
+        later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
+        with (staging / "README.md").open("x") as f:
+            f.write(model_card(opts.out.name, inp.base, inp.lora, hf_config, inp.settings,
+                               str(dtype).removeprefix("torch."), plan.merged_modules, hashes, base_model, later))
         files.append("README.md")
         if opts.report:
-            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report))
-
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
+                                                     ref_files))
+    if base_model_warning:
+        opts.warn(base_model_warning)
     return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
                        dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
                        lora_modules=plan.merged_modules, r=inp.settings.r, alpha=inp.settings.alpha,
@@ -426,6 +462,7 @@ def run_export(opts) -> ExportResult:
     if is_peft_adapter_dir(opts.lora):
         raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
                          "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
+    checked_base_model_id(getattr(opts, "base_model_id", None))
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out)
@@ -439,12 +476,21 @@ def run_export(opts) -> ExportResult:
     tensors = adapter.tensors
     for warning in adapter.warnings:
         opts.warn(warning)
+    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     with StagedOutput(opts.out, opts.force, inputs) as stage:
-        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, inp.hf_config, opts.hf_ref))
+        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, base_model))
+        hashes = hash_files(stage.dir, files)
+        later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
+        with (stage.dir / "README.md").open("x") as f:
+            f.write(adapter_card(opts.out.name, inp.lora, inp.settings, adapter.target_modules + adapter.target_parameters,
+                                 hashes, base_model, later))
+        files.append("README.md")
         if opts.report:
-            stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(stage.dir, files), None))
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hashes, None))
+    if base_model_warning:
+        opts.warn(base_model_warning)
     return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
                         bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
                         target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,
@@ -468,6 +514,9 @@ def run_verify(opts) -> VerifyReport:
     reference = None if hf_base and inp.base.path == out else baseline_dir(inp, opts.hf_ref)
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=None if hf_base else inp.base)
+    # The reference's files as the merge copied them (the merge copies from --hf-ref only, never from --base).
+    report.problems += check_output_files(out, reference_files(opts.hf_ref) if opts.hf_ref else None, card=True,
+                                          known=report.problems)
     if opts.report:
         files = sorted(p.name for p in out.iterdir() if p.is_file())
         write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report),

@@ -91,6 +91,11 @@ def _workers(text: str) -> int:
     return value
 
 
+def _base_model_id_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-model-id", metavar="ORG/NAME", help="Hub id of the base model, for the model card's "
+                   "base_model (default: from an HF cache path of the reference, else none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="lora-merge",
@@ -131,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out (an earlier output) and --report if they exist, "
                    "only once the new output is complete; never an input")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _base_model_id_option(p)
     _lora_options(p)
     p.add_argument("--version", action="version", version=f"lora-merge {__version__}")
     return p
@@ -190,6 +196,7 @@ def build_export_parser() -> argparse.ArgumentParser:
                    "with this option leaves them) and PEFT and vLLM find every module the adapter targets")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier adapter) and --report if they exist")
     p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with merge (no progress bar here)")
+    _base_model_id_option(p)
     _lora_options(p)
     return p
 

@@ -25,6 +25,7 @@ Routed experts come in one of two namings (`EXPERT_FORMATS`):
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from lora_merge.layout import GatedColumn, RowParallel
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.writers.staged_dir import output_file_mode
 
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16
@@ -243,11 +245,14 @@ def _module_label(key: str) -> str:
     return f"layer {m.group(1)} {m.group(2)}" if m else key.removeprefix(PEFT_PREFIX)
 
 
-def adapter_config(settings: LoraSettings, adapter: Adapter, hf_config: dict, hf_ref: Path) -> dict:
+def adapter_config(settings: LoraSettings, adapter: Adapter, base_model: str | None) -> dict:
+    """`base_model`: the base model's Hub id, or None: a local path would not exist where the adapter is
+    used (and would publish the machine's layout); PEFT loads the adapter onto the model it is given either
+    way, only AutoPeftModel needs the id."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": hf_config.get("_name_or_path") or str(hf_ref),
+        "base_model_name_or_path": base_model,
         "r": settings.r,
         "lora_alpha": settings.alpha,
         "target_modules": adapter.target_modules,
@@ -269,6 +274,9 @@ def adapter_config(settings: LoraSettings, adapter: Adapter, hf_config: dict, hf
 
 
 def write_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> list[str]:
-    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = out_dir / "adapter_model.safetensors"
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.chmod(weights, output_file_mode())  # save_file creates 0600; the merged output's files follow the umask
+    with (out_dir / "adapter_config.json").open("x") as f:
+        f.write(json.dumps(config, indent=2) + "\n")
     return ["adapter_model.safetensors", "adapter_config.json"]

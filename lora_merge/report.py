@@ -35,7 +35,7 @@ def _describe(ckpt: Checkpoint | None) -> dict | None:
 
 
 def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, hashes: dict,
-                verify: VerifyReport | None) -> str:
+                verify: VerifyReport | None, reference_files=None) -> str:
     """inputs, LoRA settings, every output tensor with its source and status, every file's sha256."""
     tensors = {}
     if plan is not None:
@@ -56,6 +56,10 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
         "skipped": dict(plan.skipped) if plan is not None else {},
         "tensors": tensors,
         "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+        # What of the reference directory the output holds, and what it left out with the reason.
+        "reference_files": None if reference_files is None else {
+            "directory": str(reference_files.directory), "copied": sorted(reference_files.copied),
+            "left_out": dict(sorted(reference_files.left_out.items()))},
         "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
                                                "problems": verify.problems},
     }

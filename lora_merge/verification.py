@@ -17,6 +17,7 @@ damage in the reference, which is the user's input, is an error.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,8 @@ from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.readers.peft import PeftAdapter
+from lora_merge.writers.hf_files import COPIED_SUBDIRS
+from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 64 << 20
@@ -444,3 +447,109 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
         report.problems.append(f"{name}: differs from baseline + (alpha/r)·B·A by up to {worst:.3g}")
         return "merged value wrong"
     return "merged: baseline + (alpha/r)·B·A within one rounding"
+
+
+# --- the other files: the reference's copies, and the model card's sha256 list ------------------------
+
+README = "README.md"
+COMPARE_CHUNK = 1 << 20
+
+
+def check_output_files(out_dir: Path, reference, card: bool, known: list[str] = ()) -> list[str]:
+    """Problems with the output's non-tensor files, one line each.
+
+    `reference` (hf_files.ReferenceFiles): every file the merge copies from it must be in the output, a
+    regular file byte-identical to the reference's (config.json is the output's own, checked through the
+    config). `card`: every file the model card lists must be there with the sha256 the card gives, and
+    nothing else may be (a tokenizer file added or replaced after the merge changes what the model does).
+    `known`: problems already found; a file one of them names gets no second line for the same cause.
+    """
+    problems = []
+    if reference is not None:
+        for name in reference.copied:
+            problem = _compare_with_reference(out_dir / name, reference.directory / name)
+            if problem:
+                problems.append(problem)
+    if card:
+        seen = {k.split(": ", 1)[0] for k in known}  # the path each known problem starts with
+        problems += [p for p in _check_card(out_dir) if p.split(": ", 1)[0] not in seen]
+    return problems
+
+
+def _compare_with_reference(path: Path, ref: Path) -> str | None:
+    if not os.path.lexists(path):
+        return f"{path}: missing; the reference has {ref}"
+    if path.is_symlink() or not path.is_file():
+        return f"{path}: not a regular file; expected a copy of {ref}"
+    try:
+        with path.open("rb") as mine:
+            try:
+                theirs = ref.open("rb")
+            except OSError as exc:
+                raise MergeError(f"{ref}: cannot be read ({exc.strerror or exc}); the reference's files are "
+                                 "compared with the output's") from exc
+            with theirs:
+                offset = 0
+                while True:
+                    a, b = mine.read(COMPARE_CHUNK), theirs.read(COMPARE_CHUNK)
+                    if a != b:
+                        at = offset + next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                        return f"{path}: differs from the reference's {ref} (from byte {at})"
+                    if not a:
+                        return None
+                    offset += len(a)
+    except OSError as exc:
+        return f"{path}: cannot be read ({exc.strerror or exc})"
+
+
+def _card_name_ok(name: str) -> bool:
+    parts = name.split("/")
+    return (len(parts) == 1 or len(parts) == 2 and parts[0] in COPIED_SUBDIRS) and all(map(_plain_file_name, parts))
+
+
+def _check_card(out_dir: Path) -> list[str]:
+    card = out_dir / README
+    try:
+        text = _read_bounded(card, MAX_CARD_BYTES).decode("utf-8")
+    except Damaged as exc:
+        return [f"{card}: {exc}; the model card lists every output file with its sha256"]
+    except UnicodeDecodeError:
+        return [f"{card}: not UTF-8 text; expected the model card lora-merge wrote"]
+    listed = card_files(text)
+    if not listed:
+        return [f"{card}: no file list (a \"## Files\" table); expected the model card lora-merge wrote"]
+    problems = []
+    for name, digest in sorted(listed.items()):
+        path = out_dir / name
+        if not _card_name_ok(name):
+            problems.append(f"{card}: lists {_shown(name)}, which is not a file of this directory")
+        elif not os.path.lexists(path):
+            problems.append(f"{path}: missing; the model card lists it")
+        elif path.is_symlink() or not path.is_file():
+            problems.append(f"{path}: not a regular file; the model card lists it as one")
+        elif digest is not None:
+            try:
+                actual = _sha256(path)
+            except OSError as exc:
+                problems.append(f"{path}: cannot be read ({exc.strerror or exc})")
+                continue
+            if actual != digest:
+                problems.append(f"{path}: sha256 {actual}, the model card says {digest}: changed after the merge")
+    present = []
+    for entry in sorted(os.listdir(out_dir)):
+        if entry in COPIED_SUBDIRS and (out_dir / entry).is_dir() and not (out_dir / entry).is_symlink():
+            present += [f"{entry}/{inner}" for inner in sorted(os.listdir(out_dir / entry))]
+        elif entry != README:
+            present.append(entry)
+    for name in present:
+        if name not in listed:
+            problems.append(f"{out_dir / name}: not in the model card's file list: not written by the merge")
+    return problems
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(4 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

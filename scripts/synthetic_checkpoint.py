@@ -73,14 +73,17 @@ def write_checkpoint(out: Path, preset: str = "qwen32b", layers: int = 2, tp: in
                         model[pre + "mlp.linear_fc1.weight"] = _rand(gen, 2 * d["ffn"] // tp, d["hidden"], dtype=dtype)
                         model[pre + "mlp.linear_fc2.weight"] = _rand(gen, d["hidden"], d["ffn"] // tp, dtype=dtype)
                     else:
-                        torch.manual_seed(seed + 1000 * local + 7)  # replicated factors equal on every rank
                         shapes = {"self_attention.linear_qkv": ((r, d["hidden"]), (qkv // tp, r)),
                                   "self_attention.linear_proj": ((r, d["heads"] * head_dim // tp), (d["hidden"], r)),
                                   "mlp.linear_fc1": ((r, d["hidden"]), (2 * d["ffn"] // tp, r)),
                                   "mlp.linear_fc2": ((r, d["ffn"] // tp), (d["hidden"], r))}
                         for module, (a_shape, b_shape) in shapes.items():
-                            model[f"{pre}{module}.lora_A.default.weight"] = normal_like(a_shape, dtype, key=next(_drawn))
-                            model[f"{pre}{module}.lora_B.default.weight"] = normal_like(b_shape, dtype, key=next(_drawn))
+                            # column layers share A across TP ranks, row layers B: the same key gives the same values
+                            row = module.endswith(("linear_proj", "linear_fc2"))
+                            a_key, b_key = (seed, p, local, module, "A", t if row else None), \
+                                (seed, p, local, module, "B", None if row else t)
+                            model[f"{pre}{module}.lora_A.default.weight"] = normal_like(a_shape, dtype, key=a_key)
+                            model[f"{pre}{module}.lora_B.default.weight"] = normal_like(b_shape, dtype, key=b_key)
                             model[f"{pre}{module}.lora_B.default._extra_state"] = None
                 if kind == "base" and p == 0:
                     model["embedding.word_embeddings.weight"] = _rand(gen, padded // tp, d["hidden"], dtype=dtype)

@@ -58,12 +58,20 @@ def deny_open(monkeypatch, victim: Path) -> None:
     """Opening `victim` fails as with mode 000 (chmod alone does not stop root, which runs CI here)."""
     real_open = Path.open
 
+    real_os_open = os.open
+
     def open_(self, *args, **kwargs):
         if self == victim:
             raise PermissionError(13, "Permission denied", str(self))
         return real_open(self, *args, **kwargs)
 
+    def os_open(path, *args, **kwargs):
+        if Path(path) == victim:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_os_open(path, *args, **kwargs)
+
     monkeypatch.setattr(Path, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
 
 
 # --- the tracker file and iteration dirs -------------------------------------------------------------
@@ -150,8 +158,6 @@ def test_iteration_dir_named_with_non_ascii_digits(tmp_path, capsys, name):
 @pytest.mark.parametrize("name, damage, expected", [
     ("tokenizer_config.json", "broken symlink", "broken symlink"),
     ("modeling_custom.py", "broken symlink", "broken symlink"),
-    ("chat_template.jinja", "directory", "a directory"),
-    ("special_tokens_map.json", "directory", "a directory"),
     ("tokenizer_config.json", "unreadable", "cannot be read (Permission denied)"),
 ])
 def test_reference_file_that_cannot_be_copied(tmp_path, capsys, monkeypatch, name, damage, expected):
@@ -170,6 +176,22 @@ def test_reference_file_that_cannot_be_copied(tmp_path, capsys, monkeypatch, nam
         fails(copied_args(root, out) + ["--no-progress"], capsys, str(src), expected)
     assert_nothing_written(out)
     assert tree_state(root) == before
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "special_tokens_map.json"])
+def test_a_directory_in_the_reference_is_left_out_with_a_note(tmp_path, capsys, name):
+    """Subdirectories are never copied (transformers reads a model from the top level), whatever their name;
+    one line says so, naming it, and the output has no such entry, as the reference has no such file."""
+    root = copy_fixture(NAME, tmp_path)
+    src = root / "hf_ref" / name
+    src.unlink(missing_ok=True)
+    src.mkdir()
+    (src / "inside.txt").write_text("x")
+    out = tmp_path / "out"
+    assert main(copied_args(root, out) + ["--no-progress"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "not copied to the output" in line]
+    assert len(notes) == 1 and f"{root / 'hf_ref'}: not copied to the output: {name}/ (a subdirectory" in notes[0]
+    assert not os.path.lexists(out / name)
 
 
 def test_tokenizer_json_that_is_a_directory(tmp_path, capsys):

@@ -26,7 +26,9 @@ def test_demo_answers_a_prompt_and_leaves_nothing_behind(tmp_path):
                if line.startswith(("  base model:", "  merged model:"))}
     assert answers["merged model"] not in ("", "''") and answers["merged model"] != answers["base model"], answers
     assert "token ids []" not in out
-    assert err == "", err  # no loading bars, no library warnings
+    # no loading bars, no library warnings; the toy model has no Hub id, which lora-merge says once
+    lines = err.splitlines()
+    assert len(lines) <= 1 and all("names no Hub model" in line for line in lines), err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -73,7 +73,8 @@ def test_peft_loads_adapter_and_computes_megatron_logits(name, tmp_path, base_mo
 def test_adapter_follows_vllm_conventions(tmp_path):
     adapter = tmp_path / "adapter"
     assert export("tp2pp2_bf16_unfiltered", adapter) == 0
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # One weights file (vLLM reads no shards); README.md is the adapter's model card.
+    assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["r"] == 4 and config["lora_alpha"] == 12

@@ -55,9 +55,10 @@ def test_dry_run_merge_and_verify_with_every_input_kind(kind, base_kind, lora_ki
     base = root / "base" if base_kind == "megatron" else got["hf"]
     lora = root / "lora" if lora_kind == "megatron" else got["peft"]
     given = ["--base", base, "--lora", lora, "--hf-ref", root / "hf_ref"]
+    named = ["--base-model-id", "example-org/example-model"]  # else a warning says the card names no base model
     out, report = tmp_path / "out", tmp_path / "report.json"
 
-    code, stdout, err = _run(capsys, *given, "--out", out, "--dry-run")
+    code, stdout, err = _run(capsys, *given, *named, "--out", out, "--dry-run")
     if base_kind == "megatron" and lora_kind == "peft":  # PEFT names HF tensors: it goes onto HF weights only
         assert code == 2 and len(err) == 1 and "a PEFT adapter is merged onto an HF model" in err[0], err
         assert str(base) in err[0]
@@ -71,7 +72,7 @@ def test_dry_run_merge_and_verify_with_every_input_kind(kind, base_kind, lora_ki
         assert ("base: HF per-expert tensors" if base_kind == "hf" else "base checkpoint: ") in experts, experts
         assert ("LoRA checkpoint: " in experts) == (lora_kind == "megatron"), experts
 
-    code, stdout, err = _run(capsys, *given, "--out", out, "--no-progress", "--verify", "--report", report)
+    code, stdout, err = _run(capsys, *given, *named, "--out", out, "--no-progress", "--verify", "--report", report)
     assert code == 0 and not err and stdout[-1].endswith("(verified)"), (stdout, err)
     described = json.loads(report.read_text())["inputs"]
     assert described["base"]["format"] == ("HF" if base_kind == "hf" else "torch_dist" if kind.startswith("torch_dist")
@@ -148,10 +149,11 @@ def test_verify_of_a_peft_merge_without_base_checks_against_the_reference_weight
 def test_quiet_prints_only_errors_and_verbose_more(inputs, tmp_path, capsys):
     root = ROOTS["legacy"]
     given = ["--base", root / "base", "--lora", root / "lora", "--hf-ref", root / "hf_ref"]
+    named = ["--base-model-id", "example-org/example-model"]  # else a warning says the card names no base model
     # --lora-alpha differing from the checkpoint's is a warning: shown normally, not with -q
-    code, stdout, err = _run(capsys, *given, "--out", tmp_path / "a", "--lora-alpha", "16", "-q")
+    code, stdout, err = _run(capsys, *given, *named, "--out", tmp_path / "a", "--lora-alpha", "16", "-q")
     assert code == 0 and stdout == [] and err == [], (stdout, err)
-    code, stdout, err = _run(capsys, *given, "--out", tmp_path / "b", "--lora-alpha", "16", "--no-progress")
+    code, stdout, err = _run(capsys, *given, *named, "--out", tmp_path / "b", "--lora-alpha", "16", "--no-progress")
     assert code == 0 and len(err) == 1 and err[0].startswith("lora-merge: warning: --lora-alpha 16.0 overrides")
     assert stdout[-1].startswith("wrote 51 tensors")
     # errors still speak under -q

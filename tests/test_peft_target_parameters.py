@@ -360,7 +360,8 @@ def test_peft_loads_the_fused_deepseek_adapter_whole(name, megatron_merges, tmp_
     direct, base_dir = megatron_merges(name)
     adapter = tmp_path / "adapter"
     assert export_fused(name, adapter) == 0
-    assert "warning" not in capsys.readouterr().err
+    assert [line for line in capsys.readouterr().err.splitlines()
+            if "warning" in line and "names no Hub model" not in line] == []
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert not {"gate_proj", "up_proj", "down_proj"} & set(config["target_modules"])
     assert {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} <= set(config["target_parameters"])

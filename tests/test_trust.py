@@ -514,7 +514,9 @@ def test_unfiltered_lora_with_a_base_of_other_weights_is_refused(tmp_path, capsy
 
 def test_overrides_that_change_checkpoint_values_warn(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(merge_args("tp2_fp32_filtered", out) + ["--lora-alpha", "16", "--lora-r", "4"]) == 0
+    # --base-model-id: the card's base_model known, so the override is the only thing to warn about
+    assert main(merge_args("tp2_fp32_filtered", out) + ["--lora-alpha", "16", "--lora-r", "4",
+                                                        "--base-model-id", "org/base"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["lora-merge: warning: --lora-alpha 16.0 overrides args.lora_alpha=12 of the LoRA checkpoint"]
 

@@ -1,38 +1,177 @@
-"""The merged model's README.md: the HF model-card header (so a hub shows what it is and what it came from)
-and a provenance block — inputs, iteration, parallel layout, LoRA settings, and every output file's sha256
-(README.md itself aside: it cannot hold its own digest)."""
+"""Model cards (README.md) of the merged model and of the exported adapter: the Hub's metadata header, built
+with huggingface_hub's ModelCardData (so the Hub and `ModelCard.load` read what we meant), and a provenance
+block: inputs, iteration, parallel layout, LoRA settings, and every output file's sha256 (README.md itself
+aside: it cannot hold its own digest).
+
+Local paths stay out of the card: an input is shown by its directory's name, and `base_model` is set only
+to a Hub model id (`base_model_id`)."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 from lora_merge import __version__
+from lora_merge.errors import MergeError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub names repositories
+# huggingface_hub's cache: HF_HOME/hub/models--ORG--NAME/snapshots/REVISION/ (a repo id never holds "--").
+CACHE_REPO = re.compile(r"^models--(.+)$")
+MAX_CARD_BYTES = 64 << 20  # read whole only below this (a card listing 100,000 files is ~10 MB)
+NOT_HASHED = "not computed (--no-sha256)"
+WRITTEN_AFTER = "written after this card (this run's --report)"
+FILES_HEADING = "## Files"
+FILE_ROW = re.compile(r"^\| ((?:[^|\\]|\\.)+) \| (?:`([0-9a-f]{64})`|(" + re.escape(NOT_HASHED) + r")|("
+                      + re.escape(WRITTEN_AFTER) + r")) \|$")
 
 
-def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str, modules: int, hashes: dict) -> str:
-    source = str(hf_config.get("_name_or_path") or "")
-    header = ["---"]
-    if HUB_ID.match(source):  # a local path names no hub model
-        header.append(f"base_model: {source}")
-    header += ["library_name: transformers", "tags:", "  - lora-merge", "  - merged-lora", "  - megatron", "---", ""]
-    lines = [f"# {out_name}", "",
-             f"{hf_config.get('model_type', 'A')} model with a LoRA fine-tune merged in by lora-merge {__version__}: "
-             f"W' = W + (alpha/r)·B·A in float32, rounded once to {dtype}.", "", "## Provenance", "",
-             "| | |", "|---|---|",
-             f"| base | {_cell(base.describe())} |",
-             f"| LoRA | {_cell(lora.describe())} |",
-             f"| LoRA settings | r={settings.r}, alpha={settings.alpha:g}, scale {settings.scale:g} ({_cell(settings.source)}) "
-             f"on {modules} modules |"]
-    experts = getattr(base, "experts", None) or getattr(lora, "experts", None)
-    if experts is not None:
-        lines.append(f"| experts | {_cell(str(experts))} |")
-    lines += [f"| output dtype | {dtype} |", "", "## Files", "", "| file | sha256 |", "|---|---|"]
-    lines += [f"| {name} | " + (f"`{digest}` |" if digest else "not computed (--no-sha256) |")
-              for name, digest in sorted(hashes.items())]
-    return "\n".join(header + lines) + "\n"
+def valid_hub_id(text: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def checked_base_model_id(value) -> str | None:
+    """The --base-model-id / base_model_id argument, or one line saying what was expected."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not HUB_ID.match(value) or not valid_hub_id(value):
+        raise MergeError(f"base model id {value!r}: expected a Hugging Face Hub model id ORG/NAME "
+                         "(e.g. Qwen/Qwen2.5-7B)")
+    return value
+
+
+def cache_hub_id(directory: Path) -> str | None:
+    """The model id of an HF cache snapshot dir (`.../models--ORG--NAME/snapshots/REV`), as given or
+    as it resolves (a link to a snapshot counts as the snapshot)."""
+    for path in dict.fromkeys((Path(os.path.abspath(directory)), Path(os.path.realpath(directory)))):
+        if len(path.parts) >= 3 and path.parent.name == "snapshots":
+            match = CACHE_REPO.match(path.parent.parent.name)
+            if match:
+                repo_id = match.group(1).replace("--", "/")
+                if valid_hub_id(repo_id):
+                    return repo_id
+    return None
+
+
+def resolve_base_model(explicit: str | None, dirs, hf_config: dict) -> tuple[str | None, str | None]:
+    """(Hub id of the base model or None, a warning when none is known): --base-model-id, else an HF cache
+    snapshot among `dirs` (the HF base first, then the reference), else a Hub-id-looking `_name_or_path` in
+    the reference's config (older transformers wrote it on save_pretrained)."""
+    if explicit:
+        return explicit, None
+    for directory in dirs:
+        if directory is not None:
+            found = cache_hub_id(directory)
+            if found:
+                return found, None
+    source = hf_config.get("_name_or_path")
+    if isinstance(source, str) and HUB_ID.match(source) and not os.path.isabs(source) and valid_hub_id(source):
+        return source, None
+    shown = next((str(d) for d in dirs if d is not None), "the reference")
+    return None, (f"{shown} is a local directory that names no Hub model (not an HF cache snapshot, no "
+                  "_name_or_path): the model card gets no base_model; pass --base-model-id ORG/NAME to set it")
+
+
+def _card(data, title: str, body: list[str]) -> str:
+    from huggingface_hub import ModelCard
+
+    return str(ModelCard("---\n" + data.to_yaml() + "\n---\n\n" + "\n".join([f"# {title}", ""] + body) + "\n"))
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def shown_input(ckpt) -> str:
+    """An input's description with its path replaced by its directory's name (no local paths in a card)."""
+    text = ckpt.describe()
+    path = str(ckpt.path)
+    name = Path(os.path.abspath(path)).name or path
+    return text.replace(path, name)
+
+
+def _files_table(hashes: dict, later: tuple[str, ...] = ()) -> list[str]:
+    lines = [FILES_HEADING, "", "| file | sha256 |", "|---|---|"]
+    lines += [f"| {_cell(name)} | " + (f"`{digest}` |" if digest else f"{NOT_HASHED} |")
+              for name, digest in sorted(hashes.items())]
+    lines += [f"| {_cell(name)} | {WRITTEN_AFTER} |" for name in later]
+    return lines
+
+
+def input_tags(base, lora) -> list[str]:
+    """Tags naming the kinds of input actually merged: Megatron checkpoints, a PEFT adapter, HF weights."""
+    kinds = {getattr(c, "format", None) for c in (base, lora) if c is not None}
+    tags = []
+    if kinds - {"HF", "PEFT", None}:  # legacy / torch_dist: Megatron-Core (MindSpeed-LLM) checkpoints
+        tags.append("megatron")
+    if "PEFT" in kinds:
+        tags.append("peft")
+    return tags
+
+
+def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str, modules: int, hashes: dict,
+               base_model: str | None = None, later: tuple[str, ...] = ()) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",
+                         tags=["lora-merge", "merged-lora", *input_tags(base, lora)])
+    lines = [f"{hf_config.get('model_type', 'A')} model with a LoRA fine-tune merged in by lora-merge {__version__}: "
+             f"W' = W + (alpha/r)·B·A in float32, rounded once to {dtype}.", "", "## Provenance", "",
+             "| | |", "|---|---|"]
+    if base_model:
+        lines.append(f"| base model | {_cell(base_model)} |")
+    lines += [f"| base | {_cell(shown_input(base))} |",
+              f"| LoRA | {_cell(shown_input(lora))} |",
+              f"| LoRA settings | r={settings.r}, alpha={settings.alpha:g}, scale {settings.scale:g} "
+              f"({_cell(settings.source)}) on {modules} modules |"]
+    experts = getattr(base, "experts", None) or getattr(lora, "experts", None)
+    if experts is not None:
+        lines.append(f"| experts | {_cell(str(experts))} |")
+    lines += [f"| output dtype | {dtype} |", ""] + _files_table(hashes, later)
+    return _card(data, out_name, lines)
+
+
+def adapter_card(out_name: str, lora, settings, target_modules: list[str], hashes: dict,
+                 base_model: str | None = None, later: tuple[str, ...] = ()) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(base_model=base_model, library_name="peft", pipeline_tag="text-generation",
+                         tags=["lora-merge", "lora", *input_tags(None, lora)])
+    lines = [f"A LoRA adapter for PEFT and vLLM, exported unmerged from a Megatron LoRA checkpoint by lora-merge "
+             f"{__version__} (factors keep their bits).", "", "## Provenance", "", "| | |", "|---|---|"]
+    if base_model:
+        lines.append(f"| base model | {_cell(base_model)} |")
+    lines += [f"| LoRA | {_cell(shown_input(lora))} |",
+              f"| LoRA settings | r={settings.r}, alpha={settings.alpha:g}, scale {settings.scale:g} "
+              f"({_cell(settings.source)}) |",
+              f"| targets | {_cell(', '.join(target_modules))} |", ""] + _files_table(hashes, later)
+    return _card(data, out_name, lines)
+
+
+def card_reports(text: str) -> set[str]:
+    """The files a card lists as written after it: the --report of the run that wrote the card."""
+    lines = text.splitlines()
+    if FILES_HEADING not in lines:
+        return set()
+    return {re.sub(r"\\(.)", r"\1", m.group(1)) for m in map(FILE_ROW.match, lines[lines.index(FILES_HEADING) + 1:])
+            if m and m.group(4)}
+
+
+def card_files(text: str) -> dict[str, str | None] | None:
+    """The files a card lists under "## Files": name -> sha256 (None: not hashed, or written after the card);
+    None when the card has no such list."""
+    lines = text.splitlines()
+    if FILES_HEADING not in lines:
+        return None
+    files = {}
+    for line in lines[lines.index(FILES_HEADING) + 1:]:
+        match = FILE_ROW.match(line)
+        if match:
+            files[re.sub(r"\\(.)", r"\1", match.group(1))] = match.group(2)
+    return files

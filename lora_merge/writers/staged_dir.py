@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.writers.hf_files import COPIED_SUBDIRS
+from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.targets import InputPaths
 
 # What this process has published, so that an interruption or error afterwards is reported truthfully.
@@ -61,11 +63,57 @@ def _check_replaceable(out: Path) -> None:
     except OSError as exc:
         raise MergeError(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
     names = {e.name for e in entries}
-    foreign = sorted(e.name for e in entries if not (e.is_file(follow_symlinks=False) and OUTPUT_FILE.match(e.name)))
+    listed = _card_listed(out)  # the reference's other files (tiktoken.model, LICENSE, ...) an output copied
+    foreign = sorted(e.name for e in entries if not _output_entry(e, listed))
     if entries and (foreign or not any(name in names for name in OUTPUT_MARKERS)):
         what = f"it holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}" if foreign else "no config.json"
         raise MergeError(f"{out}: exists and does not look like an output of lora-merge ({what}); not replacing it "
                          "even with --force: remove it yourself if it is not needed")
+
+
+def _output_entry(entry: os.DirEntry, listed: set[str]) -> bool:
+    """Whether an entry of an existing directory is one a lora-merge output holds."""
+    if entry.is_file(follow_symlinks=False):
+        return bool(OUTPUT_FILE.match(entry.name)) or entry.name in listed
+    if entry.name in COPIED_SUBDIRS and entry.is_dir(follow_symlinks=False):
+        try:
+            return all(f"{entry.name}/{inner}" in listed for inner in os.listdir(entry.path))
+        except OSError:
+            return False
+    return False
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask reads it only by setting
+    another, which for a moment would apply to files other threads create)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
+def output_file_mode() -> int:
+    """The mode of every file of an output: what open(2) with 0o666 gives under the umask (the shards are
+    created that way), so that files written by libraries that choose 0600 (safetensors' save_file) are
+    no more private than the rest."""
+    return 0o666 & ~current_umask()
+
+
+def _card_listed(out: Path) -> set[str]:
+    """The files the model card of an earlier output lists (it lists every file the run wrote)."""
+    card = out / "README.md"
+    try:
+        if not card.is_file() or card.is_symlink() or card.stat().st_size > MAX_CARD_BYTES:
+            return set()
+        return set(card_files(card.read_text(encoding="utf-8", errors="replace")) or ())
+    except OSError:
+        return set()
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -88,9 +136,7 @@ class StagedOutput:
         check_output_target(self.out, self.force, self.inputs)
         remove_abandoned_staging(self.out, self.inputs)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{_prefix(self.out.name)}{os.getpid()}-", dir=self.out.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.dir, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private by accident
+        os.chmod(self.dir, 0o777 & ~current_umask())  # mkdtemp's 0700 would make the result private by accident
         return self
 
     def side_file(self, final: Path, text: str) -> None:
@@ -272,7 +318,9 @@ def _abandoned(pid: int) -> bool:
 def _fsync_tree(path: Path) -> None:
     """Flush every file written into the staging dir (the shards are already flushed by their writer)."""
     for child in path.iterdir():
-        if child.is_file() and child.suffix != ".safetensors":
+        if child.is_dir() and not child.is_symlink():  # additional_chat_templates/
+            _fsync_tree(child)
+        elif child.is_file() and child.suffix != ".safetensors":
             with open(child, "rb+") as f:
                 os.fsync(f.fileno())
     _fsync_dir(path)
