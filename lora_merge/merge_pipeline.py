@@ -204,8 +204,9 @@ def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: 
             # unchanged bytes: straight from the mapped checkpoint to the file, released once written
             return sources[0], (partial(_release_all, sources) if mapped else None)
         piece = block.take(start, stop).to(dtype)
-        check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose "
-                     "--dtype bfloat16 or float32")
+        if any(source.dtype != dtype for source in sources):  # narrowing can overflow; joining cannot
+            check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose "
+                         "--dtype bfloat16 or float32")
     else:
         # NaN/Inf in W carries into W + ΔW, so the merged rows are checked once; only if they fail is the
         # source checked, to say which of the two is at fault.
