@@ -273,8 +273,8 @@ def scaling(args) -> list[dict]:
     for title, run in (
             (f"dense, DeepSeek-R1-Distill-Qwen-32B layer shapes, {args.layers[0]} layers, TP=4",
              lambda: bench(args.layers[0], args.workdir, True, args.repeat, preset=args.preset)),
-            (f"MoE, Qwen3-30B-A3B layer shapes, {args.layers[0]} layers, EP=4",
-             lambda: bench(args.layers[0], args.workdir, True, args.repeat, "sequential")),
+            (f"MoE, Qwen3-30B-A3B layer shapes, {args.layers[-1]} layers, EP=4",
+             lambda: bench(args.layers[-1], args.workdir, True, args.repeat, "sequential")),
             ("DeepSeek-V3 layer shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "")
              + ", 2 layers, EP=8, torch_dist base",
              lambda: bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape))):
@@ -306,7 +306,7 @@ def main() -> None:
     p.add_argument("--workers", nargs="+", default=WORKER_SETTINGS, metavar="N|default",
                    help="the --workers settings measured for every input (default: 1 default)")
     p.add_argument("--scaling", action="store_true", help="dense, MoE and DeepSeek-V3 shapes in one run, each at "
-                   "every --workers setting (--layers: the first value; --deepseek-shape applies)")
+                   "every --workers setting (--layers: the first value for dense, the last for MoE; --deepseek-shape applies)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers
