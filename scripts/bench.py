@@ -66,6 +66,22 @@ model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dty
 model.merge_and_unload().save_pretrained(out)
 """
 
+# The merge's computing alone, without the disk: the plan run with a writer that drops every piece (the
+# pages are still read and CRC-checked), so the cores it uses show even where the disk binds the real run.
+COMPUTE_ONLY = r"""
+import sys
+import lora_merge
+from lora_merge.merge_pipeline import execute
+from lora_merge.stage_clock import write_if_asked
+base, lora, hf_ref, out, workers = sys.argv[1:6]
+plan = lora_merge.merge(base=base, lora=lora, hf_ref=hf_ref, out=out, dry_run=True, warn=lambda message: None).plan
+def drop(name, piece, then):
+    if then is not None:
+        then()
+execute(plan, drop, workers=None if workers == "default" else int(workers))
+write_if_asked()
+"""
+
 # Run from the checkout (no install needed: a host with torch, safetensors and transformers is enough).
 LORA_MERGE = [sys.executable, "-m", "lora_merge"]
 os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -135,7 +151,8 @@ def copy_and_merge(root: Path, inputs: list[Path], merge_cmds: list[list[str]], 
     out_sizes = []
 
     def measured_and_dropped():
-        out_sizes.append(dir_bytes(root / "merged"))
+        if (root / "merged").exists():  # a compute-only run writes nothing
+            out_sizes.append(dir_bytes(root / "merged"))
         drop(root / "merged")
 
     copy, *merges = best_of(
@@ -155,6 +172,8 @@ def copy_vs_merge(root: Path, base: Path, lora: Path, hf_ref: Path, repeat: int,
     merge_cmd = LORA_MERGE + ["--base", str(base), "--lora", str(lora), "--hf-ref", str(hf_ref), "--out",
                               str(root / "merged"), "--no-progress"]
     variants = merge_variants(merge_cmd, no_sha256)
+    variants += [(f"compute only, workers {w}", [sys.executable, "-c", COMPUTE_ONLY, str(base), str(lora), str(hf_ref),
+                                                 str(root / "merged"), w]) for w in WORKER_SETTINGS]
     copy, merges, out_bytes = copy_and_merge(root, [base, lora], [cmd for _, cmd in variants], repeat)
     result |= {"input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
     for (label, _), ours in zip(variants, merges):
