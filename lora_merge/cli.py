@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from lora_merge import __version__
 from lora_merge.console import NORMAL, QUIET, VERBOSE, Console
 from lora_merge.errors import MergeError
-from lora_merge.interrupts import Interrupted, signals_raise
+from lora_merge.interrupts import Interrupted, raise_if_received, signals_raise
 from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS, MIN_SHARD_BYTES,
                                 VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
 from lora_merge.writers.staged_dir import PUBLISHED
@@ -331,6 +331,8 @@ def _what_was_written() -> str:
 
 def _run(command: str, opts, console: Console) -> int:
     from lora_merge import api  # torch, transformers, safetensors: only once the arguments are understood
+
+    raise_if_received()  # a signal an import swallowed still stops the run
 
     if command == "export-adapter":
         s = api.run_export(opts)

@@ -27,6 +27,7 @@ import torch
 
 from lora_merge.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError
+from lora_merge.interrupts import raise_if_received
 from lora_merge.model_shape import DTYPES, ModelShape
 from lora_merge.rope import hf_rope
 from lora_merge.value_checks import is_int, is_number
@@ -126,6 +127,8 @@ def _architecture(raw: dict, path: Path, notes: list[str]) -> HfConfig:
 def transformers_config(raw: dict, spec: HfConfig, path: Path):
     """The config object transformers builds from this file for the model type (never remote code)."""
     import transformers
+
+    raise_if_received()  # importing transformers may have swallowed a signal
 
     try:
         config_class = transformers.CONFIG_MAPPING[spec.model_type]

@@ -30,6 +30,13 @@ class Interrupted(KeyboardInterrupt):
 RECEIVED: list[int] = []
 
 
+def raise_if_received() -> None:
+    """Raise the interruption a library swallowed: call after importing one (torch and transformers are
+    imported once the arguments are parsed, inside the run)."""
+    if RECEIVED:
+        raise Interrupted(RECEIVED[0])
+
+
 def _raise(signum, frame):
     ignore_signals()
     RECEIVED.append(signum)

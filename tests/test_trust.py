@@ -666,3 +666,20 @@ def test_an_archive_listing_absurdly_many_members_is_refused(tmp_path, capsys, m
     out = tmp_path / "out"
     run_failing(merge_args("tp2_fp32_filtered", out), capsys, "members", "refusing more than 10")
     assert_clean(out)
+
+
+def test_a_signal_swallowed_by_an_import_inside_the_run_still_stops_it(monkeypatch, tmp_path, capsys):
+    """torch and transformers are imported once the arguments are parsed, inside the run: a signal a library
+    swallowed while importing them still stops the run before anything is written."""
+    from lora_merge import interrupts
+    from lora_merge.cli import main
+
+    monkeypatch.setattr(interrupts, "RECEIVED", [signal.SIGTERM])  # as if an import had caught the exception
+    out = tmp_path / "out"
+    root = FIXTURES / "tp2_fp32_filtered"
+    code = main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out), "--no-progress"])
+    assert code == 143
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "lora-merge: interrupted by SIGTERM; no output was written"]
+    assert not out.exists()
