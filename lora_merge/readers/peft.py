@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.readers.checkpoint import TensorRef
-from lora_merge.readers.hf_model import _tensors
+from lora_merge.readers.checkpoint import TensorRef, require_float
+from lora_merge.readers.safetensors_file import shown_name, tensor_refs
 from lora_merge.safe_load import load_pt
 
 CONFIG = "adapter_config.json"
@@ -75,13 +75,15 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
     config = _config(path / CONFIG)
     weights = path / "adapter_model.safetensors"
     if weights.is_file():
-        tensors = _tensors(weights)
+        tensors = tensor_refs(weights, "a PEFT adapter's weights")
     elif (path / "adapter_model.bin").is_file():
         weights = path / "adapter_model.bin"
         state = load_pt(weights)
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise MergeError(f"{weights}: expected a dict of tensors")
-        tensors = {k: TensorRef.of(f"{weights}[{k}]", v, mapped=False) for k, v in state.items()}
+        tensors = {k: TensorRef.of(f"{weights}[{shown_name(k)}]", v, mapped=False) for k, v in state.items()}
+        for ref in tensors.values():  # tensor_refs checks a safetensors file's the same way
+            require_float(ref.where, ref.dtype)
     else:
         raise MergeError(f"{path}: no adapter_model.safetensors or adapter_model.bin next to {CONFIG}")
     adapter = PeftAdapter(path=path, config=config, sources=[path / CONFIG, weights])
