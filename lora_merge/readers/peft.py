@@ -129,8 +129,10 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
 def _config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: "[[[[…" nested too deep
-        raise MergeError(f"{path}: unreadable ({shown_value(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)})") from None
+    except RecursionError:  # "[[[[…" nested deeper than the parser goes
+        raise MergeError(f"{path}: unreadable (JSON nested too deep to be an adapter config)") from None
+    except (OSError, ValueError) as exc:
+        raise MergeError(f"{path}: unreadable ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})") from None
     if not isinstance(config, dict):
         raise MergeError(f"{path}: not a JSON object")
     kind = config.get("peft_type")
