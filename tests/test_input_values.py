@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, merge_args
+from lora_merge.cli import main
 from lora_merge.value_checks import shown_value
 from test_damaged_inputs import fails
 from test_errors import copied_args, copy_fixture, rank_files, rewrite
@@ -266,3 +267,17 @@ def test_an_fp8_hf_base_tensor_is_refused(adapter, hf_base, tmp_path, capsys):
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float8_e4m3fn)
     save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
     fails(peft_run(adapter, tmp_path / "out", base), capsys, "model.norm.weight", "dtype F8_E4M3")
+
+
+def test_misaligned_data_is_read_as_a_copy_and_merged_the_same(adapter, hf_base, tmp_path):
+    """safetensors allows data not aligned to its dtype (a header of any length): such tensors are copied
+    when loaded, and their pages are never handed back as a mapping's (which on a copy would zero memory)."""
+    assert main(peft_run(adapter, tmp_path / "aligned", hf_base)) == 0
+    header, data = header_of(adapter / "adapter_model.safetensors")
+    text = json.dumps(header).encode()
+    text += b" " * ((4 - len(text) % 4) % 4 + 1)  # 8 + len(text) is 1 more than a multiple of 4
+    (adapter / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data)
+    assert main(peft_run(adapter, tmp_path / "misaligned", hf_base)) == 0
+    aligned = load_file(tmp_path / "aligned" / "model.safetensors")
+    misaligned = load_file(tmp_path / "misaligned" / "model.safetensors")
+    assert aligned.keys() == misaligned.keys() and all(torch.equal(aligned[k], misaligned[k]) for k in aligned)

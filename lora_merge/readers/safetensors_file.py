@@ -149,9 +149,11 @@ def tensor_refs(path: Path, what: str) -> dict[str, TensorRef]:
         where = f"{path}[{shown_name(name)}]"
         dtype = TORCH_DTYPES.get(entry.dtype)
         require_float(where, dtype, entry.dtype)
-        refs[name] = TensorRef(where=where, shape=entry.shape, dtype=dtype, mapped=True,
-                               loader=_view(mapped, header.data_start + entry.begin, entry.end - entry.begin,
-                                            dtype, entry.shape))
+        offset = header.data_start + entry.begin
+        # A misaligned tensor is loaded as a copy, which is not the mapping: `mapped` is what lets release()
+        # hand its pages back (madvise), and on a copy's heap memory that would zero live data.
+        refs[name] = TensorRef(where=where, shape=entry.shape, dtype=dtype, mapped=offset % dtype.itemsize == 0,
+                               loader=_view(mapped, offset, entry.end - entry.begin, dtype, entry.shape))
     return refs
 
 
