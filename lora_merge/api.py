@@ -39,6 +39,7 @@ from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
 from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
 from lora_merge.report import hash_files, report_text, write_report
+from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, shown_value
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
@@ -143,16 +144,17 @@ def _abs(value) -> Path:
 def _lora_r(value) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise MergeError(f"lora_r={value!r}: expected a positive int (the LoRA rank)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= MAX_RANK:
+        raise MergeError(f"lora_r={shown_value(value)}: expected a positive int (the LoRA rank) of at most {MAX_RANK}")
     return int(value)
 
 
 def _lora_alpha(value) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise MergeError(f"lora_alpha={value!r}: expected a finite number above 0")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
+            or value > MAX_ALPHA):
+        raise MergeError(f"lora_alpha={shown_value(value)}: expected a finite number above 0 and at most {MAX_ALPHA:g}")
     return value
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
+from lora_merge.value_checks import MAX_SIZE, is_int, non_negative_int, positive_int, shown_value
 
 
 @dataclass(frozen=True)
@@ -38,36 +39,40 @@ class LayerNumbering:
         return index - sum(1 for n in self.noop if n < index)
 
 
-def _int_or_none(value):
-    return None if value in (None, "", 0) else int(value)
+def _int_or_none(value, name: str):
+    if value is None or value == "" or (is_int(value) and value == 0):
+        return None
+    return non_negative_int(int(value) if isinstance(value, str) and value.isdigit() else value, f"args.{name}", "args")
 
 
 def noop_layers(args) -> frozenset[int]:
     """MindSpeed's noop_layers: a set, list or comma-separated string of global layer indices."""
     value = getattr(args, "noop_layers", None) or ()
     if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
-    try:
-        return frozenset(int(v) for v in value)
-    except (TypeError, ValueError):
-        raise MergeError(f"args: noop_layers {value!r} is not a list of layer numbers") from None
+        value = [int(v) if v.isdigit() else v for v in value.replace(" ", "").split(",") if v]
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(is_int(v) and 0 <= v <= MAX_SIZE for v in value):
+        raise MergeError(f"args: noop_layers {shown_value(value)} is not a list of layer numbers")
+    return frozenset(value)
 
 
 def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
-    if not isinstance(getattr(args, "num_layers", None), int):
-        raise MergeError(f"args: num_layers is {getattr(args, 'num_layers', None)!r}; cannot number the layers")
-    num_layers = args.num_layers
+    num_layers = positive_int(getattr(args, "num_layers", None), "args.num_layers", "args")
     noop = noop_layers(args)
     layer_list = getattr(args, "num_layer_list", None)
     first = _int_or_none(getattr(args, "decoder_first_pipeline_num_layers", None)
-                         or getattr(args, "num_layers_in_first_pipeline_stage", None))
+                         or getattr(args, "num_layers_in_first_pipeline_stage", None), "decoder_first_pipeline_num_layers")
     last = _int_or_none(getattr(args, "decoder_last_pipeline_num_layers", None)
-                        or getattr(args, "num_layers_in_last_pipeline_stage", None))
+                        or getattr(args, "num_layers_in_last_pipeline_stage", None), "decoder_last_pipeline_num_layers")
 
     if layer_list:
-        per_stage = [int(x) for x in str(layer_list).split(",")] if isinstance(layer_list, str) else list(layer_list)
+        per_stage = ([int(x) if x.strip().isdigit() else x for x in layer_list.split(",")]
+                     if isinstance(layer_list, str) else layer_list)
+        if not isinstance(per_stage, (list, tuple)) or not all(is_int(n) and 0 <= n <= MAX_SIZE for n in per_stage):
+            raise MergeError(f"args: num_layer_list {shown_value(layer_list)} is not a list of layer counts")
+        per_stage = list(per_stage)
         if len(per_stage) != pp or sum(per_stage) != num_layers:
-            raise MergeError(f"args: num_layer_list {layer_list} does not split {num_layers} layers over PP={pp}")
+            raise MergeError(f"args: num_layer_list {shown_value(layer_list)} does not split {num_layers} layers over "
+                             f"PP={pp}")
     elif first is not None or last is not None:
         middle_stages = pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)

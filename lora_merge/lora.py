@@ -8,7 +8,6 @@ PEFT's tensor-parallel layout: column layers (qkv, fc1) replicate A and shard B 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,8 @@ from lora_merge.integrity import check_finite
 from lora_merge.layout import DUPLICATED_OR_COLUMN, Rule, check_shards, unshard_replicated, unshard_row
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import LoraModule
+from lora_merge.value_checks import (MAX_ALPHA, MAX_RANK, finite_number, is_number, lora_scale, positive_int,
+                                     shown_value)
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -45,28 +46,22 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
         lacking = " and ".join(n for n, v in (("lora_r", final_r), ("lora_alpha", final_alpha)) if v is None)
         raise MergeError(f"{where}: the LoRA checkpoint's args have no {lacking}; pass --lora-r/--lora-alpha "
                          "with the values used in training")
-    try:
-        final_r, final_alpha = _exact_int(final_r), float(final_alpha)
-    except (TypeError, ValueError) as exc:
-        raise MergeError(f"{where}: unreadable LoRA settings r={final_r!r} alpha={final_alpha!r}") from exc
-    if final_r <= 0:
-        raise MergeError(f"{where}: LoRA rank r={final_r}; it must be a positive integer")
-    if not math.isfinite(final_alpha) or final_alpha <= 0:
-        raise MergeError(f"{where}: LoRA alpha={final_alpha:g}; it must be a finite number above 0 (alpha 0 would "
+    # Checked as numbers, not converted: args.lora_r="8" is not a rank Megatron used
+    final_r = positive_int(final_r, "--lora-r" if r is not None else "args.lora_r", where, MAX_RANK)
+    alpha_field = "--lora-alpha" if alpha is not None else "args.lora_alpha"
+    if is_number(final_alpha) and float(final_alpha) <= 0:
+        raise MergeError(f"{where}: {alpha_field}={final_alpha:g}; it must be a finite number above 0 (alpha 0 would "
                          "write the base model unchanged, a negative one would subtract the fine-tune)")
+    final_alpha = finite_number(final_alpha, alpha_field, where, 0, MAX_ALPHA, low_open=True)
+    lora_scale(final_alpha, final_r, False, "alpha/r", where)
     notes = []
     for option, given, stored, name in (("--lora-r", r, arg_r, "lora_r"), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
         if given is not None and stored is not None and _differs(given, stored):
-            notes.append(f"{option} {given!r} overrides args.{name}={stored!r} of the LoRA checkpoint")
+            notes.append(f"{option} {shown_value(given)} overrides args.{name}={shown_value(stored)} of the LoRA "
+                         "checkpoint")
     source = "command line" if (r is not None and alpha is not None) else (
         "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
     return LoraSettings(r=final_r, alpha=final_alpha, source=source, warnings=tuple(notes))
-
-
-def _exact_int(value) -> int:
-    if isinstance(value, bool) or float(value) != int(float(value)):
-        raise ValueError(value)
-    return int(float(value))
 
 
 def _differs(given, stored) -> bool:

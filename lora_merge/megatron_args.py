@@ -11,6 +11,7 @@ from lora_merge.mla_shape import check_mla_args
 from lora_merge.model_shape import ModelShape
 from lora_merge.moe_shape import check_moe_args
 from lora_merge.rope import check_rope_scaling
+from lora_merge.value_checks import finite_number, positive_int
 
 
 def check_against_args(shape: ModelShape, args, where: str) -> None:
@@ -19,22 +20,27 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
         value = getattr(args, name, default)
         return default if value is None else value
 
+    def size(name, default=None):
+        """A size the args record, checked to be one (hidden_size="64" is not: the args are not Megatron's)."""
+        value = arg(name, default)
+        return None if value is None else positive_int(value, f"args.{name}", where)
+
     gqa = bool(arg("group_query_attention", False))
-    groups = int(arg("num_query_groups", shape.heads)) if gqa else int(arg("num_attention_heads", shape.heads))
-    heads = int(arg("num_attention_heads", shape.heads))
+    groups = size("num_query_groups", shape.heads) if gqa else size("num_attention_heads", shape.heads)
+    heads = size("num_attention_heads", shape.heads)
     checks = [
-        ("num_layers", arg("num_layers"), shape.num_layers + _noop_count(args), "num_hidden_layers"),
-        ("hidden_size", arg("hidden_size"), shape.hidden, "hidden_size"),
+        ("num_layers", size("num_layers"), shape.num_layers + _noop_count(args), "num_hidden_layers"),
+        ("hidden_size", size("hidden_size"), shape.hidden, "hidden_size"),
         ("num_attention_heads", heads, shape.heads, "num_attention_heads"),
     ]
     if shape.mla is None:  # multi-latent attention has its own head sizes (check_mla_args)
         checks += [("num_query_groups", groups, shape.groups, "num_key_value_heads"),
-                   ("kv_channels", arg("kv_channels", shape.hidden // heads if heads else None), shape.head_dim,
+                   ("kv_channels", size("kv_channels", shape.hidden // heads if heads else None), shape.head_dim,
                     "head_dim")]
     if shape.moe is None or len(shape.moe.layers) < shape.num_layers:  # only dense layers use it
-        checks.append(("ffn_hidden_size", arg("ffn_hidden_size"), shape.ffn, "intermediate_size"))
+        checks.append(("ffn_hidden_size", size("ffn_hidden_size"), shape.ffn, "intermediate_size"))
     for arg_name, theirs, ours, hf_name in checks:
-        if theirs is not None and int(theirs) != ours:
+        if theirs is not None and theirs != ours:
             raise MergeError(f"{where}: args.{arg_name}={theirs} but the HF config's {hf_name} implies {ours}"
                              f"{_defaulted(shape, hf_name)}")
     untie = arg("untie_embeddings_and_output_weights")
@@ -55,7 +61,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     check_moe_args(shape.moe, args, shape.num_layers, where)
     check_mla_args(shape.mla, args, where)
     check_rope_scaling(shape, args, arg, where)
-    _check_vocab_args(shape, arg, where)
+    _check_vocab_args(shape, size, where)
     if arg("mtp_num_layers"):
         raise MergeError(f"{where}: args.mtp_num_layers={arg('mtp_num_layers')}: the checkpoint has multi-token-"
                          "prediction layers (mtp.*), which this tool cannot map yet and will not drop; merge a "
@@ -75,7 +81,8 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
             raise MergeError(f"{where}: args.{name}={value!r}; only {expected!r} maps onto a HF {shape.model_type} model")
     for name, theirs, ours, hf_name in (("rotary_base", arg("rotary_base"), shape.rope_theta, "rope_theta"),
                                         ("norm_epsilon", arg("norm_epsilon"), shape.norm_eps, "rms_norm_eps")):
-        if theirs is not None and ours is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6):
+        if theirs is not None and ours is not None and not math.isclose(
+                finite_number(theirs, f"args.{name}", where, 0, low_open=True), ours, rel_tol=1e-6):
             raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf_name} is {ours}"
                              f"{_defaulted(shape, hf_name)}: the merged model would not compute what was trained")
     # MindSpeed --sliding-window, Megatron --window-size: attention limited to a window in training.
@@ -85,13 +92,13 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
                              "attention, which the HF config does not describe; expected none")
 
 
-def _check_vocab_args(shape: ModelShape, arg, where: str) -> None:
-    padded = arg("padded_vocab_size")
-    if padded is not None and int(padded) < shape.vocab:
+def _check_vocab_args(shape: ModelShape, size, where: str) -> None:
+    padded = size("padded_vocab_size")
+    if padded is not None and padded < shape.vocab:
         raise MergeError(f"{where}: args.padded_vocab_size={padded} is smaller than the HF vocab_size={shape.vocab}")
     # The unpadded vocabulary some Megatron/MindSpeed args record: its rows were trained, none may be cut.
-    unpadded = arg("vocab_size")
-    if unpadded is not None and int(unpadded) > shape.vocab:
+    unpadded = size("vocab_size")
+    if unpadded is not None and unpadded > shape.vocab:
         raise MergeError(f"{where}: args.vocab_size={unpadded} is larger than the HF config's vocab_size={shape.vocab}; "
                          f"trained rows would be cut (expected vocab_size >= {unpadded})")
 

@@ -19,6 +19,7 @@ from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
 from lora_merge.readers.hf_model import HfModel
+from lora_merge.value_checks import shown_value
 from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import PlannedTensor
 
@@ -311,10 +312,14 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
     if not lora.lora:
         raise MergeError(f"{lora.path}: no LoRA weights (no *.lora_A.*/*.lora_B.* keys) in this checkpoint")
     found = {module.rsplit(".", 1)[-1] for module in lora.lora}
-    targets = list(getattr(lora.args, "lora_target_modules", None) or []) or sorted(found)
+    listed = getattr(lora.args, "lora_target_modules", None) or []
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(t, str) for t in listed):
+        raise MergeError(f"{lora.path}: args.lora_target_modules={shown_value(listed)}; expected a list of module "
+                         "names (linear_qkv, linear_proj, ...)")
+    targets = list(listed) or sorted(found)
     for target in targets:
         if target not in found:
-            raise MergeError(f"{lora.path}: args.lora_target_modules lists {target!r} but the checkpoint has no "
+            raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown_value(target)} but the checkpoint has no "
                              f"LoRA weights for it")
     modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, shape, lora.has)
                if not isinstance(rule, Skip) and names[0].endswith(".weight"))

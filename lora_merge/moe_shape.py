@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
+from lora_merge.value_checks import finite_number, non_negative_int, positive_int
 
 @dataclass(frozen=True)
 class MoeShape:
@@ -81,7 +82,8 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
               ("moe_shared_expert_intermediate_size", arg("moe_shared_expert_intermediate_size", 0), moe.shared_ffn,
                "shared_expert_intermediate_size")]
     for name, theirs, ours, hf in checks:
-        if theirs is not None and int(theirs) != ours:
+        if theirs is not None and (non_negative_int(theirs, f"args.{name}", where) if name.startswith("moe_shared")
+                                   else positive_int(theirs, f"args.{name}", where)) != ours:
             raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf} is {ours}")
     if moe.shared_ffn and bool(arg("moe_shared_expert_gate", False)) != moe.shared_gate:
         raise MergeError(f"{where}: args.moe_shared_expert_gate={arg('moe_shared_expert_gate', False)} but the HF "
@@ -124,11 +126,11 @@ def trained_routing(args, topk: int, where: str) -> TrainedRouting:
     # MindSpeed's groups: n_group defaults to the expert-parallel size; grouping needs topk_group
     ms_groups = None
     if arg("topk_group") is not None and kind in ("noaux_tc", "group_limited_greedy"):
-        n_group = int(arg("n_group", arg("expert_model_parallel_size", 1)))
-        ms_groups = (n_group, int(arg("topk_group"))) if n_group > 1 else None
+        n_group = positive_int(arg("n_group", arg("expert_model_parallel_size", 1)), "args.n_group", where)
+        ms_groups = (n_group, positive_int(arg("topk_group"), "args.topk_group", where)) if n_group > 1 else None
     ms_group_desc = f"args.n_group/topk_group={ms_groups}"
     if kind == "noaux_tc":  # sigmoid (+ bias) choice, best-2 group scores, always renormalised, scaled if set
-        scaling = float(arg("routed_scaling_factor", 1.0))
+        scaling = finite_number(arg("routed_scaling_factor", 1.0), "args.routed_scaling_factor", where, 0, low_open=True)
         return TrainedRouting(**said, renormalised=(topk > 1, f"{balancing} (always renormalised)"),
                               groups=(ms_groups, ms_group_desc), group_score_top=(2, f"{balancing} (its best 2)"),
                               scaling=(scaling, f"args.routed_scaling_factor={scaling:g}"))
@@ -137,7 +139,7 @@ def trained_routing(args, topk: int, where: str) -> TrainedRouting:
             raise MergeError(f"{where}: {balancing} with args.moe_router_score_function={score!r}; MindSpeed's "
                              "group_limited_greedy scores with softmax")
         norm = bool(arg("norm_topk_prob", False)) and topk > 1
-        scaling = 1.0 if norm else float(arg("routed_scaling_factor", 1.0))
+        scaling = 1.0 if norm else finite_number(arg("routed_scaling_factor", 1.0), "args.routed_scaling_factor", where, 0, low_open=True)
         return TrainedRouting(**said, renormalised=(norm, f"{balancing} with args.norm_topk_prob={norm}"),
                               groups=(ms_groups, ms_group_desc), group_score_top=(1, f"{balancing} (its best 1)"),
                               scaling=(scaling, f"{balancing} scales by {scaling:g}"))
@@ -147,7 +149,7 @@ def trained_routing(args, topk: int, where: str) -> TrainedRouting:
                               scaling=(1.0, f"{balancing} (never scaled)"))
     if kind == "softmax_topk":  # MindSpeed's: softmax over all, top-k, renormalised if norm_topk_prob
         norm = bool(arg("norm_topk_prob", False)) and topk > 1
-        scaling = float(arg("moe_router_topk_scaling_factor", 1.0))
+        scaling = finite_number(arg("moe_router_topk_scaling_factor", 1.0), "args.moe_router_topk_scaling_factor", where, 0, low_open=True)
         return TrainedRouting(**said, renormalised=(norm, f"{balancing} with args.norm_topk_prob={norm}"),
                               groups=(None, f"{balancing} (no groups)"), group_score_top=(2, balancing),
                               scaling=(scaling, f"args.moe_router_topk_scaling_factor={scaling:g}"))
@@ -160,9 +162,10 @@ def trained_routing(args, topk: int, where: str) -> TrainedRouting:
     pre = bool(arg("moe_router_pre_softmax", False))
     renormalised = not pre if score == "softmax" else topk > 1
     groups = arg("moe_router_num_groups", 1) or 1
-    group_topk = int(arg("moe_router_group_topk", 1) or 1)
-    theirs = (int(groups), group_topk) if int(groups) > 1 else None
-    scaling = float(arg("moe_router_topk_scaling_factor", 1.0))
+    group_topk = positive_int(arg("moe_router_group_topk", 1) or 1, "args.moe_router_group_topk", where)
+    groups = positive_int(groups, "args.moe_router_num_groups", where)
+    theirs = (groups, group_topk) if groups > 1 else None
+    scaling = finite_number(arg("moe_router_topk_scaling_factor", 1.0), "args.moe_router_topk_scaling_factor", where, 0, low_open=True)
     return TrainedRouting(
         **said, renormalised=(renormalised, f"the args {'renormalise' if renormalised else 'do not renormalise'} "
                                             f"the top-k probabilities (moe_router_pre_softmax={pre}, {score} scores)"),

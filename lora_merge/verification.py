@@ -18,14 +18,12 @@ damage in the reference, which is the user's input, is an error.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
@@ -34,7 +32,9 @@ from lora_merge.lora import LoraSettings, hf_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
+from lora_merge.readers import safetensors_file
 from lora_merge.readers.peft import PeftAdapter
+from lora_merge.readers.safetensors_file import Damaged
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
@@ -54,19 +54,8 @@ class VerifyReport:
 
 
 INDEX = "model.safetensors.index.json"
-# safetensors refuses headers above 100 MB; checking first means a hostile length is never allocated.
-MAX_HEADER_BYTES = 100_000_000
 # The index of a 671B model is well under 10 MB; a bigger file is not one, and is not read whole.
 MAX_INDEX_BYTES = 64 << 20
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
-              "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-              "I64": 64, "U64": 64, "F64": 64, "C64": 64}
-
-
-class Damaged(Exception):
-    """Why a file of a safetensors directory cannot be used (the message, without the path)."""
-
-
 class SafetensorsDir:
     """The tensors of an HF model directory (sharded or not), read by name and row range.
 
@@ -80,6 +69,7 @@ class SafetensorsDir:
         self.problems: list[str] = []
         self.file_of: dict[str, str] = {}  # every tensor listed (by the index, or found in a shard's header)
         self.headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}  # file -> its sound header
+        self.checked: dict[str, safetensors_file.Header] = {}  # file -> its header with offsets
         index = directory / INDEX
         listed = self._index(index) if os.path.lexists(index) else None
         found = sorted(p.name for p in directory.glob("*.safetensors"))
@@ -87,7 +77,8 @@ class SafetensorsDir:
         for name in files:
             header = self._header(directory / name)
             if header is not None:
-                self.headers[name] = header
+                self.checked[name] = header
+                self.headers[name] = header.tensors()
         if listed is None:
             self._take_headers(files)
         else:
@@ -112,7 +103,7 @@ class SafetensorsDir:
             self.problems.append(f"{path}: missing (listed in the index)")
             return None
         try:
-            return read_header(path)
+            return safetensors_file.read_header(path)
         except Damaged as exc:
             self.problems.append(f"{path}: {exc}")
             return None
@@ -143,14 +134,9 @@ class SafetensorsDir:
         return self.headers[self.file_of[name]][name]
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        # A handle per read: safetensors maps the file, and a handle kept open would keep every page
-        # read so far resident.
-        path = self.directory / self.file_of[name]
-        try:
-            with safe_open(path, framework="pt") as f:
-                return f.get_slice(name)[start:stop]
-        except (SafetensorError, OSError) as exc:  # changed since its header was checked
-            raise MergeError(f"{path}: {name} unreadable ({exc})") from exc
+        # Read with the offsets of the header checked when the directory was opened (a read per call:
+        # no mapping is kept, so pages read so far do not stay resident).
+        return safetensors_file.read_rows(self.checked[self.file_of[name]], name, start, stop)
 
 
 def _reference_weights(reference: Path) -> SafetensorsDir:
@@ -184,85 +170,7 @@ def _plain_file_name(name: str) -> bool:
             and not os.path.isabs(name))
 
 
-def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """A shard's tensors with shape and dtype, once its header and size are checked to agree.
-
-    Reads 8 bytes and the header, never the data: a truncated, padded or garbage file is found from
-    its size alone, and a header length beyond the file or above safetensors' limit is never allocated.
-    """
-    _require_file(path)
-    try:
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise Damaged(f"truncated: {size} bytes, less than the 8-byte header length")
-            length = int.from_bytes(f.read(8), "little")
-            if length > MAX_HEADER_BYTES:
-                raise Damaged(f"header length {length} is above safetensors' limit of {MAX_HEADER_BYTES} "
-                              "bytes: not a safetensors file, or damaged")
-            if 8 + length > size:
-                raise Damaged(f"truncated: the header alone should be {length} bytes, the file has {size - 8} "
-                              "after the header length")
-            raw = f.read(length)
-    except OSError as exc:
-        raise Damaged(f"cannot be read ({exc.strerror or exc})") from exc
-    tensors, data_end = _parse_header(_json(raw, "header: "))
-    held = size - 8 - length
-    if data_end > held:
-        raise Damaged(f"truncated: its header needs {data_end} bytes of tensor data, the file holds {held}")
-    if data_end < held:
-        raise Damaged(f"{held - data_end} bytes after the last tensor's data, which safetensors refuses")
-    return tensors
-
-
-def _parse_header(header) -> tuple[dict[str, tuple[tuple[int, ...], str]], int]:
-    """Tensors and where the data ends, checked as safetensors would: sizes match, no gaps, no overlap."""
-    if not isinstance(header, dict):
-        raise Damaged("header: not a JSON object: not a safetensors file, or damaged")
-    tensors, spans = {}, []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise Damaged("header: __metadata__ is not an object of strings, which safetensors refuses")
-            continue
-        shape, dtype, (begin, end) = _entry(name, entry)
-        tensors[name] = (shape, dtype)
-        spans.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            raise Damaged(f"header: {_name(name)} starts at data byte {begin}, expected {position} (gap or overlap)")
-        position = end
-    return tensors, position
-
-
-def _entry(name: str, entry) -> tuple[tuple[int, ...], str, tuple[int, int]]:
-    bad = Damaged(f"header: {_name(name)} is not {{dtype, shape, data_offsets}} as safetensors writes it")
-    if not isinstance(entry, dict):
-        raise bad
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    # Bounded like safetensors' own u64s, so a hostile shape cannot make the size product huge.
-    if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**64 for d in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(type(o) is int and 0 <= o < 2**64 for o in offsets) or offsets[0] > offsets[1]):
-        raise bad
-    if dtype not in DTYPE_BITS:
-        raise Damaged(f"header: {_name(name)} has unknown dtype {_shown(dtype)}")
-    bits = math.prod(shape) * DTYPE_BITS[dtype]  # in integers: a float would overflow on a hostile shape
-    if bits % 8 or offsets[1] - offsets[0] != bits // 8:
-        size = f"{_shown(bits // 8)} bytes" if bits % 8 == 0 else f"{_shown(bits)} bits"
-        raise Damaged(f"header: {_name(name)} is {dtype} {_shown(shape)}, {size}, but its data_offsets span "
-                      f"{offsets[1] - offsets[0]}")
-    return tuple(shape), dtype, (offsets[0], offsets[1])
-
-
-def _require_file(path: Path) -> None:
-    if path.is_symlink() and not path.exists():
-        raise Damaged(f"broken symlink (to {os.readlink(path)})")
-    if not path.exists():
-        raise Damaged("missing")
-    if not path.is_file():
-        raise Damaged("a directory, expected a file" if path.is_dir() else "not a regular file")
+_require_file = safetensors_file.require_file
 
 
 def _read_bounded(path: Path, limit: int) -> bytes:
@@ -277,24 +185,9 @@ def _read_bounded(path: Path, limit: int) -> bytes:
     return raw
 
 
-def _json(raw: bytes, subject: str):
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise Damaged(f"{subject}not UTF-8 text") from None
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[…" nested a million deep
-        raise Damaged(f"{subject}not JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-
-
-def _shown(value) -> str:
-    """A value read from a file, fit for a one-line message: quoted, control characters escaped, cut."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _name(name: str) -> str:
-    """A tensor name from a file as is, unless it would break the one-line message."""
-    return name if name.isprintable() and len(name) <= 200 else _shown(name)
+_json = safetensors_file.parse_json
+_shown = safetensors_file.shown
+_name = safetensors_file.shown_name
 
 
 def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, noise: torch.Tensor) -> bool:

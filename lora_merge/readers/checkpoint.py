@@ -54,6 +54,22 @@ class TensorRef:
             release_pages(self.loader())
 
 
+# The dtypes a weight, norm, bias or LoRA factor may have in any input: W + s·B·A is exact only on floats.
+# An integer or 8-bit float tensor is a quantized weight (its scales live elsewhere) or damage; cast, it
+# would silently become other numbers (int8 → small integers, `verify` against the same cast agreeing).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def require_float(where: str, dtype, stored=None) -> None:
+    """Refuse a tensor whose dtype is not one of FLOAT_DTYPES, in one line naming it (`where`: file and
+    key), its dtype (`stored`: as the file names it, when torch has none for it) and what is allowed."""
+    if dtype not in FLOAT_DTYPES:
+        name = stored if stored is not None else str(dtype).removeprefix("torch.")
+        raise MergeError(f"{where}: dtype {name}; weights, norms, biases and LoRA factors must be floating point "
+                         "(float32, bfloat16, float16 or float64): an integer or quantized tensor cannot be merged "
+                         "exactly")
+
+
 def joined_ref(refs: list[TensorRef], dim: int | None) -> TensorRef:
     """One reference to the concatenation of pieces (a copy on load; for pieces no rule can use as they are)."""
     if len(refs) == 1:

@@ -8,7 +8,6 @@ Megatron base, except the rotary tables some exporters save (recomputed from the
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,9 +15,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import TensorRef
-from lora_merge.torch_archive import MappedFile
-
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+from lora_merge.readers.safetensors_file import tensor_refs
 INDEX = "model.safetensors.index.json"
 DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from the config, not weights
 
@@ -75,30 +72,4 @@ def read_hf_model(path: Path) -> HfModel:
 
 
 def _tensors(file: Path) -> dict[str, TensorRef]:
-    mapped = MappedFile(file)
-    with open(file, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    start, refs = 8 + length, {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = TORCH_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise MergeError(f"{file}: {name} is {entry['dtype']}; an HF base must hold float weights "
-                             "(quantized bases cannot be merged exactly)")
-        shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
-        refs[name] = TensorRef(where=f"{file}[{name}]", shape=shape, dtype=dtype, mapped=True,
-                               loader=_view(mapped, start + begin, end - begin, dtype, shape))
-    return refs
-
-
-def _view(mapped: MappedFile, offset: int, nbytes: int, dtype: torch.dtype, shape):
-    def load() -> torch.Tensor:
-        if not nbytes:
-            return torch.empty(shape, dtype=dtype)
-        data = mapped.bytes_view(offset, nbytes)
-        if offset % dtype.itemsize:  # safetensors does not promise aligned data: a copy then
-            data = data.clone()
-        return data.view(dtype).reshape(shape)
-    return load
+    return tensor_refs(file, "the HF base's weights")

@@ -25,7 +25,6 @@ Refused with one line: other PEFT types, DoRA, `modules_to_save`, LoRA on embedd
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +32,10 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.readers.checkpoint import TensorRef
-from lora_merge.readers.hf_model import _tensors
+from lora_merge.readers.checkpoint import TensorRef, require_float
+from lora_merge.readers.safetensors_file import shown_name, tensor_refs
 from lora_merge.safe_load import load_pt
+from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, finite_number, is_int, lora_scale, positive_int, shown_value
 
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
@@ -75,13 +75,15 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
     config = _config(path / CONFIG)
     weights = path / "adapter_model.safetensors"
     if weights.is_file():
-        tensors = _tensors(weights)
+        tensors = tensor_refs(weights, "a PEFT adapter's weights")
     elif (path / "adapter_model.bin").is_file():
         weights = path / "adapter_model.bin"
         state = load_pt(weights)
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise MergeError(f"{weights}: expected a dict of tensors")
-        tensors = {k: TensorRef.of(f"{weights}[{k}]", v, mapped=False) for k, v in state.items()}
+        tensors = {k: TensorRef.of(f"{weights}[{shown_name(k)}]", v, mapped=False) for k, v in state.items()}
+        for ref in tensors.values():  # tensor_refs checks a safetensors file's the same way
+            require_float(ref.where, ref.dtype)
     else:
         raise MergeError(f"{path}: no adapter_model.safetensors or adapter_model.bin next to {CONFIG}")
     adapter = PeftAdapter(path=path, config=config, sources=[path / CONFIG, weights])
@@ -106,6 +108,7 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
     if arch is not None and shape is not None:
         for name, factors in parameter_factors(pairs, config, arch, shape, weights).items():
             adapter.factors[name] = factors
+    check_agreement(pairs, config, weights, arch, shape)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             have = "lora_A" if "A" in ab else "lora_B"
@@ -116,7 +119,8 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
             raise MergeError(f"{weights}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, but its r is "
                              f"{r} (adapter_config.json)")
-        adapter.factors[f"{module}.weight"] = Factors(b=b, a=a, scale=_scale(config, r, alpha), r=r)
+        adapter.factors[f"{module}.weight"] = Factors(
+            b=b, a=a, scale=lora_scale(alpha, r, config.get("use_rslora", False), module, str(path / CONFIG)), r=r)
     if not adapter.factors:
         raise MergeError(f"{weights}: no LoRA factors")
     return adapter
@@ -125,8 +129,10 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
 def _config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
+    except RecursionError:  # "[[[[…" nested deeper than the parser goes
+        raise MergeError(f"{path}: unreadable (JSON nested too deep to be an adapter config)") from None
     except (OSError, ValueError) as exc:
-        raise MergeError(f"{path}: unreadable ({exc})") from exc
+        raise MergeError(f"{path}: unreadable ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})") from None
     if not isinstance(config, dict):
         raise MergeError(f"{path}: not a JSON object")
     kind = config.get("peft_type")
@@ -146,26 +152,182 @@ def _config(path: Path) -> dict:
             raise MergeError(f"{path}: {key}={config[key]!r}: {what} is not supported")
     if config.get("lora_bias"):
         raise MergeError(f"{path}: lora_bias=true (a bias on lora_B) is not supported")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise MergeError(f"{path}: {key}={value!r}; expected a positive number")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(key) or {}, dict):
-            raise MergeError(f"{path}: {key} must be an object {{pattern: value}}")
+    _check_values(config, path)
     return config
 
 
 def _pattern(config: dict, key: str, module: str, default):
-    """PEFT's rule: the first pattern that matches the end of the module's name (a full-name regex)."""
+    """PEFT's rule (utils/other.py get_pattern_key): the first pattern, in the file's order, that matches
+    the end of the module's name after a dot (a regex; each was compiled when the config was read)."""
     for pattern, value in (config.get(key) or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", module):
             return value
     return default
 
 
-def _scale(config: dict, r: int, alpha) -> float:
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+# ------------------------------------------------------------------------ the config's fields, checked
+
+def _check_values(config: dict, path: Path) -> None:
+    """Every field that decides which modules are adapted, or by how much, has a type and range PEFT would
+    use; one line naming the field otherwise (a NaN alpha would merge as no scale at all)."""
+    where = str(path)
+    positive_int(config.get("r"), "r", where, MAX_RANK)
+    finite_number(config.get("lora_alpha"), "lora_alpha", where, 0, MAX_ALPHA, low_open=True)
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise MergeError(f"{path}: use_rslora={shown_value(config['use_rslora'])}; expected true or false")
+    for key, check in (("rank_pattern", lambda v, f: positive_int(v, f, where, MAX_RANK)),
+                       ("alpha_pattern", lambda v, f: finite_number(v, f, where, 0, MAX_ALPHA, low_open=True))):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise MergeError(f"{path}: {key}={shown_value(patterns)}; expected an object {{pattern: value}}")
+        for pattern, value in patterns.items():
+            _regex(rf"(.*\.)?({pattern})$", f"{key} key {shown_value(pattern)}", path)
+            check(value, f"{key}[{shown_value(pattern)}]")
+    targets = config.get("target_modules")
+    if targets is None and not config.get("target_parameters"):
+        raise MergeError(f"{path}: target_modules is missing; expected the list (or regex) of modules the adapter "
+                         "was trained on, as PEFT saves it")
+    for key in ("target_modules", "exclude_modules"):
+        value = config.get(key)
+        if isinstance(value, str):
+            if value.lower() != ALL_LINEAR or key != "target_modules":
+                _regex(value, key, path)
+        elif value is not None and not (isinstance(value, list) and all(isinstance(t, str) for t in value)):
+            raise MergeError(f"{path}: {key}={shown_value(value)}; expected a list of module names or a regex")
+    layers, pattern = config.get("layers_to_transform"), config.get("layers_pattern")
+    if layers is not None and not (is_int(layers) and layers >= 0 or isinstance(layers, list)
+                                   and all(is_int(i) and i >= 0 for i in layers)):
+        raise MergeError(f"{path}: layers_to_transform={shown_value(layers)}; expected a layer number or a list of them")
+    if pattern is not None and not (isinstance(pattern, str) or isinstance(pattern, list)
+                                    and all(isinstance(p, str) for p in pattern)):
+        raise MergeError(f"{path}: layers_pattern={shown_value(pattern)}; expected a name or a list of names")
+    for p in [pattern] if isinstance(pattern, str) else pattern or []:
+        _regex(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", f"layers_pattern {shown_value(p)}", path)
+    # LoraConfig.__post_init__ refuses these; an adapter_config.json edited by hand could still hold them
+    if isinstance(targets, str) and (layers is not None or pattern is not None):
+        raise MergeError(f"{path}: layers_to_transform/layers_pattern with a regex target_modules; PEFT refuses "
+                         "them together")
+    if pattern and layers is None:
+        raise MergeError(f"{path}: layers_pattern without layers_to_transform; PEFT refuses it")
+
+
+def _regex(pattern: str, field: str, path: Path) -> None:
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise MergeError(f"{path}: {field} is not a valid regular expression ({exc})") from None
+
+
+# ------------------------------------------------------ which modules the config selects, as PEFT decides
+
+ALL_LINEAR = "all-linear"
+EXCLUDED = "excluded"
+
+
+def config_selects(config: dict, key: str, linear: set[str] | None = None) -> bool | str:
+    """Whether PEFT adapts module `key` (its name in the transformers model) under this config: PEFT
+    0.21's check_target_module_exists, re-implemented: exclude_modules first (a regex fully matching, or a
+    name equal or a dotted suffix), then target_modules (a regex fully matching; else a name equal, or a
+    dotted suffix restricted by layers_to_transform to the layer number that follows layers_pattern, or the
+    first number after two dotted parts). "all-linear" means every Linear but the output layer (`linear`:
+    those of this model). EXCLUDED for an excluded module."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, key):
+                return EXCLUDED
+        elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
+            return EXCLUDED
+    targets = config.get("target_modules")
+    if targets is None:  # only target_parameters
+        return False
+    if isinstance(targets, str):
+        if targets.lower() == ALL_LINEAR:
+            return linear is not None and key in linear
+        return re.fullmatch(targets, key) is not None
+    if key in targets:
+        return True
+    found = any(key.endswith(f".{t}") for t in targets)
+    layers, pattern = config.get("layers_to_transform"), config.get("layers_pattern")
+    if found and layers is not None and (not isinstance(layers, list) or layers):
+        match = None
+        if not pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        else:
+            for p in [pattern] if isinstance(pattern, str) else pattern:
+                match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+                if match is not None:
+                    break
+        if match is None:
+            return False
+        index = int(match.group("idx"))
+        return index == layers if isinstance(layers, int) else index in layers
+    return found
+
+
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate$|\.shared_expert_gate$")
+
+
+def model_modules(arch, shape) -> tuple[set[str], set[str], set[str]]:
+    """(every module of the transformers model that holds a weight, with their parents; its Linear modules
+    but the output layer, which "all-linear" selects; the ones whose being a Linear depends on the
+    transformers version: routers, and routed experts, which transformers 5 fuses into parameters)."""
+    from lora_merge.architectures.base import iter_rules
+
+    weights = {}
+    for rule, _, prefix in iter_rules(arch, shape):
+        weights.update({prefix + name: dims for name, dims in rule.hf_shapes(shape).items()})
+    modules = {"lm_head"}  # a module of every causal LM, tied or not
+    linear, unsure = set(), set()
+    for name, dims in weights.items():
+        module = name.rsplit(".", 1)[0]
+        parts = module.split(".")
+        modules |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+        if name.endswith(".weight") and len(dims) == 2 and module not in ("lm_head", "model.embed_tokens"):
+            (unsure if ROUTED_EXPERT.search(f"{module}.") or ROUTER.search(module) else linear).add(module)
+    return modules, linear, unsure
+
+
+def check_agreement(pairs: dict, config: dict, weights: Path, arch=None, shape=None) -> None:
+    """The adapter's factors are exactly the modules its config selects: PEFT loads a factor only into a
+    module it adapts (others are dropped, with a warning), and gives a selected module without saved factors
+    fresh ones, so a disagreement means the file is not the adapter PEFT would build from the config.
+    Without the model (`inspect`), only the factors' own modules are checked."""
+    where = weights.parent / CONFIG
+    linear = unsure = modules = None
+    if arch is not None and shape is not None:
+        modules, linear, unsure = model_modules(arch, shape)
+    elif isinstance(config.get("target_modules"), str) and config["target_modules"].lower() == ALL_LINEAR:
+        return  # which modules are Linear needs the model
+    selected = {m: config_selects(config, m, (linear | unsure) if linear is not None else None) for m in pairs}
+    stray = sorted(m for m, chosen in selected.items() if chosen is not True)
+    if stray:
+        excluded = [m for m in stray if selected[m] == EXCLUDED]
+        raise MergeError(f"{weights}: LoRA factors for {len(stray)} module(s) that {where.name} does not select "
+                         f"({_few(stray)}{'; excluded by exclude_modules' if excluded else ''}; "
+                         f"{_selection(config)}); PEFT would not load them: the config and the weights disagree")
+    if modules is None:
+        return
+    chosen = sorted(m for m in modules - unsure if config_selects(config, m, linear) is True)
+    missing = [m for m in chosen if m not in pairs]
+    if missing:
+        raise MergeError(f"{weights}: no LoRA factors for {len(missing)} of the {len(chosen)} module(s) {where.name} "
+                         f"selects ({_few(missing)}; {_selection(config)}); PEFT would give them fresh factors: "
+                         "the config and the weights disagree")
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _selection(config: dict) -> str:
+    fields = [f"target_modules={shown_value(config.get('target_modules'))}"]
+    fields += [f"{k}={shown_value(config[k])}" for k in ("layers_to_transform", "layers_pattern", "exclude_modules")
+               if config.get(k) is not None]
+    return ", ".join(fields)
 
 
 # ------------------------------------------------------------------------------------ LoRA on parameters
@@ -288,7 +450,7 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
             raise MergeError(f"{weights}: {key} {list(what.shape)} has lora_A {list(a.shape)} and lora_B "
                              f"{list(b.shape)}; with r={r} (adapter_config.json) PEFT's are [{experts * r}, {in_dim}] "
                              f"and [{out_dim}, {r * experts}]")
-        scale = _scale(config, r, alpha)
+        scale = lora_scale(alpha, r, config.get("use_rslora", False), key, str(weights.parent / CONFIG))
         if isinstance(what, MatrixParam):
             factors[what.name] = Factors(b=b, a=a, scale=scale, r=r)
             continue
