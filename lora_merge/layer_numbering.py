@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
+from lora_merge.shown import shown
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,12 @@ def noop_layers(args) -> frozenset[int]:
     try:
         return frozenset(int(v) for v in value)
     except (TypeError, ValueError):
-        raise MergeError(f"args: noop_layers {value!r} is not a list of layer numbers") from None
+        raise MergeError(f"args: noop_layers {shown(value)} is not a list of layer numbers") from None
 
 
 def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
     if not isinstance(getattr(args, "num_layers", None), int):
-        raise MergeError(f"args: num_layers is {getattr(args, 'num_layers', None)!r}; cannot number the layers")
+        raise MergeError(f"args: num_layers is {shown(getattr(args, 'num_layers', None))}; cannot number the layers")
     num_layers = args.num_layers
     noop = noop_layers(args)
     layer_list = getattr(args, "num_layer_list", None)

@@ -18,6 +18,7 @@ from lora_merge.integrity import check_finite
 from lora_merge.layout import DUPLICATED_OR_COLUMN, Rule, check_shards, unshard_replicated, unshard_row
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import LoraModule
+from lora_merge.shown import shown
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -48,7 +49,7 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
     try:
         final_r, final_alpha = _exact_int(final_r), float(final_alpha)
     except (TypeError, ValueError) as exc:
-        raise MergeError(f"{where}: unreadable LoRA settings r={final_r!r} alpha={final_alpha!r}") from exc
+        raise MergeError(f"{where}: unreadable LoRA settings r={shown(final_r)} alpha={shown(final_alpha)}") from exc
     if final_r <= 0:
         raise MergeError(f"{where}: LoRA rank r={final_r}; it must be a positive integer")
     if not math.isfinite(final_alpha) or final_alpha <= 0:
@@ -57,7 +58,7 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
     notes = []
     for option, given, stored, name in (("--lora-r", r, arg_r, "lora_r"), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
         if given is not None and stored is not None and _differs(given, stored):
-            notes.append(f"{option} {given!r} overrides args.{name}={stored!r} of the LoRA checkpoint")
+            notes.append(f"{option} {shown(given)} overrides args.{name}={shown(stored)} of the LoRA checkpoint")
     source = "command line" if (r is not None and alpha is not None) else (
         "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
     return LoraSettings(r=final_r, alpha=final_alpha, source=source, warnings=tuple(notes))

@@ -21,6 +21,7 @@ from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
 from lora_merge.readers.hf_model import HfModel
 from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import PlannedTensor
+from lora_merge.shown import shown
 
 
 @dataclass
@@ -314,7 +315,7 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
     targets = list(getattr(lora.args, "lora_target_modules", None) or []) or sorted(found)
     for target in targets:
         if target not in found:
-            raise MergeError(f"{lora.path}: args.lora_target_modules lists {target!r} but the checkpoint has no "
+            raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown(target)} but the checkpoint has no "
                              f"LoRA weights for it")
     modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, shape, lora.has)
                if not isinstance(rule, Skip) and names[0].endswith(".weight"))

@@ -32,6 +32,7 @@ from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, Record, TorchArchive
 from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
+from lora_merge.shown import shown
 
 METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
@@ -68,7 +69,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _layout
         if module.startswith(("torch.distributed.checkpoint", "megatron.", "pathlib")):
             return stand_in_class(full)
-        raise MergeError(f"{self.where}: refusing to load: the pickle references {full!r}, which is not "
+        raise MergeError(f"{self.where}: refusing to load: the pickle references {shown(full)}, which is not "
                          "checkpoint metadata")
 
     def persistent_load(self, pid):
@@ -78,13 +79,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _layout(name: str) -> torch.layout:
     layout = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(layout, torch.layout):
-        raise MergeError(f"checkpoint metadata names an unknown tensor layout {name!r}")
+        raise MergeError(f"checkpoint metadata names an unknown tensor layout {shown(name)}")
     return layout
 
 
 def _state(obj, where: str) -> dict:
     if not isinstance(obj, StandIn) or not isinstance(getattr(obj, "state", {}), (dict, tuple)):
-        raise MergeError(f"{where}: unexpected object in checkpoint metadata: {obj!r}")
+        raise MergeError(f"{where}: unexpected object in checkpoint metadata: {shown(obj)}")
     state = getattr(obj, "state", {})  # a dataclass without fields pickles without state
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
         state = state[0]  # (dict, slots) form
