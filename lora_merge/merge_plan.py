@@ -314,6 +314,8 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
     found = {module.rsplit(".", 1)[-1] for module in lora.lora}
     targets = list(getattr(lora.args, "lora_target_modules", None) or []) or sorted(found)
     for target in targets:
+        if not isinstance(target, str):
+            raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown(target)}; expected module names")
         if target not in found:
             raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown(target)} but the checkpoint has no "
                              f"LoRA weights for it")
@@ -322,9 +324,9 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
     expected = [m for m in modules if m.rsplit(".", 1)[-1] in targets]
     missing = [m for m in expected if m not in lora.lora]
     if missing and not allow_partial:
-        shown = ", ".join(_module_label(m) for m in missing[:4]) + (" …" if len(missing) > 4 else "")
+        listed = ", ".join(_module_label(m) for m in missing[:4]) + (" …" if len(missing) > 4 else "")
         raise MergeError(f"{lora.path}: LoRA weights missing for {len(missing)} of {len(expected)} adapted modules "
-                         f"({shown}); the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
+                         f"({listed}); the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
 
 
 def _module_label(module: str) -> str:

@@ -256,7 +256,9 @@ def _trained_rope_scaling(shape: ModelShape, args, arg, where: str):
     if name == "rotary_seq_len_interpolation_factor":
         factor = _arg_number(args, name, where)
         return "linear", {"factor": (f"args.{name}={shown(value)}", factor)}, f"args.{name}={shown(value)} (linear RoPE scaling)"
-    return _mindspeed_rope_scaling(shape, args, str(value), where)
+    if not isinstance(value, str):  # never str() of an input value: it may be a reference bomb
+        raise MergeError(f"{where}: args.rope_scaling_type={shown(value)}; expected a scaling type name or None")
+    return _mindspeed_rope_scaling(shape, args, value, where)
 
 
 # Megatron-Core's MLA: --rope-type (None means yarn), --rotary-scaling-factor, --mscale, --mscale-all-dim;

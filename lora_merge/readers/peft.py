@@ -24,7 +24,6 @@ Refused with one line: other PEFT types, DoRA, `modules_to_save`, LoRA on embedd
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import TensorRef
 from lora_merge.readers.hf_model import _tensors
 from lora_merge.safe_load import load_pt
+from lora_merge.small_files import read_json
 
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
@@ -124,7 +124,7 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
 
 def _config(path: Path) -> dict:
     try:
-        config = json.loads(path.read_text())
+        config = read_json(path)  # regular file, under adapter_config.json's cap
     except (OSError, ValueError) as exc:
         raise MergeError(f"{path}: unreadable ({exc})") from exc
     if not isinstance(config, dict):

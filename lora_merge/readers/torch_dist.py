@@ -17,6 +17,7 @@ unpickler. Memory: each .distcp file is memory-mapped once and chunks are views 
 from __future__ import annotations
 
 import math
+import io
 import pickle
 import re
 import threading
@@ -33,6 +34,7 @@ from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, Record, TorchArchive
 from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
 from lora_merge.shown import shown
+from lora_merge.small_files import read_bytes
 
 METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
@@ -44,7 +46,8 @@ SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.
 
 
 def is_torch_dist_iteration(path: Path) -> bool:
-    return (path / METADATA).is_file()
+    # any entry named .metadata (a device, a FIFO, a broken link too): reading it says what is wrong with it
+    return (path / METADATA).exists() or (path / METADATA).is_symlink()
 
 
 # --- .metadata: allow-list unpickler ---------------------------------------------------------------
@@ -96,8 +99,9 @@ def read_metadata(path: Path) -> tuple[dict, dict]:
     """(key -> global tensor info or 'bytes', (key, chunk offsets) -> (file, offset, length))."""
     where = str(path)
     try:
-        with open(path, "rb") as f:
-            meta = _MetadataUnpickler(f, where).load()
+        # read whole under its cap first: a device, FIFO or huge file named .metadata is never unpickled
+        meta = _MetadataUnpickler(io.BytesIO(read_bytes(path, ".metadata", expected="torch.distributed.checkpoint "
+                                                        "metadata (a pickle)")), where).load()
         return _parse_metadata(meta, path)
     except MergeError:
         raise
