@@ -30,7 +30,7 @@ from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapte
 from lora_merge.lora import LoraSettings, resolve_settings
 from lora_merge.merge_pipeline import execute
 from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets
-from lora_merge.hf_config import read_hf_config
+from lora_merge.hf_config import check_same_model, read_hf_config
 from lora_merge.megatron_args import check_against_args
 from lora_merge.model_shape import DTYPES, ModelShape
 from lora_merge.options import DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, parse_size  # noqa: F401  (part of the API)
@@ -259,6 +259,7 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     if base_dir is not None and is_hf_model_dir(base_dir):
         if lora is None:
             raise MergeError(f"{base_dir}: an HF model as --base needs a Megatron --lora to merge")
+        check_same_model(shape, hf_dir, base_dir)
         base = read_hf_model(base_dir)
         check_against_args(shape, lora.args, str(lora.path))
         check_lora_targets(lora, arch, shape, getattr(opts, "allow_partial_lora", False))
@@ -293,6 +294,7 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
     if not is_hf_model_dir(base_dir):
         raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
                          "model dir with safetensors weights")
+    check_same_model(shape, hf_dir, base_dir)
     adapter = read_peft_adapter(lora_dir, arch, shape)
     settings = LoraSettings(r=adapter.config["r"], alpha=float(adapter.config["lora_alpha"]),
                             source="adapter_config.json" + (", rsLoRA" if adapter.config.get("use_rslora") else "")

@@ -3,13 +3,14 @@ before anyone tries to merge it."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import Checkpoint, TensorRef
+from lora_merge.shown import shown
+from lora_merge.small_files import json_kind, read_json
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "ffn_hidden_size", "padded_vocab_size", "add_qkv_bias", "qk_layernorm", "swiglu",
@@ -86,9 +87,12 @@ def _per_file(tensors: dict[str, TensorRef], verbose: bool) -> list[str]:
 
 
 def describe_hf_model(model, verbose: bool = False) -> list[str]:
-    config = json.loads((Path(model.path) / "config.json").read_text())
+    config = read_json(Path(model.path) / "config.json")
+    if not isinstance(config, dict):
+        raise MergeError(f"{Path(model.path) / 'config.json'}: the top level is a JSON {json_kind(config)}; expected "
+                         "an object of config fields")
     archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
-    lines = [f"{model.path}: HF model dir, model_type {config.get('model_type')!r} ({archs})"]
+    lines = [f"{model.path}: HF model dir, model_type {shown(config.get('model_type'))} ({archs})"]
     arch = [f"{k}={config[k]}" for k in HF_ARCH_KEYS if config.get(k) is not None]
     lines.append(f"  architecture (config.json): {', '.join(arch) or 'none of the usual keys'}")
     lines.append(f"  dtype (config.json): {config.get('dtype') or config.get('torch_dtype')}")

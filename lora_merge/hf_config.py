@@ -15,9 +15,9 @@ switch past the merge.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import inspect
-import json
 import logging
 import re
 import warnings
@@ -28,8 +28,10 @@ import torch
 from lora_merge.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError
 from lora_merge.interrupts import raise_if_received
-from lora_merge.model_shape import DTYPES, ModelShape
+from lora_merge.model_shape import DTYPES, ModelShape, RopeScaling
 from lora_merge.rope import hf_rope
+from lora_merge.shown import shown
+from lora_merge.small_files import json_kind, read_json
 from lora_merge.value_checks import is_int, is_number
 
 # Keys every config class takes (PretrainedConfig: metadata, labels, token ids, output switches, the
@@ -68,7 +70,6 @@ _BOOLEAN_SWITCHES = frozenset({"use_cache", "return_dict", "output_attentions", 
                                "is_decoder", "is_encoder_decoder", "tie_encoder_decoder", "output_router_logits",
                                "use_bfloat16", "add_cross_attention"})
 _NO_SWA = "sliding-window attention is not supported: Megatron trained full attention"
-MAX_JSON_BYTES = 64 << 20  # far above any config or tokenizer.json; a larger "config" is not one
 
 
 def read_hf_config(hf_dir: Path, notes: list[str] | None = None) -> tuple[ModelShape, dict]:
@@ -91,15 +92,59 @@ def read_hf_config(hf_dir: Path, notes: list[str] | None = None) -> tuple[ModelS
     fields = ConfigFields(raw, config, path)
     _check_class_keys(fields, spec, notes)
     _refuse_unsupported_computation(fields, spec)
-    shape = _shape(fields, spec, notes)
+    tokenizer = tokenizer_vocab(hf_dir)
+    shape = _shape(fields, spec, notes, tokenizer[0] if tokenizer else None)
     if shape.heads % shape.groups:
         raise MergeError(f"{path}: num_attention_heads={shape.heads} is not a multiple of "
                          f"num_key_value_heads={shape.groups}")
-    if shape.tokenizer_vocab is not None and shape.vocab < shape.tokenizer_vocab:
-        raise MergeError(f"{path}: vocab_size={shape.vocab} is smaller than the tokenizer's {shape.tokenizer_vocab} "
-                         f"token ids ({hf_dir / 'tokenizer.json'}); expected vocab_size >= {shape.tokenizer_vocab} "
-                         "(rows are never cut silently)")
+    if tokenizer is not None and shape.vocab < tokenizer[0]:
+        raise MergeError(f"{path}: vocab_size={shape.vocab} is smaller than the tokenizer's {tokenizer[0]} "
+                         f"token ids ({tokenizer[1]} names id {tokenizer[0] - 1}); expected vocab_size >= "
+                         f"{tokenizer[0]} (rows are never cut silently)")
     return shape, raw
+
+
+# The ModelShape fields that define the function a model computes (its dtype, the tokenizer beside it and
+# which keys were defaulted do not).
+FUNCTION_FIELDS = ("model_type", "num_layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "tied",
+                   "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "norm_eps", "moe", "mla")
+
+
+def check_same_model(reference: ModelShape, hf_ref: Path, base_dir: Path) -> None:
+    """An HF --base must be the model --hf-ref describes: its own config.json is read as the reference's is,
+    and every field that defines the function must agree (the output gets --hf-ref's config, so a base
+    with another layer count, RoPE base or model type would be merged into a model that is not its own)."""
+    if Path(base_dir).resolve() == Path(hf_ref).resolve():
+        return
+    base, _ = read_hf_config(Path(base_dir), notes=[])  # its notes are about a config the output does not get
+    for name in FUNCTION_FIELDS:
+        differing = _first_difference(name, getattr(base, name), getattr(reference, name))
+        if differing is not None:
+            field, theirs, ours = differing
+            raise MergeError(f"{Path(base_dir) / 'config.json'}: the HF base's {field} is {theirs} but --hf-ref's "
+                             f"({Path(hf_ref) / 'config.json'}) is {ours}; expected the base to be the model --hf-ref "
+                             "describes")
+
+
+def _first_difference(name: str, theirs, ours) -> tuple[str, str, str] | None:
+    """(field, their value, ours) for the first differing field, descending into the MoE, MLA and RoPE
+    scaling descriptions so the line names e.g. moe.experts rather than two long descriptions."""
+    if theirs == ours:
+        return None
+    if dataclasses.is_dataclass(theirs) and type(theirs) is type(ours):
+        for f in dataclasses.fields(theirs):
+            inner = _first_difference(f"{name}.{f.name}", getattr(theirs, f.name), getattr(ours, f.name))
+            if inner is not None:
+                return inner
+    return name, _described(theirs), _described(ours)
+
+
+def _described(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, RopeScaling):
+        return str(value)
+    return f"{type(value).__name__}(...)" if dataclasses.is_dataclass(value) else shown(value)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -116,10 +161,10 @@ def _architecture(raw: dict, path: Path, notes: list[str]) -> HfConfig:
     names = raw.get("architectures")
     if isinstance(model_type, str) and isinstance(names, list) and len(names) == 1 and names[0] in by_class:
         spec = by_class[names[0]]
-        notes.append(f"{path}: model_type {model_type!r} with architectures [{names[0]!r}]: read and merged as "
+        notes.append(f"{path}: model_type {shown(model_type)} with architectures [{shown(names[0])}]: read and merged as "
                      f"{spec.model_type}; its config.json and code files are kept as published")
         return spec
-    what = f"model_type {model_type!r} is not supported" if "model_type" in raw else "no model_type"
+    what = f"model_type {shown(model_type)} is not supported" if "model_type" in raw else "no model_type"
     raise MergeError(f"{path}: {what} (expected one of {', '.join(sorted(ARCHITECTURES))}, or a config whose "
                      f"architectures names one of {', '.join(sorted(by_class))})")
 
@@ -134,7 +179,7 @@ def transformers_config(raw: dict, spec: HfConfig, path: Path):
         config_class = transformers.CONFIG_MAPPING[spec.model_type]
     except KeyError:
         raise MergeError(f"{path}: transformers {transformers.__version__} does not know model type "
-                         f"{spec.model_type!r}, so it could not load the merged model; install a transformers that "
+                         f"{shown(spec.model_type)}, so it could not load the merged model; install a transformers that "
                          "does") from None
     logger = logging.getLogger("transformers")
     level = logger.level
@@ -215,7 +260,7 @@ class ConfigFields:
 
     def _bad(self, key: str, value, expected: str):
         absent = "" if self.stated(key) else " (the key is missing)"
-        return MergeError(f"{self.path}: {key!r} must be {expected}, found {_short(value)}{absent}")
+        return MergeError(f"{self.path}: {shown(key)} must be {expected}, found {_short(value)}{absent}")
 
     def positive_int(self, key: str, nullable: bool = False) -> int | None:
         value = self.get(key)
@@ -250,16 +295,15 @@ class ConfigFields:
         return value
 
 
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
+def _short(value) -> str:
+    return shown(value)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The shape
 
 
-def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str]) -> ModelShape:
+def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids: int | None) -> ModelShape:
     heads = fields.positive_int("num_attention_heads")
     hidden = fields.positive_int("hidden_size")
     groups = fields.positive_int("num_key_value_heads", nullable=True)
@@ -289,7 +333,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str]) -> ModelShape
         rope_theta=rope_theta,
         norm_eps=fields.number("rms_norm_eps"),
         rope_scaling=rope_scaling,
-        tokenizer_vocab=tokenizer_vocab_size(fields.path.parent / "tokenizer.json"),
+        tokenizer_vocab=tokenizer_ids,
         mtp_layers=fields.count("num_nextn_predict_layers") if spec.read_mla else 0,
         defaulted=frozenset(fields.defaulted),
     )
@@ -311,7 +355,7 @@ def _check_plain_fields(raw: dict, path: Path) -> None:
     # special token outside the vocabulary names no token.
     for key in _BOOLEAN_SWITCHES & raw.keys():
         if not isinstance(raw[key], bool):
-            raise MergeError(f"{path}: {key!r} must be true or false, found {_short(raw[key])}")
+            raise MergeError(f"{path}: {shown(key)} must be true or false, found {_short(raw[key])}")
     vocab = raw.get("vocab_size")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id") & raw.keys():
         ids = raw[key] if isinstance(raw[key], list) else [raw[key]]
@@ -324,7 +368,7 @@ def _check_plain_fields(raw: dict, path: Path) -> None:
                                  "or null")
     for key in ("dtype", "torch_dtype"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
-            raise MergeError(f"{path}: {key!r} must be a dtype name or null, found {_short(raw[key])}")
+            raise MergeError(f"{path}: {shown(key)} must be a dtype name or null, found {_short(raw[key])}")
     if raw.get("quantization_config") is not None:
         q = raw["quantization_config"]
         kind = q.get("quant_method") if isinstance(q, dict) else None
@@ -357,7 +401,7 @@ def _explain_refusal(raw: dict, path: Path) -> None:
             ok = {"true or false": isinstance(value, bool), "a string": isinstance(value, str)}.get(
                 expected, is_int(value) and value > 0)
             if not ok:
-                raise MergeError(f"{path}: {key!r} must be {'a ' if expected.startswith('positive') else ''}{expected}, "
+                raise MergeError(f"{path}: {shown(key)} must be {'a ' if expected.startswith('positive') else ''}{expected}, "
                                  f"found {_short(value)}")
     types, layers = raw.get("layer_types"), raw.get("num_hidden_layers")
     if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
@@ -377,7 +421,7 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
     path = fields.path
     act = fields.text("hidden_act")
     if act != "silu":
-        raise MergeError(f"{path}: hidden_act={act!r}, but the {spec.model_type} MLP Megatron trains is swiglu "
+        raise MergeError(f"{path}: hidden_act={shown(act)}, but the {spec.model_type} MLP Megatron trains is swiglu "
                          "(args.swiglu: silu-gated); expected 'silu'")
     if spec.qkv_bias is False and fields.get("attention_bias", False):
         # In HF Llama/Mistral/Qwen3 attention_bias also gives o_proj a bias, which Megatron's
@@ -398,7 +442,7 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
             raise fields._bad("layer_types", types, "a list of strings or null")
         for i, kind in enumerate(types):
             if kind != "full_attention":
-                raise MergeError(f"{path}: layer_types[{i}]={kind!r}: {_NO_SWA} (expected only 'full_attention')")
+                raise MergeError(f"{path}: layer_types[{i}]={shown(kind)}: {_NO_SWA} (expected only 'full_attention')")
     if getattr(fields.config, "pruned_heads", None):
         raise MergeError(f"{path}: pruned_heads={_short(fields.config.pruned_heads)}: pruned attention heads are not "
                          "supported; expected none")
@@ -409,50 +453,37 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         # Loaders such as vLLM pick the model class from here; the merged weights are a causal LM's.
         for name in names:
             if name != spec.causal_lm:
-                raise MergeError(f"{path}: architectures names {name!r}; a {spec.model_type} causal LM is "
-                                 f"{spec.causal_lm!r} (loaders such as vLLM pick the model class from this field)")
+                raise MergeError(f"{path}: architectures names {shown(name)}; a {spec.model_type} causal LM is "
+                                 f"{shown(spec.causal_lm)} (loaders such as vLLM pick the model class from this field)")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# JSON files and tokenizer.json
+# The tokenizer's ids
 
 
-def read_json(path: Path, missing: str):
-    """A JSON file's content, or one line saying why it cannot be read. Only regular files, at most
-    MAX_JSON_BYTES: a device or a huge file named config.json is not a config."""
-    if path.is_symlink() and not path.exists():
-        raise MergeError(f"{path}: broken symlink (points to {path.readlink()}, which does not exist)")
-    if path.is_dir():
-        raise MergeError(f"{path}: is a directory; expected a JSON file")
-    if not path.exists():
-        raise MergeError(missing)
-    if not path.is_file():
-        raise MergeError(f"{path}: not a regular file; expected a JSON file")
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)
-    except OSError as exc:
-        raise MergeError(f"{path}: cannot be read ({exc.strerror or exc}); expected a readable JSON file") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise MergeError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MB; expected a JSON file of a model's "
-                         "config or tokenizer")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise MergeError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-                         "expected a UTF-8 JSON file") from None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise MergeError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # JSONDecodeError, and integers too long to convert
-        raise MergeError(f"{path}: not valid JSON ({str(exc).splitlines()[0]})") from None
 
 
-def json_kind(value) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    return {list: "array", str: "string", int: "number", float: "number", dict: "object"}.get(type(value), "null")
+def tokenizer_vocab(hf_dir: Path) -> tuple[int, Path] | None:
+    """How many token ids the tokenizer files of `hf_dir` can produce (the largest id + 1) and the file
+    that names the largest, or None when it has none of them. transformers' tokenizer assigns ids from
+    tokenizer.json, from tokenizer_config.json's added_tokens_decoder and from added_tokens.json (slow
+    tokenizers): an id in any of them is a token the model must have a row for."""
+    found: list[tuple[int, Path]] = []
+    for name, reader in (("tokenizer.json", tokenizer_vocab_size), ("tokenizer_config.json", _added_tokens_decoder),
+                         ("added_tokens.json", _added_tokens_json)):
+        path = hf_dir / name
+        if path.exists() or path.is_symlink():
+            count = reader(path)
+            if count is not None:
+                found.append((count, path))
+    return max(found, key=lambda item: item[0]) if found else None
+
+
+def _checked_ids(ids, path: Path, what: str) -> int | None:
+    for i in ids:
+        if not is_int(i) or i < 0:
+            raise MergeError(f"{path}: malformed {path.name}: {what} {shown(i)}; expected non-negative integers")
+    return max(ids) + 1 if ids else None
 
 
 def tokenizer_vocab_size(path: Path) -> int | None:
@@ -478,7 +509,32 @@ def tokenizer_vocab_size(path: Path) -> int | None:
     if not isinstance(added, list) or not all(isinstance(t, dict) for t in added):
         raise bad("added_tokens is not a list of objects")
     ids += [t.get("id") for t in added]
-    for i in ids:
-        if not is_int(i) or i < 0:
-            raise bad(f"token id {i!r}; expected non-negative integers")
-    return max(ids) + 1 if ids else None
+    return _checked_ids(ids, path, "token id")
+
+
+def _added_tokens_decoder(path: Path) -> int | None:
+    """tokenizer_config.json's added_tokens_decoder: {"151643": {"content": "<|endoftext|>", ...}, ...}."""
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise MergeError(f"{path}: the top level is a JSON {json_kind(config)}; expected an object")
+    decoder = config.get("added_tokens_decoder")
+    if decoder is None:
+        return None
+    if not isinstance(decoder, dict):
+        raise MergeError(f"{path}: added_tokens_decoder is a JSON {json_kind(decoder)}; expected an object "
+                         "(token id -> token)")
+    ids = []
+    for key in decoder:
+        if not (key.isascii() and key.isdigit()):
+            raise MergeError(f"{path}: added_tokens_decoder has the key {shown(key)}; expected token ids "
+                             "(non-negative integers written as strings)")
+        ids.append(int(key))
+    return _checked_ids(ids, path, "token id")
+
+
+def _added_tokens_json(path: Path) -> int | None:
+    """added_tokens.json (slow tokenizers): {"<token>": id, ...}."""
+    added = read_json(path)
+    if not isinstance(added, dict):
+        raise MergeError(f"{path}: the top level is a JSON {json_kind(added)}; expected an object (token -> id)")
+    return _checked_ids(list(added.values()), path, "token id")

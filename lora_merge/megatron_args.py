@@ -12,6 +12,7 @@ from lora_merge.model_shape import ModelShape
 from lora_merge.moe_shape import check_moe_args
 from lora_merge.rope import check_rope_scaling
 from lora_merge.value_checks import finite_number, positive_int
+from lora_merge.shown import shown
 
 
 def check_against_args(shape: ModelShape, args, where: str) -> None:
@@ -45,25 +46,25 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
                              f"{_defaulted(shape, hf_name)}")
     untie = arg("untie_embeddings_and_output_weights")
     if untie is not None and bool(untie) == shape.tied:
-        raise MergeError(f"{where}: args.untie_embeddings_and_output_weights={untie} but the HF config has "
+        raise MergeError(f"{where}: args.untie_embeddings_and_output_weights={shown(untie)} but the HF config has "
                          f"tie_word_embeddings={shape.tied}{_defaulted(shape, 'tie_word_embeddings')}")
     qkv_bias = arg("add_qkv_bias")
     if qkv_bias is None and arg("add_bias_linear") is not None:
         qkv_bias = arg("add_bias_linear")
     if qkv_bias is not None and bool(qkv_bias) != shape.qkv_bias:
-        raise MergeError(f"{where}: args.add_qkv_bias={qkv_bias} but the HF config ({shape.model_type}) "
+        raise MergeError(f"{where}: args.add_qkv_bias={shown(qkv_bias)} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qkv_bias else 'has no'} q/k/v biases")
     qk_norm = arg("qk_layernorm")  # with MLA: the norms of the compressed q and kv, which DeepSeek always has
     if qk_norm is not None and bool(qk_norm) != (shape.qk_norm or shape.mla is not None):
-        raise MergeError(f"{where}: args.qk_layernorm={qk_norm} but the HF config ({shape.model_type}) "
+        raise MergeError(f"{where}: args.qk_layernorm={shown(qk_norm)} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
     check_moe_args(shape.moe, args, shape.num_layers, where)
     check_mla_args(shape.mla, args, where)
     check_rope_scaling(shape, args, arg, where)
-    _check_vocab_args(shape, size, where)
+    _check_vocab_args(shape, size, arg, where)
     if arg("mtp_num_layers"):
-        raise MergeError(f"{where}: args.mtp_num_layers={arg('mtp_num_layers')}: the checkpoint has multi-token-"
+        raise MergeError(f"{where}: args.mtp_num_layers={shown(arg('mtp_num_layers'))}: the checkpoint has multi-token-"
                          "prediction layers (mtp.*), which this tool cannot map yet and will not drop; merge a "
                          "checkpoint trained without MTP")
     if arg("swiglu") is False:
@@ -78,7 +79,7 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
     for name, expected in fixed:
         value = arg(name)
         if value is not None and value != expected:
-            raise MergeError(f"{where}: args.{name}={value!r}; only {expected!r} maps onto a HF {shape.model_type} model")
+            raise MergeError(f"{where}: args.{name}={shown(value)}; only {shown(expected)} maps onto a HF {shape.model_type} model")
     for name, theirs, ours, hf_name in (("rotary_base", arg("rotary_base"), shape.rope_theta, "rope_theta"),
                                         ("norm_epsilon", arg("norm_epsilon"), shape.norm_eps, "rms_norm_eps")):
         if theirs is not None and ours is not None and not math.isclose(
@@ -88,19 +89,60 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
     # MindSpeed --sliding-window, Megatron --window-size: attention limited to a window in training.
     for name in ("sliding_window", "window_size"):
         if arg(name) is not None:
-            raise MergeError(f"{where}: args.{name}={arg(name)!r}: the model was trained with sliding-window "
+            raise MergeError(f"{where}: args.{name}={shown(arg(name))}: the model was trained with sliding-window "
                              "attention, which the HF config does not describe; expected none")
 
 
-def _check_vocab_args(shape: ModelShape, size, where: str) -> None:
+# Megatron-LM's --make-vocab-size-divisible-by default (MindSpeed keeps it): the rule's divisor when the
+# args do not record one.
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+def _check_vocab_args(shape: ModelShape, size, arg, where: str) -> None:
     padded = size("padded_vocab_size")
     if padded is not None and padded < shape.vocab:
         raise MergeError(f"{where}: args.padded_vocab_size={padded} is smaller than the HF vocab_size={shape.vocab}")
+    if padded is not None and padded > shape.vocab:
+        _check_padding_rule(shape.vocab, padded, arg, where)
     # The unpadded vocabulary some Megatron/MindSpeed args record: its rows were trained, none may be cut.
     unpadded = size("vocab_size")
     if unpadded is not None and unpadded > shape.vocab:
         raise MergeError(f"{where}: args.vocab_size={unpadded} is larger than the HF config's vocab_size={shape.vocab}; "
                          f"trained rows would be cut (expected vocab_size >= {unpadded})")
+
+
+def _check_padding_rule(vocab: int, padded: int, arg, where: str) -> None:
+    """The merge keeps the first `vocab` of the `padded` embedding rows; the rest may only be Megatron's own
+    padding. Megatron (and MindSpeed, for a padded_vocab_size it computes) pads the tokenizer's vocabulary
+    up to a multiple of make_vocab_size_divisible_by × TP (training/tokenizer _vocab_size_with_padding), so
+    the vocabulary trained had more than padded − multiple ids. An HF vocab_size at or below that would
+    cut trained rows: it is refused (a --padded-vocab-size given to MindSpeed by hand is usually the HF
+    vocab_size itself; any other is refused too, as nothing then tells padding from trained rows)."""
+    divisor = arg("make_vocab_size_divisible_by")
+    tp = arg("tensor_model_parallel_size", 1)
+    recorded = divisor is not None
+    divisor = divisor if recorded else DEFAULT_VOCAB_DIVISOR
+    if not (isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0
+            and isinstance(tp, int) and not isinstance(tp, bool) and tp > 0):
+        raise MergeError(f"{where}: args.make_vocab_size_divisible_by={shown(divisor)} and "
+                         f"args.tensor_model_parallel_size={shown(tp)}; expected positive integers (they decide "
+                         "Megatron's vocabulary padding)")
+    multiple = divisor * tp
+    expected = -(-vocab // multiple) * multiple
+    if padded % multiple:  # not computed by the rule: a --padded-vocab-size given by hand (MindSpeed)
+        raise MergeError(f"{where}: args.padded_vocab_size={padded} is not a multiple of make_vocab_size_divisible_by x "
+                         f"tensor_model_parallel_size = {divisor} x {tp}, so it was set by hand and nothing tells "
+                         f"padding from trained rows; the HF config's vocab_size={vocab} would cut rows "
+                         f"{vocab}..{padded - 1}; expected vocab_size={padded}")
+    if expected != padded:
+        source = (f"args.make_vocab_size_divisible_by={divisor}" if recorded
+                  else f"Megatron's default make_vocab_size_divisible_by={divisor} (the args record none)")
+        raise MergeError(f"{where}: args.padded_vocab_size={padded} but the HF config's vocab_size={vocab} pads to "
+                         f"{expected} under Megatron's rule (round up to a multiple of {source} x "
+                         f"tensor_model_parallel_size={tp} = {multiple}): the checkpoint's vocabulary had more than "
+                         f"{padded - multiple} ids, and rows {vocab}..{padded - 1} would be cut; expected an HF "
+                         f"vocab_size of {padded - multiple + 1}..{padded} (the reference of the tokenizer trained "
+                         "with)")
 
 
 # Megatron-LM: --use-rope-scaling applies the llama3 rule with low/high_freq_factor 1/4 and an original

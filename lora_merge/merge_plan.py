@@ -22,6 +22,7 @@ from lora_merge.readers.hf_model import HfModel
 from lora_merge.value_checks import shown_value
 from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import PlannedTensor
+from lora_merge.shown import shown
 
 
 @dataclass
@@ -318,6 +319,8 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
                          "names (linear_qkv, linear_proj, ...)")
     targets = list(listed) or sorted(found)
     for target in targets:
+        if not isinstance(target, str):
+            raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown(target)}; expected module names")
         if target not in found:
             raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown_value(target)} but the checkpoint has no "
                              f"LoRA weights for it")
@@ -326,9 +329,9 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
     expected = [m for m in modules if m.rsplit(".", 1)[-1] in targets]
     missing = [m for m in expected if m not in lora.lora]
     if missing and not allow_partial:
-        shown = ", ".join(_module_label(m) for m in missing[:4]) + (" …" if len(missing) > 4 else "")
+        listed = ", ".join(_module_label(m) for m in missing[:4]) + (" …" if len(missing) > 4 else "")
         raise MergeError(f"{lora.path}: LoRA weights missing for {len(missing)} of {len(expected)} adapted modules "
-                         f"({shown}); the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
+                         f"({listed}); the checkpoint looks incomplete (pass --allow-partial-lora if that is intended)")
 
 
 def _module_label(module: str) -> str:

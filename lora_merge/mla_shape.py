@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
+from lora_merge.shown import shown
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def check_mla_args(mla: MlaShape | None, args, where: str) -> None:
         for name in names:
             if hasattr(args, name) and getattr(args, name) != ours[hf_name] and not (
                     hf_name == "q_lora_rank" and not getattr(args, name) and not ours[hf_name]):
-                raise MergeError(f"{where}: args.{name}={getattr(args, name)} but the HF config's {hf_name} is "
+                raise MergeError(f"{where}: args.{name}={shown(getattr(args, name))} but the HF config's {hf_name} is "
                                  f"{ours[hf_name]}")
     if getattr(args, "mla_mm_split", False):
         raise MergeError(f"{where}: args.mla_mm_split=True splits the up-projections into per-part matrices "

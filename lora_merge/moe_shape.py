@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
 from lora_merge.value_checks import finite_number, non_negative_int, positive_int
+from lora_merge.shown import shown
 
 @dataclass(frozen=True)
 class MoeShape:
@@ -51,23 +52,23 @@ def megatron_moe_layers(args, num_layers: int, where: str) -> frozenset[int]:
         try:
             freq = ast.literal_eval(freq.strip())
         except (ValueError, SyntaxError) as exc:
-            raise MergeError(f"{where}: args.moe_layer_freq={freq!r} is not a number or a list") from exc
+            raise MergeError(f"{where}: args.moe_layer_freq={shown(freq)} is not a number or a list") from exc
     # MindSpeed-LLM's --first-k-dense-replace keeps the first k layers dense on top of the frequency rule
     dense = getattr(args, "first_k_dense_replace", None) or 0
     if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
-        raise MergeError(f"{where}: args.first_k_dense_replace={dense!r}; expected a layer count")
+        raise MergeError(f"{where}: args.first_k_dense_replace={shown(dense)}; expected a layer count")
     if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
         return frozenset(i for i in range(dense, num_layers) if i % freq == 0)
     if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
         return frozenset(i for i, v in enumerate(freq) if v == 1 and i >= dense)
-    raise MergeError(f"{where}: args.moe_layer_freq={freq!r}; expected a positive int or {num_layers} zeros and ones")
+    raise MergeError(f"{where}: args.moe_layer_freq={shown(freq)}; expected a positive int or {num_layers} zeros and ones")
 
 
 def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> None:
     experts = getattr(args, "num_experts", None)
     if moe is None:
         if experts:
-            raise MergeError(f"{where}: args.num_experts={experts}, but the HF config describes a dense model")
+            raise MergeError(f"{where}: args.num_experts={shown(experts)}, but the HF config describes a dense model")
         return
     if not experts:
         raise MergeError(f"{where}: the HF config describes a Mixture-of-Experts model, but the args have no num_experts")
@@ -86,7 +87,7 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
                                    else positive_int(theirs, f"args.{name}", where)) != ours:
             raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf} is {ours}")
     if moe.shared_ffn and bool(arg("moe_shared_expert_gate", False)) != moe.shared_gate:
-        raise MergeError(f"{where}: args.moe_shared_expert_gate={arg('moe_shared_expert_gate', False)} but the HF "
+        raise MergeError(f"{where}: args.moe_shared_expert_gate={shown(arg('moe_shared_expert_gate', False))} but the HF "
                          f"model {'gates' if moe.shared_gate else 'does not gate'} its shared expert")
     trained = megatron_moe_layers(args, num_layers, where)
     if trained != moe.layers:
@@ -94,7 +95,7 @@ def check_moe_args(moe: MoeShape | None, args, num_layers: int, where: str) -> N
                          f"{sorted(moe.layers)} (mlp_only_layers / decoder_sparse_step)")
     _check_routing(moe, trained_routing(args, moe.topk, where), where)
     if getattr(args, "moe_expert_capacity_factor", None) is not None:
-        raise MergeError(f"{where}: args.moe_expert_capacity_factor={args.moe_expert_capacity_factor!r}: token "
+        raise MergeError(f"{where}: args.moe_expert_capacity_factor={shown(args.moe_expert_capacity_factor)}: token "
                          "dropping (capacity factor) has no equivalent in the HF model")
 
 
@@ -120,9 +121,9 @@ def trained_routing(args, topk: int, where: str) -> TrainedRouting:
     kind = arg("moe_router_load_balancing_type", "aux_loss")
     score = arg("moe_router_score_function", "softmax")
     bias = bool(arg("moe_router_enable_expert_bias", False))
-    said = {"score": (score, f"args.moe_router_score_function={score!r}"),
-            "expert_bias": (bias, f"args.moe_router_enable_expert_bias={bias}")}
-    balancing = f"args.moe_router_load_balancing_type={kind!r}"
+    said = {"score": (score, f"args.moe_router_score_function={shown(score)}"),
+            "expert_bias": (bias, f"args.moe_router_enable_expert_bias={shown(bias)}")}
+    balancing = f"args.moe_router_load_balancing_type={shown(kind)}"
     # MindSpeed's groups: n_group defaults to the expert-parallel size; grouping needs topk_group
     ms_groups = None
     if arg("topk_group") is not None and kind in ("noaux_tc", "group_limited_greedy"):
@@ -136,7 +137,7 @@ def trained_routing(args, topk: int, where: str) -> TrainedRouting:
                               scaling=(scaling, f"args.routed_scaling_factor={scaling:g}"))
     if kind == "group_limited_greedy":  # softmax, best-1 group scores; renormalised or else scaled
         if score != "softmax":
-            raise MergeError(f"{where}: {balancing} with args.moe_router_score_function={score!r}; MindSpeed's "
+            raise MergeError(f"{where}: {balancing} with args.moe_router_score_function={shown(score)}; MindSpeed's "
                              "group_limited_greedy scores with softmax")
         norm = bool(arg("norm_topk_prob", False)) and topk > 1
         scaling = 1.0 if norm else finite_number(arg("routed_scaling_factor", 1.0), "args.routed_scaling_factor", where, 0, low_open=True)

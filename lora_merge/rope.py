@@ -13,6 +13,7 @@ from pathlib import Path
 from lora_merge.errors import MergeError
 from lora_merge.model_shape import ModelShape, RopeScaling
 from lora_merge.value_checks import is_number as _is_number
+from lora_merge.shown import shown
 
 # Keys transformers reads from a rope_scaling / rope_parameters dict (4.x and 5.x).
 _ROPE_KEYS = frozenset({
@@ -39,12 +40,12 @@ def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
                          f"{stated_scaling or 'none'}; expected one RoPE description")
     theta = applied.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is not None and (not _is_number(theta) or theta <= 0):
-        raise MergeError(f"{path}: rope_theta={theta!r}; expected a positive number")
+        raise MergeError(f"{path}: rope_theta={shown(theta)}; expected a positive number")
     if stated_theta is not None and theta is not None and not math.isclose(float(theta), stated_theta, rel_tol=1e-9):
-        raise MergeError(f"{path}: transformers reads rope_theta={theta!r}, config.json states {stated_theta!r}")
+        raise MergeError(f"{path}: transformers reads rope_theta={shown(theta)}, config.json states {shown(stated_theta)}")
     partial = applied.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial is not None and partial != 1.0:
-        raise MergeError(f"{path}: partial_rotary_factor={partial!r}: partial RoPE is not supported (Megatron "
+        raise MergeError(f"{path}: partial_rotary_factor={shown(partial)}: partial RoPE is not supported (Megatron "
                          "args.rotary_percent must be 1.0); expected 1.0")
     return (None if theta is None else float(theta)), applied_scaling
 
@@ -73,7 +74,7 @@ def _rope(cfg: dict, path: Path, max_positions: int, notes: list[str]) -> tuple[
     for name in _ROPE_SECTIONS:
         value = cfg.get(name)
         if value is not None and not isinstance(value, dict):
-            raise MergeError(f"{path}: {name!r} must be an object or null, found {value!r}")
+            raise MergeError(f"{path}: {shown(name)} must be an object or null, found {shown(value)}")
         if value:
             sections[name] = value
     theta = _agreeing(path, "rope_theta", _inner({"": cfg, **sections}, "rope_theta", path))
@@ -94,7 +95,7 @@ def _inner(sections: dict, key: str, path: Path) -> list[tuple[str, float]]:
         if key in section:
             label = f"{name}.{key}" if name else key
             if not _is_number(section[key]) or section[key] <= 0:
-                raise MergeError(f"{path}: {label!r} must be a positive number, found {section[key]!r}")
+                raise MergeError(f"{path}: {shown(label)} must be a positive number, found {shown(section[key])}")
             found.append((label, float(section[key])))
     return found
 
@@ -102,7 +103,7 @@ def _inner(sections: dict, key: str, path: Path) -> list[tuple[str, float]]:
 def _agreeing(path: Path, what: str, stated: list[tuple[str, float]]) -> float | None:
     values = {value for _, value in stated}
     if len(values) > 1:
-        said = " but ".join(f"{label}={value!r}" for label, value in stated)
+        said = " but ".join(f"{label}={shown(value)}" for label, value in stated)
         raise MergeError(f"{path}: {said}; expected one {what} (transformers versions differ on which applies)")
     return stated[0][1] if stated else None
 
@@ -119,7 +120,7 @@ def _scaling(d: dict, name: str, path: Path, max_positions: int, notes: list[str
     if kind is None or kind == "default":
         return None
     if kind not in SUPPORTED_SCALINGS:
-        raise MergeError(f"{path}: {name} has rope_type {kind!r}, which Megatron/MindSpeed cannot be shown to have "
+        raise MergeError(f"{path}: {name} has rope_type {shown(kind)}, which Megatron/MindSpeed cannot be shown to have "
                          "trained; expected llama3, yarn, linear or default")
     factor = _rope_number(d, "factor", name, path)
     if kind == "linear":
@@ -137,7 +138,7 @@ def _scaling(d: dict, name: str, path: Path, max_positions: int, notes: list[str
 def _rope_type(d: dict, name: str, path: Path) -> str | None:
     stated = [d[k] for k in ("rope_type", "type") if k in d]
     if len(stated) == 2 and stated[0] != stated[1]:
-        raise MergeError(f"{path}: {name} has rope_type {d['rope_type']!r} and type {d['type']!r}; expected one")
+        raise MergeError(f"{path}: {name} has rope_type {shown(d['rope_type'])} and type {shown(d['type'])}; expected one")
     if not stated:
         if set(d) - {"rope_theta", "partial_rotary_factor"}:
             raise MergeError(f"{path}: {name} has scaling parameters but no rope_type; expected e.g. "
@@ -145,7 +146,7 @@ def _rope_type(d: dict, name: str, path: Path) -> str | None:
         return None
     kind = stated[0]
     if not isinstance(kind, str):
-        raise MergeError(f"{path}: {name}.rope_type must be a string, found {kind!r}")
+        raise MergeError(f"{path}: {name}.rope_type must be a string, found {shown(kind)}")
     return kind
 
 
@@ -155,7 +156,7 @@ def _rope_number(d: dict, key: str, name: str, path: Path, default: float | None
     value = d.get(key)
     if not _is_number(value) or value <= 0:
         raise MergeError(f"{path}: {name}.{key} must be a positive number, found "
-                         f"{value!r}{'' if key in d else ' (missing)'}")
+                         f"{shown(value)}{'' if key in d else ' (missing)'}")
     return float(value)
 
 
@@ -168,7 +169,7 @@ def _yarn_params(d: dict, name: str, path: Path, factor: float, original: float,
                          f"original_max_position_embeddings = {max_positions}/{original:g}; transformers versions "
                          f"differ on which applies; expected max_position_embeddings = {factor * original:g}")
     if d.get("truncate", True) is not True:
-        raise MergeError(f"{path}: {name}.truncate={d['truncate']!r}: MindSpeed's YaRN rounds the correction "
+        raise MergeError(f"{path}: {name}.truncate={shown(d['truncate'])}: MindSpeed's YaRN rounds the correction "
                          "range; expected true")
     # transformers: `beta_fast or 32`, so 0/null also mean the default
     beta_fast = _rope_number(d, "beta_fast", name, path) if d.get("beta_fast") else 32.0
@@ -226,7 +227,7 @@ def _trained_rope_scaling(shape: ModelShape, args, arg, where: str):
     """(type, {param: (where the value comes from, value)}, description) of the scaling the args say was
     trained, or None. Only parameters the args record are listed."""
     if _arg_number(args, "dynamic_factor", where, 1.0) > 1:
-        raise MergeError(f"{where}: args.dynamic_factor={arg('dynamic_factor')} (dynamic RoPE base) is not "
+        raise MergeError(f"{where}: args.dynamic_factor={shown(arg('dynamic_factor'))} (dynamic RoPE base) is not "
                          "supported: no HF config of these architectures computes it")
     interpolation = arg("rotary_seq_len_interpolation_factor")
     kinds = [(name, value) for name, value in (("use_rope_scaling", arg("use_rope_scaling", False)),
@@ -239,7 +240,7 @@ def _trained_rope_scaling(shape: ModelShape, args, arg, where: str):
         if mla_yarn is not None:
             kinds.append(("rope_type", "yarn"))
     if len(kinds) > 1:
-        both = " and ".join(f"args.{name}={value!r}" for name, value in kinds)
+        both = " and ".join(f"args.{name}={shown(value)}" for name, value in kinds)
         raise MergeError(f"{where}: {both}: RoPE scalings applied on top of each other have no HF equivalent")
     if not kinds:
         return None
@@ -254,8 +255,10 @@ def _trained_rope_scaling(shape: ModelShape, args, arg, where: str):
         return "llama3", params, f"args.use_rope_scaling=True (llama3 RoPE scaling, factor {factor:g})"
     if name == "rotary_seq_len_interpolation_factor":
         factor = _arg_number(args, name, where)
-        return "linear", {"factor": (f"args.{name}={value}", factor)}, f"args.{name}={value} (linear RoPE scaling)"
-    return _mindspeed_rope_scaling(shape, args, str(value), where)
+        return "linear", {"factor": (f"args.{name}={shown(value)}", factor)}, f"args.{name}={shown(value)} (linear RoPE scaling)"
+    if not isinstance(value, str):  # never str() of an input value: it may be a reference bomb
+        raise MergeError(f"{where}: args.rope_scaling_type={shown(value)}; expected a scaling type name or None")
+    return _mindspeed_rope_scaling(shape, args, value, where)
 
 
 # Megatron-Core's MLA: --rope-type (None means yarn), --rotary-scaling-factor, --mscale, --mscale-all-dim;
@@ -277,10 +280,10 @@ def _megatron_mla_yarn(args, arg, where: str):
                              f"{_yarn_mscale(factor, mscale_all) ** 2:g} without YaRN, which no HF config computes")
         return None
     if kind != "yarn":
-        raise MergeError(f"{where}: args.rope_type={kind!r}; Megatron's MLA knows 'rope' and 'yarn'")
+        raise MergeError(f"{where}: args.rope_type={shown(kind)}; Megatron's MLA knows 'rope' and 'yarn'")
     if factor <= 1:  # YaRN at factor 1 is plain RoPE (every mscale is 1)
         return None
-    label = f"args.rope_type={arg('rope_type')!r} (Megatron MLA YaRN, factor {factor:g})"
+    label = f"args.rope_type={shown(arg('rope_type'))} (Megatron MLA YaRN, factor {factor:g})"
     params = {"factor": (f"args.rotary_scaling_factor={factor:g}", factor),
               "attention_factor": (f"args.mscale={mscale:g} and mscale_all_dim={mscale_all:g} give attention_factor="
                                    f"{_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all):g}",
@@ -291,7 +294,7 @@ def _megatron_mla_yarn(args, arg, where: str):
 
 
 def _mindspeed_rope_scaling(shape: ModelShape, args, kind: str, where: str):
-    label = f"args.rope_scaling_type={kind!r}"
+    label = f"args.rope_scaling_type={shown(kind)}"
     if kind == "llama3":
         names = {"factor": ("rope_scaling_factor",), "low_freq_factor": ("low_freq_factor",),
                  "high_freq_factor": ("high_freq_factor",),
@@ -328,7 +331,7 @@ def _recorded(args, name: str) -> bool:
 
 def _recorded_value(args, names: tuple[str, ...], where: str):
     """(description, value) of the arg among `names` that the run recorded; refuse when two disagree."""
-    found = [(f"args.{n}={getattr(args, n)!r}", _arg_number(args, n, where)) for n in names if _recorded(args, n)]
+    found = [(f"args.{n}={shown(getattr(args, n))}", _arg_number(args, n, where)) for n in names if _recorded(args, n)]
     if len({value for _, value in found}) > 1:
         raise MergeError(f"{where}: {' and '.join(d for d, _ in found)} disagree: cannot tell which one MindSpeed used")
     return found[0] if found else None
@@ -339,7 +342,7 @@ def _arg_number(args, name: str, where: str, default: float | None = None) -> fl
     if value is None:
         return default
     if not _is_number(value):
-        raise MergeError(f"{where}: args.{name}={value!r}; expected a number")
+        raise MergeError(f"{where}: args.{name}={shown(value)}; expected a number")
     return float(value)
 
 

@@ -63,9 +63,10 @@ class StandIn:
     def __setstate__(self, state):
         self.state = state
 
-    def __repr__(self):
-        inner = ", ".join(repr(a) for a in getattr(self, "args", ()))
-        return f"{type(self).__qualname__}({inner})"
+    def __repr__(self):  # bounded: what it was given is input, possibly a reference bomb
+        from lora_merge.shown import shown
+
+        return shown(self, limit=200)
 
 
 def stand_in_class(full_name: str) -> type:

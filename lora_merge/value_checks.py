@@ -5,9 +5,9 @@ one line naming the field."""
 from __future__ import annotations
 
 import math
-import reprlib
 
 from lora_merge.errors import MergeError
+from lora_merge.shown import shown
 
 # Above this a rank is not a LoRA (a full-rank update of the largest models is ~20k); it also keeps r·E
 # and the factors' shapes far from any integer overflow.
@@ -33,32 +33,13 @@ def is_number(value) -> bool:
         return False
 
 
-class _BoundedRepr(reprlib.Repr):
-    def __init__(self):
-        super().__init__()
-        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple, self.maxset = 3, 4, 4, 4, 4
-        self.maxstring, self.maxother, self.maxlong = 60, 60, 40
-
-    def repr_int(self, value, level):
-        # repr of an int over 4300 digits raises; its size is what matters
-        if value.bit_length() > 128:
-            return f"<an int of {value.bit_length()} bits>"
-        return super().repr_int(value, level)
-
-
-_REPR = _BoundedRepr()
-MAX_SHOWN = 80
 
 
 def shown_value(value) -> str:
-    """A value for a one-line message: a bounded repr (nesting, lengths and the text itself cut), so a
-    hostile value (a nested-list bomb, a huge string or int) costs nothing to show."""
-    try:
-        text = _REPR.repr(value)
-    except Exception:  # a pickled object whose __repr__ fails: its type is still worth naming
-        text = f"<{type(value).__name__}>"
-    text = text.encode("unicode_escape", "backslashreplace").decode("ascii") if not text.isprintable() else text
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+    """A value for a one-line message, bounded whatever its size or nesting (see `shown`): at most 80
+    characters."""
+    text = shown(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def positive_int(value, field: str, where: str, limit: int = MAX_SIZE) -> int:

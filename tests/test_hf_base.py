@@ -103,3 +103,40 @@ def test_verify_checks_a_merge_onto_an_hf_base_against_it(tmp_path, hf_bases, ca
     save_file(tensors, shard, metadata={"format": "pt"})
     assert main(check) == 1
     assert "model.norm.weight" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"num_hidden_layers": 2, "layer_types": None}, ["the HF base's num_layers is 2 but --hf-ref's", "is 4"]),
+    ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+     ["the HF base's rope_theta is 500000.0", "is 10000.0"]),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+     ["the HF base's model_type is 'qwen2' but --hf-ref's", "is 'qwen3'"]),
+    ({"rms_norm_eps": 1e-5}, ["the HF base's norm_eps is 1e-05", "is 1e-06"]),
+])
+def test_an_hf_base_whose_config_describes_another_model_is_refused(change, words, tmp_path, hf_bases, capsys):
+    """Its config.json is read as the reference's is; the first field that differs is named with both
+    values (the output would get --hf-ref's config over another model's weights)."""
+    import json
+
+    root = FIXTURES / "qwen3_tp2_fp32"
+    base = tmp_path / "base"
+    shutil.copytree(hf_bases(root), base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({k: v for k, v in {**config, **change}.items() if v is not None}))
+    capsys.readouterr()  # what making the HF base said
+    _failing(_args(root, tmp_path / "out", base=base), capsys, f"{base / 'config.json'}: ", *words,
+             "expected the base to be the model --hf-ref describes")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_hf_base_config_that_only_restates_the_reference_is_accepted(tmp_path, hf_bases, capsys):
+    """Keys that change nothing computed (dtype, generation settings, _name_or_path) may differ."""
+    import json
+
+    root = FIXTURES / "qwen3_tp2_fp32"
+    base = tmp_path / "base"
+    shutil.copytree(hf_bases(root), base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "use_cache": False,
+                                                  "_name_or_path": "elsewhere"}))
+    assert main(_args(root, tmp_path / "out", base=base)) == 0, capsys.readouterr().err

@@ -61,7 +61,7 @@ CONFIG_VALUES = {
     "layers_with_regex": ({"target_modules": ".*q_proj", "layers_to_transform": [0]}, ["regex target_modules"]),
     "pattern_without_layers": ({"layers_pattern": "layers"}, ["layers_pattern without layers_to_transform"]),
     "rslora_string": ({"use_rslora": "yes"}, ["use_rslora='yes'"]),
-    "deep_nesting": ({"rank_pattern": {"q_proj": [[[[[[[[[[1]]]]]]]]]]}}, ["rank_pattern['q_proj']=[[[[...]]]]"]),
+    "deep_nesting": ({"rank_pattern": {"q_proj": [[[[[[[[[[1]]]]]]]]]]}}, ["rank_pattern['q_proj']=[[[[", "expected a positive integer"]),
 }
 
 

@@ -130,3 +130,20 @@ def test_verify_checks_a_peft_merge(hf_base, tmp_path, capsys):
         save_file(changed, out / "model.safetensors", metadata={"format": "pt"})
         assert main(["verify", str(out), *inputs]) == 1
         assert victim in capsys.readouterr().out
+
+
+def test_a_peft_adapter_onto_an_hf_base_of_another_model_is_refused(hf_base, tmp_path, capsys):
+    """--base's own config.json must describe the model --hf-ref does (here: another RoPE base)."""
+    make_adapter(hf_base, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj"])
+    capsys.readouterr()
+    base = tmp_path / "base"
+    shutil.copytree(hf_base, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}))
+    capsys.readouterr()
+    code = main(["--base", str(base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref"),
+                 "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "the HF base's rope_theta is 500000.0 but --hf-ref's" in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -8,6 +8,7 @@ from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_
                                           expected_values, read_mla, shared_experts_count)
 from lora_merge.errors import MergeError
 from lora_merge.moe_shape import MoeShape
+from lora_merge.shown import shown
 
 
 def read_moe(fields, num_layers: int) -> MoeShape:
@@ -22,7 +23,7 @@ def read_moe(fields, num_layers: int) -> MoeShape:
     elif method == "group_limited_greedy":
         groups = fields.positive_int("n_group"), fields.positive_int("topk_group")
     else:
-        raise MergeError(f"{fields.path}: topk_method={method!r}; transformers' deepseek_v2 computes 'greedy' or "
+        raise MergeError(f"{fields.path}: topk_method={shown(method)}; transformers' deepseek_v2 computes 'greedy' or "
                          "'group_limited_greedy'")
     ffn = fields.positive_int("moe_intermediate_size")
     return MoeShape(fields.positive_int("n_routed_experts"), fields.positive_int("num_experts_per_tok"), ffn,

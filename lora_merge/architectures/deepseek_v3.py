@@ -14,11 +14,12 @@ from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_
 from lora_merge.errors import MergeError
 from lora_merge.layout import Replicated
 from lora_merge.moe_shape import MoeShape
+from lora_merge.shown import shown
 
 
 def read_mla_v3(fields):
     if fields.get("rope_interleave", True) is not True:
-        raise MergeError(f"{fields.path}: rope_interleave={fields.get('rope_interleave')!r}; Megatron's MLA rotates "
+        raise MergeError(f"{fields.path}: rope_interleave={shown(fields.get('rope_interleave'))}; Megatron's MLA rotates "
                          "the interleaved rope dims as rope_interleave=true does")
     return read_mla(fields)
 

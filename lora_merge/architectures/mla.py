@@ -18,6 +18,7 @@ from lora_merge.architectures.moe import routed_experts, shared_expert
 from lora_merge.errors import MergeError
 from lora_merge.layout import ColumnParallel, DuplicatedOrColumn, Replicated, ReplicatedRows, RowParallel
 from lora_merge.mla_shape import MlaShape
+from lora_merge.shown import shown
 
 ATTN = "self_attention."
 Q_DOWN, KV_DOWN, Q_PROJ = ATTN + "linear_q_down_proj.weight", ATTN + "linear_kv_down_proj.weight", ATTN + "linear_q_proj.weight"
@@ -68,8 +69,8 @@ def expected_values(fields, model_type: str, expected: dict) -> None:
     transformers' class computes, or the model would differ between loaders."""
     for key, value in expected.items():
         if key in fields.raw and fields.raw[key] != value:
-            raise MergeError(f"{fields.path}: {key}={fields.raw[key]!r}; transformers' {model_type} computes "
-                             f"{key}={value!r}")
+            raise MergeError(f"{fields.path}: {key}={shown(fields.raw[key])}; transformers' {model_type} computes "
+                             f"{key}={shown(value)}")
 
 
 def dense_layer_count(fields) -> int:

@@ -15,6 +15,7 @@ from lora_merge.architectures.dense import ATTENTION, DENSE_MLP, EMBEDDING, FINA
 from lora_merge.errors import MergeError
 from lora_merge.layout import GatedColumn, Replicated, RowParallel
 from lora_merge.moe_shape import MoeShape
+from lora_merge.shown import shown
 
 # Qwen's MoE configs: which layers have experts, and how many experts of what size.
 QWEN_MOE_KEYS = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -61,7 +62,7 @@ def qwen_moe(fields, num_layers: int, shared_ffn: int = 0, shared_gate: bool = F
     step = fields.positive_int("decoder_sparse_step")
     dense = fields.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-        raise MergeError(f"{fields.path}: 'mlp_only_layers' must be a list of layer numbers, found {dense!r}")
+        raise MergeError(f"{fields.path}: 'mlp_only_layers' must be a list of layer numbers, found {shown(dense)}")
     layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     return MoeShape(_num_experts(fields), fields.positive_int("num_experts_per_tok"),
                     fields.positive_int("moe_intermediate_size"), shared_ffn, shared_gate, fields.flag("norm_topk_prob"),
@@ -72,8 +73,8 @@ def _num_experts(fields) -> int:
     # transformers 5 names Qwen3-MoE's count num_local_experts; released configs say num_experts
     stated = {k: fields.raw[k] for k in ("num_experts", "num_local_experts") if k in fields.raw}
     if len(set(map(repr, stated.values()))) > 1:
-        raise MergeError(f"{fields.path}: num_experts={stated['num_experts']!r} and num_local_experts="
-                         f"{stated['num_local_experts']!r} disagree; expected one number of experts")
+        raise MergeError(f"{fields.path}: num_experts={shown(stated['num_experts'])} and num_local_experts="
+                         f"{shown(stated['num_local_experts'])} disagree; expected one number of experts")
     return fields.positive_int("num_experts")
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.shown import shown
 
 EXPERT_KEY = re.compile(r"^(?P<layer>decoder\.layers\.\d+\.mlp\.experts)\.(?P<rest>.+)$")
 SEQUENTIAL = re.compile(r"^local_experts\.(?P<k>\d+)\.(?P<rest>linear_fc[12]\..+)$")
@@ -75,7 +76,7 @@ def expert_layout(args, tp: int, where: str) -> ExpertLayout | None:
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
     if not experts:
         if ep > 1:
-            raise MergeError(f"{where}: args.expert_model_parallel_size={ep} but no args.num_experts")
+            raise MergeError(f"{where}: args.expert_model_parallel_size={shown(ep)} but no args.num_experts")
         return None
     experts = int(experts)
     etp = getattr(args, "expert_tensor_parallel_size", None)

@@ -19,6 +19,7 @@ from lora_merge.readers.experts import ExpertLayout, expert_layout, expert_param
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, TorchArchive
 from lora_merge.safe_load import load_archive
+from lora_merge.shown import shown
 
 RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -105,7 +106,7 @@ def _model_chunks(state: dict, path: Path) -> dict[int, dict]:
         m = MODEL_CHUNK_KEY.match(str(key))
         if m:
             if not isinstance(value, dict):
-                raise MergeError(f"{path}: entry {key!r} is a {type(value).__name__}, expected a state dict")
+                raise MergeError(f"{path}: entry {shown(key)} is a {type(value).__name__}, expected a state dict")
             chunks[int(m.group(1) or 0)] = value
     if not chunks:
         raise MergeError(f"{path}: no 'model' entry (keys: {', '.join(map(str, state))})")

@@ -36,6 +36,7 @@ from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.readers.safetensors_file import shown_name, tensor_refs
 from lora_merge.safe_load import load_pt
 from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, finite_number, is_int, lora_scale, positive_int, shown_value
+from lora_merge.small_files import read_text
 
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
@@ -127,8 +128,9 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
 
 
 def _config(path: Path) -> dict:
+    text = read_text(path, expected="a PEFT adapter config (JSON)")  # a regular file, under its cap
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(text)
     except RecursionError:  # "[[[[…" nested deeper than the parser goes
         raise MergeError(f"{path}: unreadable (JSON nested too deep to be an adapter config)") from None
     except (OSError, ValueError) as exc:

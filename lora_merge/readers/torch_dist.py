@@ -17,6 +17,7 @@ unpickler. Memory: each .distcp file is memory-mapped once and chunks are views 
 from __future__ import annotations
 
 import math
+import io
 import pickle
 import re
 import threading
@@ -32,6 +33,8 @@ from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.torch_archive import MappedFile, Record, TorchArchive
 from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
+from lora_merge.shown import shown
+from lora_merge.small_files import read_bytes
 
 METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
@@ -43,7 +46,8 @@ SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.
 
 
 def is_torch_dist_iteration(path: Path) -> bool:
-    return (path / METADATA).is_file()
+    # any entry named .metadata (a device, a FIFO, a broken link too): reading it says what is wrong with it
+    return (path / METADATA).exists() or (path / METADATA).is_symlink()
 
 
 # --- .metadata: allow-list unpickler ---------------------------------------------------------------
@@ -68,7 +72,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _layout
         if module.startswith(("torch.distributed.checkpoint", "megatron.", "pathlib")):
             return stand_in_class(full)
-        raise MergeError(f"{self.where}: refusing to load: the pickle references {full!r}, which is not "
+        raise MergeError(f"{self.where}: refusing to load: the pickle references {shown(full)}, which is not "
                          "checkpoint metadata")
 
     def persistent_load(self, pid):
@@ -78,13 +82,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _layout(name: str) -> torch.layout:
     layout = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(layout, torch.layout):
-        raise MergeError(f"checkpoint metadata names an unknown tensor layout {name!r}")
+        raise MergeError(f"checkpoint metadata names an unknown tensor layout {shown(name)}")
     return layout
 
 
 def _state(obj, where: str) -> dict:
     if not isinstance(obj, StandIn) or not isinstance(getattr(obj, "state", {}), (dict, tuple)):
-        raise MergeError(f"{where}: unexpected object in checkpoint metadata: {obj!r}")
+        raise MergeError(f"{where}: unexpected object in checkpoint metadata: {shown(obj)}")
     state = getattr(obj, "state", {})  # a dataclass without fields pickles without state
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
         state = state[0]  # (dict, slots) form
@@ -95,8 +99,9 @@ def read_metadata(path: Path) -> tuple[dict, dict]:
     """(key -> global tensor info or 'bytes', (key, chunk offsets) -> (file, offset, length))."""
     where = str(path)
     try:
-        with open(path, "rb") as f:
-            meta = _MetadataUnpickler(f, where).load()
+        # read whole under its cap first: a device, FIFO or huge file named .metadata is never unpickled
+        meta = _MetadataUnpickler(io.BytesIO(read_bytes(path, ".metadata", expected="torch.distributed.checkpoint "
+                                                        "metadata (a pickle)")), where).load()
         return _parse_metadata(meta, path)
     except MergeError:
         raise

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.writers.model_card import MAX_CARD_BYTES, card_reports
+from lora_merge.small_files import read_bytes
+from lora_merge.writers.model_card import card_reports
 
 COPY_CHUNK = 1 << 20
 
@@ -138,11 +139,11 @@ def reference_files(hf_dir: Path) -> ReferenceFiles:
 def _earlier_reports(directory: Path) -> set[str]:
     """A reference that is itself an output of lora-merge may hold that run's --report: not this model's."""
     card = directory / "README.md"
-    try:
-        if not card.is_file() or card.stat().st_size > MAX_CARD_BYTES:
-            return set()
-        return card_reports(card.read_text(encoding="utf-8", errors="replace"))
-    except OSError:
+    if not card.is_file():
+        return set()
+    try:  # a card that cannot be read names no report: it is copied or refused like any other file
+        return card_reports(read_bytes(card, "README.md").decode("utf-8", errors="replace"))
+    except MergeError:
         return set()
 
 
