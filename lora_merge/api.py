@@ -49,6 +49,18 @@ from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.writers.targets import InputPaths, check_report_path
 
+def _load_lazy_attributes() -> None:
+    """transformers and huggingface_hub load their attributes on first access, which is not thread-safe:
+    two threads' first merge at once failed with "module 'transformers' has no attribute 'CONFIG_MAPPING'".
+    Loaded here, once, while this module is imported (Python's import lock serialises that)."""
+    import transformers
+    from huggingface_hub import ModelCard, ModelCardData  # noqa: F401
+
+    transformers.CONFIG_MAPPING  # noqa: B018
+
+
+_load_lazy_attributes()
+
 # What each path argument names, for the message when it is missing or not a path.
 LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
 HF_REF = "the HF model dir of the base model"
