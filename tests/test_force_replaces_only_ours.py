@@ -162,8 +162,10 @@ def test_force_never_replaces_someones_hf_model(tmp_path, capsys):
         _user_hf_model(theirs, readme)
         before = _tree(theirs)
         for args in (merge_args("tp2_fp32_filtered", theirs), export_args(theirs)):
-            run_failing(args + ["--force"], capsys, str(theirs), "is not an earlier", "written by lora-merge", reason,
-                        "not replacing it even with --force")
+            for force in (["--force"], []):  # without it, too: "pass --force" would be advice that cannot work
+                line = run_failing(args + force, capsys, str(theirs), "is not an earlier", "written by lora-merge",
+                                   reason, "not replacing it even with --force")
+                assert "pass --force" not in line
         assert _tree(theirs) == before
     assert hidden_leftovers(tmp_path) == []
 

@@ -50,14 +50,14 @@ def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool 
     if os.path.ismount(out):  # checked first: --force could never help, and publishing would fail at the end
         raise MergeError(f"{out}: is a mount point; the output is published by renaming a directory into its "
                          f"place, which a mount point cannot be: name a directory inside it, e.g. {out / 'merged'}")
-    if os.path.lexists(out) and not force:
-        raise MergeError(f"{out}: already exists (pass --force to replace it)")
     if out.is_symlink():
         raise MergeError(f"{out}: is a symlink; give the directory itself")
     if os.path.lexists(out) and not out.is_dir():
         raise MergeError(f"{out}: exists and is {what_is(out)}, not a directory; not replacing it even with --force")
-    if out.is_dir() and not early:
-        _check_replaceable(out, kind)
+    if out.is_dir() and (not early or not force):
+        _check_replaceable(out, kind)  # before suggesting --force: only where it would help
+    if os.path.lexists(out) and not force:
+        raise MergeError(f"{out}: already exists (pass --force to replace it)")
     if not out.parent.is_dir():
         raise MergeError(f"{out.parent}: parent directory of the output does not exist")
     if len(os.fsencode(_prefix(out.name))) + 24 > 255:
