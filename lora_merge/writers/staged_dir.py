@@ -362,13 +362,7 @@ class StagedOutput:
             where = f"{self.out} (while writing it)"
         else:
             return exc
-        text = f"{where}: {exc.strerror or exc}; no output was written"
-        if exc.errno == errno.ENOSPC:
-            try:
-                text += f" ({gigabytes(shutil.disk_usage(self.out.parent).free)} free on that file system)"
-            except OSError:
-                pass
-        return MergeError(text)
+        return MergeError(f"{where}: {exc.strerror or exc}; no output was written")
 
     def _publish(self) -> None:
         if self.force and self.out.is_dir() and not self.out.is_symlink():
