@@ -45,9 +45,22 @@ from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
 from lora_merge.writers.model_card import adapter_card, checked_base_model_id, model_card, resolve_base_model
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
+from lora_merge.writers.ownership import PEFT_ADAPTER, check_input_dir
 from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.writers.targets import InputPaths, check_report_path
+
+def _load_lazy_attributes() -> None:
+    """transformers and huggingface_hub load their attributes on first access, which is not thread-safe:
+    two threads' first merge at once failed with "module 'transformers' has no attribute 'CONFIG_MAPPING'".
+    Loaded here, once, while this module is imported (Python's import lock serialises that)."""
+    import transformers
+    from huggingface_hub import ModelCard, ModelCardData  # noqa: F401
+
+    transformers.CONFIG_MAPPING  # noqa: B018
+
+
+_load_lazy_attributes()
 
 # What each path argument names, for the message when it is missing or not a path.
 LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
@@ -95,6 +108,7 @@ class MergeResult:
     dry_run: bool = False
     plan: MergePlan | None = None
     inputs: object = None  # the opened inputs (for printing a dry-run plan)
+    copied_bytes: int = 0  # of the reference's files the output holds
 
 
 @dataclass
@@ -232,6 +246,7 @@ def inspect(checkpoint, verbose: bool = False) -> str:
     files), an HF model dir (model type, layers, tensors, dtypes, files) or a PEFT adapter (r, alpha, targets,
     adapted modules); `verbose` lists every tensor."""
     path = _required(checkpoint, "checkpoint", "a Megatron checkpoint, HF model or PEFT adapter dir")
+    check_input_dir(path, "a Megatron checkpoint, HF model or PEFT adapter dir")
     return "\n".join(describe_dir(path, verbose=verbose))
 
 
@@ -374,6 +389,11 @@ def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
     return hf_ref if has_weights(hf_ref) else None
 
 
+def _check_input_dirs(opts) -> None:
+    for path, what in ((opts.base, BASE), (opts.lora, LORA), (opts.hf_ref, HF_REF)):
+        check_input_dir(path, what)
+
+
 class VerificationFailed(MergeError):
     def __init__(self, out: Path, report: VerifyReport, published: bool):
         self.report, self.out = report, out
@@ -384,9 +404,10 @@ class VerificationFailed(MergeError):
 def run_merge(opts) -> MergeResult:
     started = time.monotonic()
     checked_base_model_id(getattr(opts, "base_model_id", None))  # a usage error, before any work
+    _check_input_dirs(opts)
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
-    check_report_path(opts.report, opts.force, roots, opts.out)
+    check_report_path(opts.report, opts.force, roots, opts.out, early=True)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
     ref_files = _reference_files(opts, opts.hf_ref)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
@@ -401,21 +422,26 @@ def run_merge(opts) -> MergeResult:
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     hf_config = {**inp.hf_config, **plan.config_changes}
     writer_plan = plan.tensors
+    tensor_bytes = sum(t.nbytes for t in writer_plan)
     if opts.dry_run:
+        # A dry run says whether the run would work; one that would stop at the space check would not, so it
+        # stops here the same way (the real run first removes killed runs' staging dirs; a dry run writes
+        # and removes nothing, so it counts them as taken).
+        check_free_space(opts.out, tensor_bytes, ref_files.total_bytes)
         return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
                            dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan),
                            bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
                            r=inp.settings.r, alpha=inp.settings.alpha, scale=inp.settings.scale,
                            settings_source=inp.settings.source, skipped=dict(plan.skipped), dry_run=True, plan=plan,
-                           inputs=inp)
+                           inputs=inp, copied_bytes=ref_files.total_bytes)
 
     verify_report = None
     # Space held by runs that were killed is given back before deciding whether there is enough.
     remove_abandoned_staging(opts.out, inputs)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
-    # The copied reference files count byte for byte (a tokenizer can be GBs); the margin covers config and card.
-    check_free_space(opts.out, sum(t.nbytes for t in writer_plan) + ref_files.total_bytes + (64 << 20))
+    # The copied reference files count byte for byte (a tokenizer can be GBs); a margin covers config and card.
+    check_free_space(opts.out, tensor_bytes, ref_files.total_bytes)
     with StagedOutput(opts.out, opts.force, inputs) as stage:
         staging = stage.dir
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=opts.sha256)
@@ -463,16 +489,18 @@ def run_merge(opts) -> MergeResult:
 
 
 def run_export(opts) -> ExportResult:
+    check_input_dir(opts.lora, LORA)
     if is_peft_adapter_dir(opts.lora):
         raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
                          "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
     checked_base_model_id(getattr(opts, "base_model_id", None))
+    _check_input_dirs(opts)
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
-    check_output_target(opts.out, opts.force, roots, early=True)
-    check_report_path(opts.report, opts.force, roots, opts.out)
+    check_output_target(opts.out, opts.force, roots, early=True, kind=PEFT_ADAPTER)
+    check_report_path(opts.report, opts.force, roots, opts.out, early=True)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
-    check_output_target(opts.out, opts.force, inputs)
+    check_output_target(opts.out, opts.force, inputs, kind=PEFT_ADAPTER)
     check_report_path(opts.report, opts.force, inputs, opts.out)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
     adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
@@ -483,7 +511,7 @@ def run_export(opts) -> ExportResult:
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
-    with StagedOutput(opts.out, opts.force, inputs) as stage:
+    with StagedOutput(opts.out, opts.force, inputs, kind=PEFT_ADAPTER) as stage:
         files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, base_model))
         hashes = hash_files(stage.dir, files)
         later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
@@ -503,15 +531,18 @@ def run_export(opts) -> ExportResult:
 
 def run_verify(opts) -> VerifyReport:
     out = opts.out
+    check_input_dir(out, "the merged HF model dir")
+    _check_input_dirs(opts)
     roots = given_paths(out, opts.base, opts.lora, opts.hf_ref)
-    check_report_path(opts.report, opts.force, roots)
+    check_report_path(opts.report, opts.force, roots, early=True)
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     base_dir = opts.base
     if base_dir is None and opts.lora is not None and is_peft_adapter_dir(opts.lora) and has_weights(opts.hf_ref):
         base_dir = opts.hf_ref  # as the merge took it: a PEFT adapter without --base went onto --hf-ref's weights
     inp = open_inputs(out, base_dir, opts.lora, opts, need_base=False)
-    check_report_path(opts.report, opts.force, input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora))
+    inputs = input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora)
+    check_report_path(opts.report, opts.force, inputs)
     dtype = inp.shape.dtype or torch.float32
     hf_base = isinstance(inp.base, HfModel)
     # A PEFT adapter with neither --base nor weights in --hf-ref is opened onto the output itself: no baseline.
@@ -522,6 +553,7 @@ def run_verify(opts) -> VerifyReport:
     report.problems += check_output_files(out, reference_files(opts.hf_ref) if opts.hf_ref else None, card=True,
                                           known=report.problems)
     if opts.report:
+        remove_abandoned_side_files(opts.report, inputs)
         files = sorted(p.name for p in out.iterdir() if p.is_file())
         write_report(opts.report, report_text(inp, opts.hf_ref, None, {}, hash_files(out, files), report),
                      opts.force)

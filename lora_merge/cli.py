@@ -233,6 +233,8 @@ def expert_layout(inp) -> str:
 
 
 def print_plan(console: Console, opts, result: MergeResult) -> None:
+    from lora_merge.writers.staged_dir import gigabytes, space_needed
+
     inp, plan = result.inputs, result.plan
     s = inp.shape
     total = sum(t.nbytes for t in plan.tensors)
@@ -253,7 +255,8 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
         f"{inp.settings.source}) on {', '.join(lora_targets(plan)) or 'nothing'}: {plan.merged_modules} modules")
     out(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "
         f"in about {shards} shard(s) -> {opts.out}")
-    out(f"  disk:   needs {total / 1e9:.3f} GB, {free / 1e9:.1f} GB free")
+    needed = space_needed(total, result.copied_bytes)[1]
+    out(f"  disk:   needs {needed}, {gigabytes(free)} free")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(plan.skipped.items())) or "nothing"
     out(f"  skipped on purpose: {skipped}")
     if console.verbose:
@@ -306,24 +309,24 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # disk full, permissions, a file vanishing mid-run
             if opts.debug:
                 raise
-            console.error(f"{exc.filename or 'I/O'}: {exc.strerror or exc}; {_what_was_written()}")
+            console.error(f"{exc.filename or 'I/O'}: {exc.strerror or exc}; {what_was_written()}")
             return 2
         except Interrupted as exc:
-            console.interrupted(f"interrupted by {exc.name}; {_what_was_written()}")
+            console.interrupted(f"interrupted by {exc.name}; {what_was_written()}")
             return exc.exit_code
         except KeyboardInterrupt:
-            console.interrupted(f"interrupted; {_what_was_written()}")
+            console.interrupted(f"interrupted; {what_was_written()}")
             return 130
         except Exception as exc:  # a bug: still one line, and the truth about the output
             if opts.debug:
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             console.error(f"unexpected {type(exc).__name__}: {first} (a bug in lora-merge; --debug shows the "
-                          f"traceback); {_what_was_written()}")
+                          f"traceback); {what_was_written()}")
             return 2
 
 
-def _what_was_written() -> str:
+def what_was_written() -> str:
     if PUBLISHED:
         return f"{', '.join(map(str, PUBLISHED))} had already been published complete"
     return "no output was written"

@@ -42,9 +42,12 @@ def describe_dir(path: Path, verbose: bool = False) -> list[str]:
     from lora_merge.readers.hf_model import is_hf_model_dir, read_hf_model
     from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
 
+    from lora_merge.writers.ownership import check_input_dir
+
     path = Path(path)
     if not path.exists():
         raise MergeError(f"{path}: does not exist")
+    check_input_dir(path, "a Megatron checkpoint, HF model or PEFT adapter dir")
     if is_peft_adapter_dir(path):
         return describe_peft_adapter(read_peft_adapter(path), verbose)
     if is_hf_model_dir(path):

@@ -1,6 +1,7 @@
 """The `lora-merge` command. Signals are handled from the first instant — importing torch takes seconds,
-and Ctrl-C or SIGTERM then must give one line, not a traceback or a silent death — and ignored once the
-run has finished, so a signal arriving after a successful publish cannot turn it into a failure."""
+and Ctrl-C or SIGTERM then must give one line, not a traceback or a silent death — and ignored from the
+moment the output begins to be published (or the run has finished) until the process exits, so a signal
+arriving after a successful publish cannot turn it into a failure or kill the process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lora_merge.interrupts import RECEIVED, Interrupted, ignore_signals, signals
 
 def main() -> int:
     console = Console()  # only interruptions are reported here; the command's own options set its Console
-    with signals_raise():
+    with signals_raise(until_exit=True):
         try:
             from lora_merge.cli import main as run
         except Interrupted as exc:
@@ -32,8 +33,13 @@ def main() -> int:
             console.interrupted(f"interrupted by {exc.name} while starting; no output was written")
             return exc.exit_code
         reuse_freed_chunks()
-        code = run()
-        ignore_signals()
+        try:
+            code = run()
+            ignore_signals()
+        except Interrupted as exc:  # after the command had caught everything: while it reported its outcome
+            from lora_merge.cli import what_was_written
+            console.interrupted(f"interrupted by {exc.name}; {what_was_written()}")
+            code = exc.exit_code
         from lora_merge.stage_clock import write_if_asked
         write_if_asked()
         return code

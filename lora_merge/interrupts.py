@@ -1,6 +1,12 @@
 """SIGINT, SIGTERM and SIGHUP (Ctrl-C, `timeout`, Slurm, a closed terminal) all stop a run the same way:
-as an exception in the main thread, so every `finally` removes what the run staged. Further signals are
-ignored while it cleans up, so a second Ctrl-C cannot leave a half-removed staging directory."""
+as an exception in the main thread, so every `finally` removes what the run staged.
+
+From the first of these on, the handled signals are ignored until the process exits: once a signal has
+interrupted the run (so a second Ctrl-C cannot leave a half-removed staging directory), and once the output
+begins to be published (so a signal cannot turn a published output into a failure, or kill the process with
+it complete). Only the outermost `signals_raise` block sets handlers, and one opened with `until_exit` (the
+command's entry point) leaves them ignored when it ends; elsewhere (the CLI called in-process, as the tests
+do) the handlers are restored. The Python API sets no handlers and ignores nothing."""
 
 from __future__ import annotations
 
@@ -43,24 +49,41 @@ def _raise(signum, frame):
     raise Interrupted(signum)
 
 
+class _State:
+    active = False  # within the outermost signals_raise block, in the main thread
+    ignoring = False  # ignore_signals was called within it
+
+
 def ignore_signals() -> None:
-    """From here on the process finishes what it does (cleanup, or exiting after success) undisturbed."""
+    """From here on the process finishes what it does (cleanup, publishing, exiting) undisturbed. Where no
+    signals_raise block is active (the Python API, another thread) this does nothing: a library must not
+    change its caller's signal handling. A signal that arrived just before is raised here (signal.signal
+    runs pending handlers first), so it still counts as arriving before this point."""
+    if not _State.active or threading.current_thread() is not threading.main_thread():
+        return
     for sig in HANDLED:
         signal.signal(sig, signal.SIG_IGN)
+    _State.ignoring = True
 
 
 @contextmanager
-def signals_raise():
-    """Within the block, the handled signals raise Interrupted (main thread only; a no-op elsewhere)."""
-    if threading.current_thread() is not threading.main_thread():
+def signals_raise(until_exit: bool = False):
+    """Within the block, the handled signals raise Interrupted (main thread only; a no-op elsewhere, and
+    inside another such block, which owns the handlers). With `until_exit`, signals ignored by then stay
+    ignored after the block."""
+    if threading.current_thread() is not threading.main_thread() or _State.active:
         yield
         return
     # A signal ignored on entry (nohup ignores SIGHUP, a shell's background job SIGINT) stays ignored.
     previous = {sig: signal.getsignal(sig) for sig in HANDLED if signal.getsignal(sig) is not signal.SIG_IGN}
     for sig in previous:
         signal.signal(sig, _raise)
+    _State.active, _State.ignoring = True, False
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        keep_ignored = until_exit and _State.ignoring
+        _State.active = False
+        if not keep_ignored:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from lora_merge import __version__
-from lora_merge.writers.staged_dir import publish_file
+from lora_merge.interrupts import ignore_signals
+from lora_merge.writers.ownership import REPORT_FORMAT, REPORT_MARKER
+from lora_merge.writers.staged_dir import SideFile
 from lora_merge.merge_plan import MergePlan
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.verification import VerifyReport
@@ -49,6 +50,7 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
         for name, status in verify.statuses.items():
             tensors.setdefault(name, {})["verify"] = status
     report = {
+        REPORT_MARKER: REPORT_FORMAT,  # first: how --force recognises a report it may replace (ownership.py)
         "tool": f"lora-merge {__version__}",
         "inputs": {"base": _describe(inp.base), "lora": _describe(inp.lora), "hf_ref": str(hf_ref or "")},
         "lora_settings": None if inp.settings is None else {"r": inp.settings.r, "alpha": inp.settings.alpha,
@@ -67,14 +69,13 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
 
 
 def write_report(path: Path, text: str, force: bool = False) -> None:
-    """Write a report outside any output directory (verify's): complete or not at all."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    """Write a report outside any output directory (verify's): complete or not at all, and with --force over
+    nothing but an earlier report of lora-merge."""
+    side = SideFile(path)
     try:
-        with open(tmp, "x") as f:  # never through a symlink planted at the temporary name
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        publish_file(tmp, path, force)
+        side.write(text)
+        ignore_signals()  # the point of no return, as for an output (interrupts.py)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        side.discard()
         raise
+    side.publish(force)

@@ -1,4 +1,5 @@
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,14 @@ def merged_fixture(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """lora_merge.entry.main leaves SIGINT, SIGTERM and SIGHUP ignored once a run has finished, as a process
+    about to exit should; tests that call it in-process get this process's handlers back, so that later
+    tests (and the processes they start, which inherit an ignored signal) see the usual ones."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

@@ -103,8 +103,7 @@ def test_missing_rank_directory(tmp_path, capsys):
 
 def test_existing_output_needs_force(tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "config.json").write_text("{}")  # an earlier output
+    assert main(merge_args("tp2_fp32_filtered", out)) == 0  # an earlier output
     (out / "keep.json").write_text("x")  # e.g. an old report
     run_failing(merge_args("tp2_fp32_filtered", out), capsys, "already exists", "--force")
     assert (out / "keep.json").exists()
@@ -202,8 +201,13 @@ def test_not_enough_disk_space_stops_before_writing(tmp_path, capsys, monkeypatc
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(staged_dir.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     out = tmp_path / "out"
-    run_failing(merge_args("tp2_fp32_filtered", out), capsys, "not enough disk space", "GB are free")
-    assert_nothing_written(out)
+    # What is needed, and of what: a 0.6 MB output must not read as "needs 0.07 GB" with the margin unexplained.
+    expected = (f"{tmp_path}: not enough disk space for out: the output needs 64.6 MB (623.9 kB of tensors + "
+                "6.5 kB of reference files + 64.0 MB margin for config, card and report), 1.0 kB are free")
+    for dry_run in ([], ["--dry-run"]):  # a dry run says the run would not fit, the same way, and exits 2
+        line = run_failing(merge_args("tp2_fp32_filtered", out) + dry_run, capsys, expected)
+        assert line == f"lora-merge: error: {expected}"
+        assert_nothing_written(out)
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):

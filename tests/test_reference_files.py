@@ -280,7 +280,7 @@ def test_force_replaces_an_earlier_output_holding_reference_files(kimi, tmp_path
     assert (out / "tiktoken.model").is_file()
     (out / "thesis.tex").write_text("weeks of work")  # not listed by the card: not an output's file
     assert merge(root, out, "--force") == 2
-    assert "does not look like an output" in capsys.readouterr().err
+    assert "is not an earlier merged model written by lora-merge (it also holds thesis.tex)" in capsys.readouterr().err
     assert (out / "thesis.tex").read_text() == "weeks of work"
 
 

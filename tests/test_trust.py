@@ -99,28 +99,34 @@ def test_writes_never_touch_inputs_reached_through_symlinks(linked, tmp_path, ca
 def test_report_must_not_replace_a_file_without_force(tmp_path, capsys):
     out, report = tmp_path / "out", tmp_path / "notes.txt"
     report.write_text("my notes")
-    run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report)], capsys,
-                "already exists", "--force")
+    for force in ([], ["--force"]):  # someone's own file: not even with --force
+        run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report), *force], capsys,
+                    "already exists and is a file that is not a report of lora-merge",
+                    "--force replaces only an earlier report of lora-merge")
     assert report.read_text() == "my notes"
     assert_clean(out)
     run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(tmp_path)], capsys, "is a directory")
     for inside in (out, out / "sub" / "r.json"):
         run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(inside)], capsys, "output directory")
-    assert main(merge_args("tp2_fp32_filtered", out) + ["--report", str(report), "--force"]) == 0
-    assert json.loads(report.read_text())["files"]
+    ours = tmp_path / "report.json"
+    assert main(merge_args("tp2_fp32_filtered", out) + ["--report", str(ours)]) == 0
+    run_failing(merge_args("tp2_fp32_filtered", tmp_path / "out2") + ["--report", str(ours)], capsys,
+                "already exists: an earlier report of lora-merge (pass --force to replace it)")
+    assert main(merge_args("tp2_fp32_filtered", tmp_path / "out2") + ["--report", str(ours), "--force"]) == 0
+    assert json.loads(ours.read_text())["files"]
 
 
 def test_force_never_replaces_a_directory_that_is_not_an_output(tmp_path, capsys):
     mine = tmp_path / "project"
     mine.mkdir()
     (mine / "thesis.tex").write_text("weeks of work")
-    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys, "does not look like an output",
-                "not replacing it even with --force")
+    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys,
+                "is not an earlier merged model written by lora-merge", "not replacing it even with --force")
     assert (mine / "thesis.tex").read_text() == "weeks of work"
     # A config.json does not make a project folder an output.
     (mine / "config.json").write_text("{}")
     (mine / "src").mkdir()
-    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys, "thesis.tex")
+    run_failing(merge_args("tp2_fp32_filtered", mine) + ["--force"], capsys, "no README.md model card of lora-merge")
     assert (mine / "thesis.tex").is_file() and (mine / "src").is_dir()
 
 
@@ -301,6 +307,7 @@ def test_leftovers_of_killed_runs_are_removed_before_the_space_check(tmp_path, m
     out = tmp_path / "out"
     stale = tmp_path / f".out.partial-{staged_dir._host()}-{_dead_pid()}-xyz"
     stale.mkdir()
+    (stale / staged_dir.STAGING_LOCK).touch()  # as a killed run leaves it: there, and held by nobody
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
     usage = collections.namedtuple("usage", "total used free")
     # The disk is nearly full while the killed run's files are still there.

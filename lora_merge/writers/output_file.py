@@ -35,6 +35,14 @@ BUFFER_BYTES = 8 << 20
 BUFFERS = 4  # one filling, the others queued for or being written by the I/O thread
 
 
+def _named(exc: OSError, path: Path) -> OSError:
+    """The error with the file it happened in: os.write and os.fsync name none, and "No space left on
+    device" alone does not say where."""
+    if exc.filename is not None:
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))
+
+
 class OutputFile:
     """A new file at `path` (replacing any), written sequentially by `write`; durable once `close` returns."""
 
@@ -105,7 +113,14 @@ class OutputFile:
     def close(self) -> None:
         """Write what is gathered, then fsync and close."""
         self._check_open()
-        self._io.close()  # every full buffer written (or a write's failure raised)
+        try:
+            self._io.close()  # every full buffer written (or a write's failure raised)
+            self._finish()
+        except OSError as exc:
+            raise _named(exc, self.path) from exc
+        self._release()
+
+    def _finish(self) -> None:
         size, gathered = self.size, self._fill
         if gathered:
             if self.direct:
@@ -117,7 +132,6 @@ class OutputFile:
                 self._write_buffer(self._current, gathered, gathered)
             self._fill = 0
         os.fsync(self._fd)
-        self._release()
 
     def abort(self) -> None:
         """Close without writing what is gathered (the file is about to be removed)."""
@@ -149,7 +163,7 @@ class OutputFile:
                 # blocks larger than ALIGN refuses the padded last block. The same bytes through the page
                 # cache are the same file, so the rest of it goes that way.
                 if exc.errno not in REFUSED or not self.direct:
-                    raise
+                    raise _named(exc, self.path) from exc
                 self._buffered_from_now()
                 nbytes = max(gathered, done)  # no more padding; close() cuts what was written of it
                 continue

@@ -4,9 +4,11 @@ only once complete and flushed, together with any side files (the report).
 - Publishing never replaces a directory that appeared meanwhile (another run with the same --out):
   `renameat2(RENAME_NOREPLACE)`; with --force the old output is swapped out atomically
   (`RENAME_EXCHANGE`), so there is never a moment without a complete directory.
-- --force replaces only what looks like an earlier output (empty, or holding a config.json or
-  adapter_config.json), never an arbitrary directory.
-- Staging dirs of runs on this host that were killed (their process is gone) are removed; nothing that
+- --force replaces only an earlier output of lora-merge of the same kind (its model card says so; see
+  ownership.py), or an empty directory, never anything else; never a mount point (a rename cannot replace one).
+- Every staging directory and side file is held locked (flock) by its run for as long as the run lives. Another
+  run removes one only when it can take that lock itself: its owner is gone, whatever its pid says (a pid
+  proves nothing across PID namespaces sharing a hostname, nor between threads of one process). Nothing that
   is an input is ever removed.
 """
 
@@ -14,35 +16,48 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.interrupts import ignore_signals
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
+from lora_merge.writers.ownership import MERGED_MODEL, PEFT_ADAPTER, card_kind, report_refusal, what_is
 from lora_merge.writers.targets import InputPaths
 
 # What this process has published, so that an interruption or error afterwards is reported truthfully.
 PUBLISHED: list[Path] = []
-OUTPUT_MARKERS = ("config.json", "adapter_config.json")
+# The file each kind of output cannot be without.
+KIND_MARKER = {MERGED_MODEL: "config.json", PEFT_ADAPTER: "adapter_config.json"}
+# Inside a staging directory, held locked by its run (removed just before publishing).
+STAGING_LOCK = ".lora-merge-staging.lock"
+# Errors that only writing causes: one of these without a file name happened while writing the output.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
-def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool = False) -> None:
+def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool = False,
+                        kind: str = MERGED_MODEL) -> None:
     """The output must not touch any input, must not exist unless --force, and with --force must be an
-    earlier output. `early`: only the user's input paths are known yet (a full check follows)."""
+    earlier output of this `kind`. `early`: only the user's input paths are known yet (a full check follows)."""
     inputs.check(out, "output directory")
-    if os.path.lexists(out) and not force:
-        raise MergeError(f"{out}: already exists (pass --force to replace it)")
+    if os.path.ismount(out):  # checked first: --force could never help, and publishing would fail at the end
+        raise MergeError(f"{out}: is a mount point; the output is published by renaming a directory into its "
+                         f"place, which a mount point cannot be: name a directory inside it, e.g. {out / 'merged'}")
     if out.is_symlink():
         raise MergeError(f"{out}: is a symlink; give the directory itself")
     if os.path.lexists(out) and not out.is_dir():
-        raise MergeError(f"{out}: exists and is not a directory")
-    if out.is_dir() and not early:
-        _check_replaceable(out)
+        raise MergeError(f"{out}: exists and is {what_is(out)}, not a directory; not replacing it even with --force")
+    if out.is_dir() and (not early or not force):
+        _check_replaceable(out, kind)  # before suggesting --force: only where it would help
+    if os.path.lexists(out) and not force:
+        raise MergeError(f"{out}: already exists (pass --force to replace it)")
     if not out.parent.is_dir():
         raise MergeError(f"{out.parent}: parent directory of the output does not exist")
     if len(os.fsencode(_prefix(out.name))) + 24 > 255:
@@ -57,18 +72,29 @@ OUTPUT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|adapter_model\
                          r"merges\.txt|tokenizer\.model|chat_template\.jinja|README\.md)$")
 
 
-def _check_replaceable(out: Path) -> None:
+def _check_replaceable(out: Path, kind: str) -> None:
+    """--force replaces an empty directory, or an earlier output of lora-merge of this kind: its README.md is
+    our model card of that kind, it holds the kind's config, and nothing a lora-merge output does not hold."""
     try:
         entries = list(os.scandir(out))
     except OSError as exc:
         raise MergeError(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
+    if not entries:
+        return
+    refuse = (f"{out}: exists and is not an earlier {kind} written by lora-merge ({{}}); not replacing it even "
+              "with --force: remove it yourself if it is not needed, or choose another --out")
+    found = card_kind(out)
+    if found is None:
+        raise MergeError(refuse.format("no README.md model card of lora-merge"))
+    if found != kind:
+        raise MergeError(refuse.format(f"it is a {found} written by lora-merge"))
     names = {e.name for e in entries}
     listed = _card_listed(out)  # the reference's other files (tiktoken.model, LICENSE, ...) an output copied
     foreign = sorted(e.name for e in entries if not _output_entry(e, listed))
-    if entries and (foreign or not any(name in names for name in OUTPUT_MARKERS)):
-        what = f"it holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}" if foreign else "no config.json"
-        raise MergeError(f"{out}: exists and does not look like an output of lora-merge ({what}); not replacing it "
-                         "even with --force: remove it yourself if it is not needed")
+    if foreign:
+        raise MergeError(refuse.format(f"it also holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}"))
+    if KIND_MARKER[kind] not in names:
+        raise MergeError(refuse.format(f"no {KIND_MARKER[kind]}"))
 
 
 def _output_entry(entry: os.DirEntry, listed: set[str]) -> bool:
@@ -116,65 +142,231 @@ def _card_listed(out: Path) -> set[str]:
         return set()
 
 
-def check_free_space(out: Path, needed: int) -> None:
+def gigabytes(nbytes: int) -> str:
+    """A size for a message, with the digits that matter (1.2 MB, not 0.00 GB)."""
+    if nbytes < 10 ** 6:
+        return f"{nbytes / 1e3:.1f} kB"
+    if nbytes < 10 ** 9:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+SPACE_MARGIN = 64 * 10 ** 6  # config, model card, report: small files not counted one by one
+
+
+def space_needed(tensor_bytes: int, copied_bytes: int) -> tuple[int, str]:
+    """The bytes a run needs on the output's file system, and what they are, for a message."""
+    total = tensor_bytes + copied_bytes + SPACE_MARGIN
+    parts = f"{gigabytes(tensor_bytes)} of tensors"
+    if copied_bytes:
+        parts += f" + {gigabytes(copied_bytes)} of reference files"
+    return total, f"{gigabytes(total)} ({parts} + {gigabytes(SPACE_MARGIN)} margin for config, card and report)"
+
+
+def check_free_space(out: Path, tensor_bytes: int, copied_bytes: int = 0) -> None:
+    needed, what = space_needed(tensor_bytes, copied_bytes)
     free = shutil.disk_usage(out.parent).free
     if needed > free:
-        raise MergeError(f"{out.parent}: not enough disk space: the output needs {needed / 1e9:.2f} GB, "
-                         f"{free / 1e9:.2f} GB are free")
+        raise MergeError(f"{out.parent}: not enough disk space for {out.name}: the output needs {what}, "
+                         f"{gigabytes(free)} are free")
+
+
+def _create_locked(new: Path, final: Path) -> int:
+    """Create the file `final`, already locked by this process: created and locked under `new` (a name no
+    cleanup looks at), then renamed, so that no other run can find it at `final` unlocked while we live.
+    Where the file system offers no locks it is left unlocked, and then no other run ever takes it for
+    abandoned (it cannot prove that)."""
+    fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        os.rename(new, final)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(new)
+        except OSError:
+            pass
+        raise
+    return fd
+
+
+def _lock_if_abandoned(path: Path) -> int | None:
+    """An fd holding the lock of the regular file `path` when its run is gone (nobody holds it), else None:
+    held by a live run, not a regular file, or a file system without locks (nothing can be proven there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class SideFile:
+    """A file written next to `final` under a hidden name, moved into place by `publish`; locked by this run
+    until then, so that the cleanup of another run leaves it alone."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.tmp = final.parent / f"{_prefix(final.name)}{os.getpid()}-{os.urandom(4).hex()}"
+        new = final.parent / f"{_prefix(final.name, 'new')}{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            self._fd: int | None = _create_locked(new, self.tmp)
+        except OSError as exc:
+            raise _named(exc, final) from exc
+
+    def write(self, text: str) -> None:
+        data = memoryview(text.encode("utf-8"))
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            os.fsync(self._fd)
+        except OSError as exc:  # os.write names no file: name the one the user asked for
+            raise _named(exc, self.final) from exc
+
+    def publish(self, force: bool) -> None:
+        """Move the file into place: without --force never over anything that appeared meanwhile, with it only
+        over an earlier report of lora-merge. On failure the file is removed (or named when it cannot be)."""
+        try:
+            if force:
+                refusal = report_refusal(self.final)  # again: something else may have appeared since the start
+                if refusal:
+                    raise MergeError(f"{refusal} (it appeared while this run was writing); this run's report was "
+                                     "discarded")
+                os.replace(self.tmp, self.final)
+            else:
+                try:
+                    os.link(self.tmp, self.final)  # fails if `final` exists, atomically
+                except FileExistsError as err:
+                    raise MergeError(f"{self.final}: appeared while this run was writing; it was left as it is and "
+                                     "this run's report discarded (pass --force to replace an earlier report of "
+                                     "lora-merge)") from err
+                os.unlink(self.tmp)
+        except MergeError:
+            self.discard()
+            raise
+        except OSError as err:
+            left = self.discard()
+            where = f"it is left at {self.tmp}" if left else "this run's report was discarded"
+            raise MergeError(f"{self.final}: the report could not be moved into place ({err.strerror}); "
+                             f"{where}") from err
+        self._release()
+
+    def discard(self) -> bool:
+        """Remove the file; True when it could not be removed (and is still there)."""
+        try:
+            os.unlink(self.tmp)
+            left = False
+        except FileNotFoundError:
+            left = False
+        except OSError:
+            left = True
+        self._release()
+        return left
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    if exc.filename is not None:
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))
 
 
 class StagedOutput:
     """`with StagedOutput(out, force, inputs) as stage:` write into `stage.dir` (and side files with
-    `stage.side_file`); on success it is published, on any failure or interruption removed."""
+    `stage.side_file`); on success it is published, on any failure or interruption removed. Once publishing
+    begins the handled signals are ignored until the process exits (interrupts.py): a published output is
+    never reported as a failure."""
 
-    def __init__(self, out: Path, force: bool, inputs: InputPaths):
-        self.out, self.force, self.inputs = out, force, inputs
+    def __init__(self, out: Path, force: bool, inputs: InputPaths, kind: str = MERGED_MODEL):
+        self.out, self.force, self.inputs, self.kind = out, force, inputs, kind
         self.dir: Path | None = None
-        self._side: list[tuple[Path, Path]] = []  # (temporary, final)
+        self._lock: int | None = None
+        self._side: list[SideFile] = []
 
     def __enter__(self) -> "StagedOutput":
-        check_output_target(self.out, self.force, self.inputs)
+        check_output_target(self.out, self.force, self.inputs, kind=self.kind)
         remove_abandoned_staging(self.out, self.inputs)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{_prefix(self.out.name)}{os.getpid()}-", dir=self.out.parent))
-        os.chmod(self.dir, 0o777 & ~current_umask())  # mkdtemp's 0700 would make the result private by accident
+        try:
+            os.chmod(self.dir, 0o777 & ~current_umask())  # mkdtemp's 0700 would make the result private by accident
+            self._lock = _create_locked(self.dir / f"{STAGING_LOCK}.new", self.dir / STAGING_LOCK)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         return self
 
     def side_file(self, final: Path, text: str) -> None:
         """Write `text` now (so that a failure stops the run before publishing), moved to `final` when the
         output is published. A path directly inside the output goes into the staging dir."""
         if os.path.realpath(final.parent) == os.path.realpath(self.out):
-            tmp, final = self.dir / final.name, None
-        else:
-            tmp = final.parent / f"{_prefix(final.name)}{os.getpid()}-{os.urandom(4).hex()}"
-        with open(tmp, "x") as f:
-            if final is not None:
-                self._side.append((tmp, final))
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                with open(self.dir / final.name, "x") as f:
+                    f.write(text)
+            except OSError as exc:
+                raise _named(exc, final) from exc
+            return
+        side = SideFile(final)
+        self._side.append(side)
+        side.write(text)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self._discard()
+            if isinstance(exc, OSError):
+                raise self._write_error(exc) from exc
             return
         try:
+            os.unlink(self.dir / STAGING_LOCK)  # not part of the output; the lock stays held through the fd
             _fsync_tree(self.dir)
+            ignore_signals()  # the point of no return (raises Interrupted for a signal that came before it)
             self._publish()
         except BaseException:
             self._discard()
             raise
-        for tmp, final in self._side:
+        self._release_lock()
+        for side in self._side:
             try:
-                publish_file(tmp, final, self.force)
+                side.publish(self.force)
             except MergeError as err:
                 raise MergeError(f"{err}; the output {self.out} was published") from err
-            except OSError as err:
-                raise MergeError(f"{final}: the output {self.out} was published, but the report could not be "
-                                 f"moved into place ({err.strerror}); it is at {tmp}") from err
+
+    def _write_error(self, exc: OSError) -> BaseException:
+        """An error while writing, as one line naming the output file (not its staging path), or the output
+        dir when the system named no file; other errors (reading an input) as they are."""
+        where = exc.filename
+        inside = where is not None and self.dir is not None and Path(os.fsdecode(where)).parent.is_relative_to(self.dir)
+        if inside:
+            where = self.out / Path(os.fsdecode(exc.filename)).relative_to(self.dir)
+        elif where is None and exc.errno in WRITE_ERRNOS:
+            where = f"{self.out} (while writing it)"
+        else:
+            return exc
+        return MergeError(f"{where}: {exc.strerror or exc}; no output was written")
 
     def _publish(self) -> None:
         if self.force and self.out.is_dir() and not self.out.is_symlink():
-            _check_replaceable(self.out)
+            _check_replaceable(self.out, self.kind)
             try:
                 rename_exchange(self.dir, self.out)
             except FileNotFoundError:  # removed meanwhile: publish as new
@@ -195,24 +387,14 @@ class StagedOutput:
     def _discard(self) -> None:
         if self.dir is not None and self.dir.exists():
             shutil.rmtree(self.dir, ignore_errors=True)
-        for tmp, _ in self._side:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        self._release_lock()
+        for side in self._side:
+            side.discard()
 
-
-def publish_file(tmp: Path, final: Path, force: bool) -> None:
-    """Move a finished file into place; without --force never over a file that appeared meanwhile."""
-    if force:
-        os.replace(tmp, final)
-        return
-    try:
-        os.link(tmp, final)  # fails if `final` exists, atomically
-    except FileExistsError as err:
-        raise MergeError(f"{final}: appeared while this run was writing; it was left as it is (pass --force to "
-                         "replace it)") from err
-    os.unlink(tmp)
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 # --- renameat2 ------------------------------------------------------------------------------------
@@ -279,40 +461,37 @@ def _prefix(name: str, kind: str = "partial") -> str:
 
 
 def remove_abandoned_staging(out: Path, inputs: InputPaths) -> None:
-    """Delete what runs on this host that were killed (their process is gone) left next to `out`: staging
-    dirs and side files. Other hosts' are left alone (on shared storage their runs may be alive), and so
-    is anything that is an input or a symlink."""
-    parent = out.parent
-    for kind in ("partial", "old"):
-        for path in parent.glob(f"{_prefix(glob_escape(out.name), kind)}*-*"):
-            pid = path.name.removeprefix(_prefix(out.name, kind)).split("-", 1)[0]
-            if pid.isascii() and pid.isdigit() and _abandoned(int(pid)) and not path.is_symlink() \
-                    and path.is_dir() and inputs.conflict(path) is None:
+    """Delete the staging dirs that runs on this host left next to `out` when they were killed: those whose
+    lock nobody holds. A live run's (another thread, another process, another PID namespace) is held; one with
+    no lock file (a run of an earlier version, or one that has only just created it) is left alone, and so are
+    other hosts' (their locks may not reach us), symlinks and anything that is an input."""
+    for path in out.parent.glob(f"{_prefix(glob_escape(out.name))}*"):
+        if path.is_symlink() or not path.is_dir() or inputs.conflict(path) is not None:
+            continue
+        fd = _lock_if_abandoned(path / STAGING_LOCK)
+        if fd is not None:
+            try:
                 shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
 def remove_abandoned_side_files(target: Path, inputs: InputPaths) -> None:
-    for path in target.parent.glob(f"{_prefix(glob_escape(target.name))}*-*"):
-        pid = path.name.removeprefix(_prefix(target.name)).split("-", 1)[0]
-        if pid.isascii() and pid.isdigit() and _abandoned(int(pid)) and path.is_file() and not path.is_symlink() \
-                and inputs.conflict(path) is None:
-            path.unlink(missing_ok=True)
+    """Delete the hidden side files (reports being written) of killed runs next to `target`, as above."""
+    for path in target.parent.glob(f"{_prefix(glob_escape(target.name))}*"):
+        if path.is_symlink() or inputs.conflict(path) is not None:
+            continue
+        fd = _lock_if_abandoned(path)
+        if fd is not None:
+            try:
+                if _same_file(fd, path):
+                    path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
 
 
 def glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
-
-
-def _abandoned(pid: int) -> bool:
-    if pid == os.getpid():  # an earlier process with our pid: this one has not staged anything yet
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _fsync_tree(path: Path) -> None:

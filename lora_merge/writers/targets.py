@@ -2,7 +2,8 @@
 
 Every path compared is resolved through symlinks at every level, so a checkpoint whose iteration dir or
 rank files are symlinks into another tree counts as that tree, and an `--out` reached through a symlink
-counts as where it leads. `--force` never overrides this: it only allows replacing an earlier output.
+counts as where it leads. `--force` never overrides this: it only allows replacing an earlier output or
+report of lora-merge (ownership.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.writers.ownership import report_refusal
 
 
 class InputPaths:
@@ -64,9 +66,12 @@ def _resolve(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out: Path | None = None) -> None:
+def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out: Path | None = None,
+                      early: bool = False) -> None:
     """Fail before any work, not after the output is published, when the report cannot or must not be
-    written: it must not be an input, nor replace an existing file without --force."""
+    written: it must not be an input, and may replace only an earlier report of lora-merge, with --force.
+    `early`: only the paths the user gave are known as inputs yet; what an existing file is waits for the full
+    check, so that an input reached through a symlink is named as the input it is."""
     if report is None:
         return
     inputs.check(report, "report file")
@@ -74,11 +79,16 @@ def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out:
     if out is not None and not inside_out and (_resolve(report) == _resolve(out) or _resolve(out) in _resolve(report).parents):
         raise MergeError(f"{report}: the report would be the output directory or inside a subdirectory of it; "
                          "name a file directly inside --out, or elsewhere")
-    if os.path.lexists(report):
-        if os.path.isdir(report):
+    if os.path.lexists(report) and not inside_out:  # one inside --out goes with the output it is part of
+        if os.path.isdir(report) and not os.path.islink(report):
             raise MergeError(f"{report}: the report path is a directory; name a file")
-        if not force and not inside_out:
-            raise MergeError(f"{report}: already exists (pass --force to replace the report)")
+        if early:
+            return
+        refusal = report_refusal(report)
+        if refusal:
+            raise MergeError(refusal)
+        if not force:
+            raise MergeError(f"{report}: already exists: an earlier report of lora-merge (pass --force to replace it)")
     parent = _resolve(report).parent
     if inside_out:
         if OUTPUT_NAME.match(report.name):
