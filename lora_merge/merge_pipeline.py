@@ -33,6 +33,11 @@ from lora_merge.writers.safetensors_stream import PlannedTensor
 # (computing, queued for the writer and the hasher): at DeepSeek-V3 shapes 8 MB gave a peak RSS of
 # 355-363 MB where 64 MB gave 590-644 MB, at the same speed and CPU time (three alternating runs each).
 CHUNK_BYTES = 8 << 20
+# Float32 bytes of all the pieces in flight together, at most: with many workers each piece is made smaller
+# (down to MIN_CHUNK_BYTES) so that memory does not grow with the worker count. On 32B layer shapes, 16
+# workers at 8 MB pieces peaked at ~980 MB; with this budget 4, 8 and 16 workers all peak at ~530 MB.
+IN_FLIGHT_BYTES = 64 << 20
+MIN_CHUNK_BYTES = 1 << 20
 # Pieces in flight per worker: one being computed, one done and waiting for its turn to be written.
 WINDOW_PER_WORKER = 2
 # Default worker count at most this: the pieces in flight (each up to CHUNK_BYTES of float32 while merged,
@@ -119,7 +124,7 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
         for task in plan.tasks:
             checker.advance(due)  # the CRC32 checker may run ahead of the pieces being computed
             due += sum(ref.nbytes for ref in task.pieces)
-            for name, job in _task_jobs(plan, task):
+            for name, job in _task_jobs(plan, task, chunk_bytes(workers)):
                 pool.submit(job, partial(deliver, name))
             pool.submit_in_order(partial(_release_task, task))
         pool.drain()
@@ -145,7 +150,12 @@ def _crc_jobs(plan: MergePlan):
     yield due, [], [pair for pairs in replicas.values() for pair in pairs]  # copies of skipped tensors
 
 
-def _task_jobs(plan: MergePlan, task: Task):
+def chunk_bytes(workers: int) -> int:
+    """Float32 bytes of rows per piece for this many workers (see IN_FLIGHT_BYTES)."""
+    return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, IN_FLIGHT_BYTES // (WINDOW_PER_WORKER * workers)))
+
+
+def _task_jobs(plan: MergePlan, task: Task, chunk: int):
     """(HF name, job) for every piece of the task's outputs; a job returns (rows, then)."""
     shape = plan.shape
     where = f"{task.megatron} ({task.pieces[0].where})"
@@ -157,7 +167,7 @@ def _task_jobs(plan: MergePlan, task: Task):
         factors = {name: (f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
     for planned in task.outputs:
         name = planned.name[len(task.hf_prefix):]
-        for job in _piece_jobs(blocks[name], factors.get(name), planned, task.pieces.mapped):
+        for job in _piece_jobs(blocks[name], factors.get(name), planned, task.pieces.mapped, chunk):
             yield planned.name, job
 
 
@@ -172,12 +182,12 @@ def _release_all(views) -> None:
         release_pages(view)
 
 
-def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool):
+def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool, chunk: int):
     """Jobs computing the (rows, then) pieces of one HF tensor in output dtype, merged with its LoRA
     factors if it has them; the checkpoint pages a piece came from are released once it is written."""
     offset = 0
     for block in blocks:
-        step = max(1, CHUNK_BYTES // (4 * block.row_numel))
+        step = max(1, chunk // (4 * block.row_numel))
         for start in range(0, block.rows, step):
             stop = min(start + step, block.rows)
             yield partial(_piece, block, start, stop, offset, factors, planned, mapped)
