@@ -33,6 +33,7 @@ from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets
 from lora_merge.hf_config import check_same_model, read_hf_config
 from lora_merge.megatron_args import check_against_args
 from lora_merge.model_shape import DTYPES, ModelShape
+from lora_merge.options import MAX_WORKERS
 from lora_merge.options import DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, parse_size  # noqa: F401  (part of the API)
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
@@ -173,8 +174,8 @@ def _lora_alpha(value) -> float | None:
 
 
 def _workers(value) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise MergeError(f"workers={value!r}: expected a whole number of at least 1, or None for every core")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORKERS):
+        raise MergeError(f"workers={value!r}: expected a whole number from 1 to {MAX_WORKERS}, or None for every core")
     return value
 
 

@@ -22,6 +22,7 @@ from lora_merge import __version__
 from lora_merge.console import NORMAL, QUIET, VERBOSE, Console
 from lora_merge.errors import MergeError
 from lora_merge.interrupts import Interrupted, raise_if_received, signals_raise
+from lora_merge.options import MAX_WORKERS
 from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS, MIN_SHARD_BYTES,
                                 VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
 from lora_merge.writers.staged_dir import PUBLISHED
@@ -86,8 +87,8 @@ def _workers(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 1 to {MAX_WORKERS}")
     return value
 
 

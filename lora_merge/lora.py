@@ -110,11 +110,17 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
 MERGE_BLOCK_BYTES = 1 << 20
 
 
+def merge_block_rows(cols: int) -> int:
+    """Rows per addmm_ block. Its result bits depend on how many rows one call covers (MKL), so pieces are
+    cut at multiples of this (merge_pipeline) and every row is merged in the same block for any piece size."""
+    return max(1, MERGE_BLOCK_BYTES // (4 * max(cols, 1)))
+
+
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,
                  name: str) -> torch.Tensor:
     rows, cols = weight.shape
     result = torch.empty((rows, cols), dtype=dtype)
-    step = max(1, MERGE_BLOCK_BYTES // (4 * max(cols, 1)))
+    step = merge_block_rows(cols)
     block = torch.empty((min(step, rows), cols), dtype=torch.float32)
     b, a = b.float(), a.float()
     for start in range(0, rows, step):

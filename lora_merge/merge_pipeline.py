@@ -6,13 +6,15 @@ mapped checkpoint to the writer (after the NaN/Inf check), LoRA-touched rows are
 float32 and rounded once. Pieces are independent, so `workers` threads compute them side by side, each
 running torch single-threaded (torch kernels release the GIL; intra-op threads on 8 MB pieces burned five
 times the CPU for no gain on a 16-core host). The calling thread keeps a window of pieces in flight and
-hands each to `write` in plan order as soon as it and those before it are done, so the output bytes are
-exactly those of a one-worker run. Memory: the window holds at most 2 × workers pieces.
+hands each to `write` in plan order as soon as it and those before it are done. Pieces get smaller as
+workers grow (memory stays flat), and LoRA pieces are cut at whole merge blocks, so every row is merged by
+the same addmm_ call shape whatever the worker count: the output bytes are exactly those of a one-worker run.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +24,9 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
-from lora_merge.lora import hf_factors, merge_weight
+from lora_merge.lora import hf_factors, merge_block_rows, merge_weight
 from lora_merge.merge_plan import MergePlan, Task
+from lora_merge.options import MAX_WORKERS
 from lora_merge.readers.checkpoint import release_pages
 from lora_merge.stage_clock import charge
 from lora_merge.writers.safetensors_stream import PlannedTensor
@@ -96,7 +99,15 @@ class OrderedPool:
             if future is not None:
                 future.cancel()
         self._pending.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        interrupted = None
+        while True:  # an interrupt while waiting is kept for later: the workers must be gone first
+            try:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+                break
+            except BaseException as exc:  # noqa: BLE001
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
 
 def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -> None:
@@ -104,13 +115,12 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
     `then` (or None) is to be called once those rows are written. The CRC32 of every archive member read
     is checked alongside; a mismatch fails the run (before the caller publishes anything)."""
     workers = default_workers() if workers is None else workers
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise MergeError(f"workers={workers!r}: expected a whole number of at least 1")
-    threads = torch.get_num_threads()
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+        raise MergeError(f"workers={workers!r}: expected a whole number from 1 to {MAX_WORKERS}")
     started = time.thread_time()
     checker = pool = None
+    _single_threaded_torch(True)
     try:  # the caller's thread count comes back however this ends, a checker that fails to start included
-        torch.set_num_threads(1)
         checker = RecordChecker(list(_crc_jobs(plan)))
         pool = OrderedPool(workers)
 
@@ -129,13 +139,38 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
             pool.submit_in_order(partial(_release_task, task))
         pool.drain()
         checker.finish()
-    finally:
-        if pool is not None:
-            pool.stop()
-        if checker is not None:
-            checker.stop()
-        torch.set_num_threads(threads)
-        charge("dispatch", time.thread_time() - started)  # planning pieces, handing them to the writer
+    finally:  # each step runs even if a second interrupt arrives during the one before
+        try:
+            if pool is not None:
+                pool.stop()
+        finally:
+            try:
+                if checker is not None:
+                    checker.stop()
+            finally:
+                _single_threaded_torch(False)
+                charge("dispatch", time.thread_time() - started)  # planning pieces, handing them to the writer
+
+
+# torch's intra-op thread count is process-wide: the first of overlapping runs saves the caller's value and
+# the last one to end restores it.
+_threads_lock = threading.Lock()
+_runs = 0
+_saved_threads = 1
+
+
+def _single_threaded_torch(entering: bool) -> None:
+    global _runs, _saved_threads
+    with _threads_lock:
+        if entering:
+            if _runs == 0:
+                _saved_threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+            _runs += 1
+        else:
+            _runs -= 1
+            if _runs == 0:
+                torch.set_num_threads(_saved_threads)
 
 
 def _crc_jobs(plan: MergePlan):
@@ -188,6 +223,9 @@ def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool, chunk: in
     offset = 0
     for block in blocks:
         step = max(1, chunk // (4 * block.row_numel))
+        if factors is not None:  # whole addmm_ blocks, so that the bits do not depend on the piece size
+            unit = merge_block_rows(block.row_numel)
+            step = max(unit, step // unit * unit)
         for start in range(0, block.rows, step):
             stop = min(start + step, block.rows)
             yield partial(_piece, block, start, stop, offset, factors, planned, mapped)

@@ -27,3 +27,7 @@ def parse_size(text: str) -> int:
     if not m or (m.group(2) or "").upper() not in UNITS:
         raise MergeError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
     return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
+
+
+# --workers: more would only add threads and pieces in flight (2 per worker, each at least 1 MB).
+MAX_WORKERS = 256

@@ -59,7 +59,7 @@ def test_a_failing_worker_stops_the_run_and_publishes_nothing(tmp_path, capsys, 
     assert not [t for t in threading.enumerate() if t.name.startswith("lora-merge-merge")]
 
 
-@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2", 257])
 def test_worker_count_is_checked(value, tmp_path):
     root = FIXTURES / "tp2_fp32_filtered"
     with pytest.raises(MergeError, match="workers="):
@@ -67,7 +67,7 @@ def test_worker_count_is_checked(value, tmp_path):
                          workers=value)
 
 
-@pytest.mark.parametrize("text", ["0", "-3", "two"])
+@pytest.mark.parametrize("text", ["0", "-3", "two", "100000"])
 def test_worker_option_is_checked(text, tmp_path, capsys):
     root = FIXTURES / "tp2_fp32_filtered"
     with pytest.raises(SystemExit) as exc:
@@ -127,3 +127,77 @@ def test_merging_leaves_torch_threads_as_they_were(tmp_path):
     threads = torch.get_num_threads()
     lora_merge.merge(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", out=tmp_path / "o", workers=3)
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("root", [FIXTURES / "tp2_fp32_filtered", MOE / "qwen3moe_ep2"])
+def test_pieces_of_other_sizes_merge_to_the_same_bits(root, tmp_path, monkeypatch):
+    """Piece sizes shrink as workers grow, and addmm_'s bits depend on how many rows one call covers: LoRA
+    pieces are cut at whole merge blocks, so every row is merged in the same block at any worker count."""
+    from lora_merge import lora
+
+    monkeypatch.setattr(lora, "MERGE_BLOCK_BYTES", 4 * 64 * 3)  # 3 rows of 64 columns per addmm_ block
+    monkeypatch.setattr(merge_pipeline, "CHUNK_BYTES", 4 * 64 * 40)
+    monkeypatch.setattr(merge_pipeline, "MIN_CHUNK_BYTES", 4 * 64 * 2)
+    monkeypatch.setattr(merge_pipeline, "IN_FLIGHT_BYTES", 4 * 64 * 48)
+    sizes = {w: merge_pipeline.chunk_bytes(w) for w in (1, 3, 6, 8)}
+    assert len(set(sizes.values())) == 4, sizes  # the piece size really differs between these runs
+    outputs = {}
+    for workers in sizes:
+        out = tmp_path / f"w{workers}"
+        base = root / "base" if (root / "base").exists() else None
+        lora_merge.merge(base=base, lora=root / "lora", hf_ref=root / "hf_ref", out=out, workers=workers)
+        outputs[workers] = digests(out)
+    assert outputs[1] == outputs[3] == outputs[6] == outputs[8]
+
+
+def test_overlapping_runs_give_torch_its_thread_count_back(tmp_path):
+    root = FIXTURES / "tp2_fp32_filtered"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        errors = []
+
+        def run(i):
+            try:
+                lora_merge.merge(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref",
+                                 out=tmp_path / f"o{i}", workers=2)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        runners = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in runners:
+            t.start()
+            time.sleep(0.05)
+        for t in runners:
+            t.join()
+        assert not errors and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_interrupt_while_stopping_still_waits_for_the_workers():
+    """A second Ctrl-C arriving while the pool waits for its running jobs must not leave one running (it
+    could touch a checkpoint mapping after the run is over): the wait goes on, then the interrupt is raised."""
+    release = threading.Event()
+    finished = []
+
+    def slow():
+        release.wait(5)
+        finished.append(True)
+
+    pool = OrderedPool(2)
+    pool.submit(slow, lambda result: None)
+    real_shutdown = pool._executor.shutdown
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            threading.Timer(0.05, release.set).start()
+            raise KeyboardInterrupt  # as if the signal arrived while joining
+        return real_shutdown(*args, **kwargs)
+
+    pool._executor.shutdown = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        pool.stop()
+    assert finished == [True] and len(calls) == 2
