@@ -307,7 +307,10 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     heads = fields.positive_int("num_attention_heads")
     hidden = fields.positive_int("hidden_size")
     groups = fields.positive_int("num_key_value_heads", nullable=True)
-    head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim"))
+    # null is the class's own "hidden / heads" where the class defines head_dim; where it does not (Qwen2 in
+    # transformers 5), a stated null reaches the model code as None
+    head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim")
+                                   or "head_dim" in inspect.signature(type(fields.config).__init__).parameters)
     max_positions = fields.positive_int("max_position_embeddings")
     rope_theta, rope_scaling = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
     if not any("rope_theta" in d for d in (fields.raw, fields.raw.get("rope_scaling") or {},
@@ -429,7 +432,10 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         raise MergeError(f"{path}: attention_bias=true for {spec.model_type} (q/k/v *and* o_proj biases) is not supported")
     if fields.get("mlp_bias", False):
         raise MergeError(f"{path}: mlp_bias=true is not supported")
-    if spec.family == "qwen" and fields.get("use_sliding_window", False):
+    window = fields.raw.get("sliding_window")  # as stated: transformers 4.x does not check its type
+    if spec.family == "qwen" and window not in (None, 0) and not (is_int(window) and window > 0):
+        raise MergeError(f"{path}: 'sliding_window' must be a positive integer or null, found {_short(window)}")
+    if spec.family == "qwen" and fields.flag("use_sliding_window"):
         raise MergeError(f"{path}: use_sliding_window=true: {_NO_SWA} (expected false)")
     if spec.family == "mistral" and fields.get("sliding_window") is not None:
         absent = "" if fields.stated("sliding_window") else \
