@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model card and --report then give no sha256); hashing costs ~1 CPU-second per 1.3 GB, which "
                    "slows a merge only where cores are few")
     p.add_argument("--workers", type=_workers, default=None, metavar="N", help="threads merging pieces side by side "
-                   "(default: the cores this process may use, at most 16); the output is the same for any N")
+                   "(default: the cores this process may use, by its CPU affinity and cgroup quota, at most 16); "
+                   "the output is the same for any N")
     p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
     p.add_argument("--allow-partial-lora", action="store_true", help="merge even though some layers lack LoRA "
                    "weights for a target (by default that stops the merge: the checkpoint looks incomplete)")

@@ -13,12 +13,14 @@ the same addmm_ call shape whatever the worker count: the output bytes are exact
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -48,11 +50,41 @@ WINDOW_PER_WORKER = 2
 MAX_DEFAULT_WORKERS = 16
 
 
-def available_cores() -> int:
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_cores(cgroup: Path = CGROUP) -> int:
+    """The cores this process may use: its CPU affinity, and the CPU quota of its cgroup where one is set
+    (a container limited to 2 CPUs on a 64-core host must not start 16 busy workers)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cgroup_cpu_quota(cgroup: Path = CGROUP) -> float | None:
+    """CPUs allowed by the cgroup's quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), or
+    None where there is no quota or it cannot be read."""
+    def first_line(path: Path) -> str | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read(256).decode("ascii", "replace").split("\n")[0].strip()
+        except OSError:
+            return None
+
+    v2 = first_line(cgroup / "cpu.max")
+    parts = v2.split() if v2 else []
+    if len(parts) == 2 and parts[0] != "max":
+        quota, period = parts
+    else:
+        quota, period = first_line(cgroup / "cpu" / "cpu.cfs_quota_us"), first_line(cgroup / "cpu" / "cpu.cfs_period_us")
+    try:
+        quota, period = int(quota), int(period)
+    except (TypeError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def default_workers() -> int:

@@ -2,6 +2,7 @@
 in any worker stops the run cleanly, and the ordered pool delivers in submission order."""
 
 import hashlib
+import math
 import random
 import threading
 import time
@@ -201,3 +202,23 @@ def test_an_interrupt_while_stopping_still_waits_for_the_workers():
     with pytest.raises(KeyboardInterrupt):
         pool.stop()
     assert finished == [True] and len(calls) == 2
+
+
+@pytest.mark.parametrize("files,quota", [
+    ({"cpu.max": "200000 100000\n"}, 2.0),                       # cgroup v2: 2 CPUs
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu.max": "max 100000\n"}, None),                         # no quota
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3.0),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu.max": "garbage"}, None),
+    ({}, None),
+])
+def test_the_default_worker_count_follows_the_cgroup_cpu_quota(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert merge_pipeline.cgroup_cpu_quota(tmp_path) == quota
+    cores = merge_pipeline.available_cores(tmp_path)
+    assert 1 <= cores <= (math.ceil(quota) if quota else cores)
+    if quota:
+        assert cores == min(math.ceil(quota), merge_pipeline.available_cores(tmp_path / "none"))
