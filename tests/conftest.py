@@ -52,3 +52,20 @@ def _signal_handlers_restored():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+def peft_model_loading_every_key(base_dir: Path, adapter: Path):
+    """PEFT's model of `adapter` on the HF model in `base_dir`, after checking that PEFT loads every key of
+    the adapter (none unexpected) and finds every factor it expects (none missing)."""
+    import torch
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
+    loaded = probe.load_adapter(adapter, adapter_name="probe")
+    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]
+    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
+    return PeftModel.from_pretrained(base(), adapter).eval()

@@ -42,6 +42,15 @@ def rewrite(path: Path, edit) -> None:
     torch.save(state, path)
 
 
+def set_value(path: Path, key: str, index, value) -> None:
+    """Rewrite one rank file with model[key][index] = value (the tensor copied first: it may be a view)."""
+    def edit(state):
+        state["model"][key] = state["model"][key].clone()
+        state["model"][key][index] = value
+
+    rewrite(path, edit)
+
+
 def run_failing(args: list[str], capsys, *expected: str) -> str:
     code = main(args)
     err = capsys.readouterr().err
@@ -231,12 +240,8 @@ def test_non_finite_merge_result(tmp_path, capsys):
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
     key = "decoder.layers.1.self_attention.linear_proj.lora_B.default.weight"
 
-    def poison(state):
-        state["model"][key] = state["model"][key].clone()
-        state["model"][key][3, 1] = float("inf")
-
     for f in rank_files(root / "lora"):  # lora_B of a row layer is replicated: poison every copy
-        rewrite(f, poison)
+        set_value(f, key, (3, 1), float("inf"))
     out = tmp_path / "out"
     run_failing(copied_args(root, out), capsys, "model.layers.1.self_attn.o_proj.weight", "non-finite")
     assert_nothing_written(out)

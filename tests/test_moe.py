@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import peft_model_loading_every_key
 from lora_merge.cli import main
 
 MOE = Path(__file__).parent / "fixtures_moe"
@@ -340,22 +341,13 @@ def _drop_lora(root: Path, prefix: str, infix: str, rank_dir: str = "mp_rank_") 
 def _peft_matches_the_partial_merge(root: Path, adapter: Path, base_dir: Path, tmp_path: Path) -> None:
     """PEFT finds every key the adapter's config makes it expect, and computes what our merge of the same
     partial checkpoint (--allow-partial-lora) computes; its merge_and_unload gives our weights."""
-    from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
     merged = tmp_path / "merged"
     assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
                  "--out", str(merged), "--no-progress", "--allow-partial-lora"]) == 0
 
-    def base():
-        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-
-    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
-    loaded = probe.load_adapter(adapter, adapter_name="probe")
-    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]
-    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
-
-    model = PeftModel.from_pretrained(base(), adapter).eval()
+    model = peft_model_loading_every_key(base_dir, adapter)
     ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     ids = torch.load(root / "logits.pt", weights_only=True)["input_ids"]
     with torch.no_grad():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import peft_model_loading_every_key
 from lora_merge.cli import main
 
 peft = pytest.importorskip("peft")
@@ -354,7 +355,6 @@ def test_peft_loads_the_fused_deepseek_adapter_whole(name, megatron_merges, tmp_
     (at rank 2r), dropping the dense layers' and shared experts' MLP LoRA; the fused export names those as
     LoRA on their 2-D weights instead. PEFT loads every key, computes what Megatron+LoRA computed, and its
     merge_and_unload equals our direct merge, dense MLPs and shared experts included."""
-    from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
     direct, base_dir = megatron_merges(name)
@@ -366,22 +366,14 @@ def test_peft_loads_the_fused_deepseek_adapter_whole(name, megatron_merges, tmp_
     assert not {"gate_proj", "up_proj", "down_proj"} & set(config["target_modules"])
     assert {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} <= set(config["target_parameters"])
 
-    def base():
-        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-
-    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
-    loaded = probe.load_adapter(adapter, adapter_name="probe")
-    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]
-    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
-
-    model = PeftModel.from_pretrained(base(), adapter).eval()
+    model = peft_model_loading_every_key(base_dir, adapter)
     ref = torch.load(MEGATRON[name] / "logits.pt", weights_only=True)
     with torch.no_grad():
         adapted = model(ref["input_ids"]).logits
     assert (adapted - ref["logits_lora"]).abs().max() <= 1e-4
     theirs = model.merge_and_unload().state_dict()
     ours = AutoModelForCausalLM.from_pretrained(direct, dtype=torch.float32).state_dict()
-    untouched = base().state_dict()
+    untouched = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
     assert theirs.keys() == ours.keys()
     worst = max((theirs[k] - ours[k]).abs().max().item() for k in ours)
     dense = [k for k in ours if re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.weight$", k)]

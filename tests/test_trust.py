@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import FIXTURES, merge_args
-from test_errors import copied_args, copy_fixture, rank_files, rewrite, run_failing
+from test_errors import copied_args, copy_fixture, rank_files, rewrite, run_failing, set_value
 from lora_merge.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -439,11 +439,7 @@ def test_nan_in_a_merged_weight_is_named_as_the_checkpoints(tmp_path, capsys):
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
     key = "decoder.layers.1.self_attention.linear_proj.weight"
 
-    def poison(state):
-        state["model"][key] = state["model"][key].clone()
-        state["model"][key][7, 3] = float("nan")
-
-    rewrite(rank_files(root / "base")[0], poison)
+    set_value(rank_files(root / "base")[0], key, (7, 3), float("nan"))
     out = tmp_path / "out"
     run_failing(copied_args(root, out), capsys, "model.layers.1.self_attn.o_proj.weight",
                 "non-finite values (NaN or Inf) in the checkpoint, rows 0..")
@@ -455,12 +451,8 @@ def test_nan_in_a_merged_weight_is_named_as_the_checkpoints(tmp_path, capsys):
 def test_nan_in_an_untouched_tensor_is_an_error_in_merge_and_export(tmp_path, capsys, key, shown):
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
 
-    def poison(state):
-        state["model"][key] = state["model"][key].clone()
-        state["model"][key][5] = float("nan")
-
     for f in rank_files(root / "base")[-1:] if "embedding" in key else rank_files(root / "base"):
-        rewrite(f, poison)
+        set_value(f, key, 5, float("nan"))
     out = tmp_path / "out"
     run_failing(copied_args(root, out), capsys, shown, "NaN or Inf")
     assert_clean(out)

@@ -17,7 +17,7 @@ from lora_merge import merge_pipeline
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.merge_pipeline import OrderedPool
-from test_errors import copied_args, copy_fixture, rank_files, rewrite
+from test_errors import copied_args, copy_fixture, rank_files, set_value
 
 MOE = Path(__file__).parent / "fixtures_moe"
 
@@ -47,11 +47,7 @@ def test_a_failing_worker_stops_the_run_and_publishes_nothing(tmp_path, capsys, 
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
     key = "decoder.layers.3.mlp.linear_fc2.weight"
 
-    def poison(state):
-        state["model"][key] = state["model"][key].clone()
-        state["model"][key][5, 1] = float("inf")
-
-    rewrite(rank_files(root / "base")[1], poison)
+    set_value(rank_files(root / "base")[1], key, (5, 1), float("inf"))
     out = tmp_path / "out"
     assert main(copied_args(root, out) + ["--workers", "4", "--no-progress"]) == 2
     err = capsys.readouterr().err
