@@ -15,6 +15,7 @@ switch past the merge.
 from __future__ import annotations
 
 import copy
+import functools
 import dataclasses
 import importlib.util
 import inspect
@@ -198,13 +199,20 @@ def transformers_config(raw: dict, spec: HfConfig, path: Path):
         logger.setLevel(level)
 
 
-def _class_keys(config_class) -> dict:
-    """The keys the config class takes, with their defaults (inspect.Parameter.empty where none), and the
-    attributes its model's code reads from a config (`config.X`, `getattr(config, "X"`), which need not be
-    parameters of the class: transformers' Qwen2 reads `config.head_dim` that Qwen2Config does not define."""
+@functools.lru_cache(maxsize=None)
+def _class_parameters(config_class) -> dict:
+    """The keys the config class takes, with their defaults (inspect.Parameter.empty where none)."""
     params = inspect.signature(config_class.__init__).parameters
-    keys = {name: p.default for name, p in params.items()
+    return {name: p.default for name, p in params.items()
             if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+@functools.lru_cache(maxsize=None)
+def _class_keys(config_class) -> dict:
+    """The class's parameters (`_class_parameters`) and the attributes its model's code reads from a config
+    (`config.X`, `getattr(config, "X"`), which need not be parameters of the class: transformers' Qwen2 reads
+    `config.head_dim` that Qwen2Config does not define. Read once per class (a source file per model type)."""
+    keys = dict(_class_parameters(config_class))
     modeling = config_class.__module__.replace(".configuration_", ".modeling_")
     try:
         spec = importlib.util.find_spec(modeling)
@@ -231,9 +239,9 @@ def _check_class_keys(fields: ConfigFields, spec: HfConfig, notes: list[str]) ->
             continue
         default = taken.get(key, taken.get(aliases.get(key), inspect.Parameter.empty))
         if default is inspect.Parameter.empty or value != default:
-            raise MergeError(f"{fields.path}: {key}={_short(value)}: transformers' {config_class.__name__} reads it "
+            raise MergeError(f"{fields.path}: {key}={shown(value)}: transformers' {config_class.__name__} reads it "
                              f"and lora-merge does not know what it changes; expected "
-                             f"{'it absent' if default is inspect.Parameter.empty else f'{key}={_short(default)}'}")
+                             f"{'it absent' if default is inspect.Parameter.empty else f'{key}={shown(default)}'}")
     if unread:
         notes.append(f"{fields.path}: keys transformers' {config_class.__name__} does not read (kept as published): "
                      f"{', '.join(sorted(unread))}")
@@ -260,7 +268,7 @@ class ConfigFields:
 
     def _bad(self, key: str, value, expected: str):
         absent = "" if self.stated(key) else " (the key is missing)"
-        return MergeError(f"{self.path}: {shown(key)} must be {expected}, found {_short(value)}{absent}")
+        return MergeError(f"{self.path}: {shown(key)} must be {expected}, found {shown(value)}{absent}")
 
     def positive_int(self, key: str, nullable: bool = False) -> int | None:
         value = self.get(key)
@@ -295,8 +303,6 @@ class ConfigFields:
         return value
 
 
-def _short(value) -> str:
-    return shown(value)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -310,7 +316,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     # null is the class's own "hidden / heads" where the class defines head_dim; where it does not (Qwen2 in
     # transformers 5), a stated null reaches the model code as None
     head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim")
-                                   or "head_dim" in inspect.signature(type(fields.config).__init__).parameters)
+                                   or "head_dim" in _class_parameters(type(fields.config)))
     max_positions = fields.positive_int("max_position_embeddings")
     rope_theta, rope_scaling = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
     if not any("rope_theta" in d for d in (fields.raw, fields.raw.get("rope_scaling") or {},
@@ -358,7 +364,7 @@ def _check_plain_fields(raw: dict, path: Path) -> None:
     # special token outside the vocabulary names no token.
     for key in _BOOLEAN_SWITCHES & raw.keys():
         if not isinstance(raw[key], bool):
-            raise MergeError(f"{path}: {shown(key)} must be true or false, found {_short(raw[key])}")
+            raise MergeError(f"{path}: {shown(key)} must be true or false, found {shown(raw[key])}")
     vocab = raw.get("vocab_size")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id") & raw.keys():
         ids = raw[key] if isinstance(raw[key], list) else [raw[key]]
@@ -366,12 +372,12 @@ def _check_plain_fields(raw: dict, path: Path) -> None:
             if token is None and not isinstance(raw[key], list):
                 continue
             if not (is_int(token) and token >= 0) or (is_int(vocab) and token >= vocab):
-                raise MergeError(f"{path}: {key}={_short(raw[key])}; expected token ids in "
+                raise MergeError(f"{path}: {key}={shown(raw[key])}; expected token ids in "
                                  f"0..{vocab if is_int(vocab) else '?'}{' (vocab_size)' if is_int(vocab) else ''} "
                                  "or null")
     for key in ("dtype", "torch_dtype"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
-            raise MergeError(f"{path}: {shown(key)} must be a dtype name or null, found {_short(raw[key])}")
+            raise MergeError(f"{path}: {shown(key)} must be a dtype name or null, found {shown(raw[key])}")
     if raw.get("quantization_config") is not None:
         q = raw["quantization_config"]
         kind = q.get("quant_method") if isinstance(q, dict) else None
@@ -405,10 +411,10 @@ def _explain_refusal(raw: dict, path: Path) -> None:
                 expected, is_int(value) and value > 0)
             if not ok:
                 raise MergeError(f"{path}: {shown(key)} must be {'a ' if expected.startswith('positive') else ''}{expected}, "
-                                 f"found {_short(value)}")
+                                 f"found {shown(value)}")
     types, layers = raw.get("layer_types"), raw.get("num_hidden_layers")
     if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
-        raise MergeError(f"{path}: 'layer_types' must be a list of strings or null, found {_short(types)}")
+        raise MergeError(f"{path}: 'layer_types' must be a list of strings or null, found {shown(types)}")
     if isinstance(types, list) and is_int(layers) and len(types) != layers:
         raise MergeError(f"{path}: layer_types has {len(types)} entries for num_hidden_layers={layers}; transformers "
                          "refuses such a config")
@@ -434,13 +440,13 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         raise MergeError(f"{path}: mlp_bias=true is not supported")
     window = fields.raw.get("sliding_window")  # as stated: transformers 4.x does not check its type
     if spec.family == "qwen" and window not in (None, 0) and not (is_int(window) and window > 0):
-        raise MergeError(f"{path}: 'sliding_window' must be a positive integer or null, found {_short(window)}")
+        raise MergeError(f"{path}: 'sliding_window' must be a positive integer or null, found {shown(window)}")
     if spec.family == "qwen" and fields.flag("use_sliding_window"):
         raise MergeError(f"{path}: use_sliding_window=true: {_NO_SWA} (expected false)")
     if spec.family == "mistral" and fields.get("sliding_window") is not None:
         absent = "" if fields.stated("sliding_window") else \
             f" (transformers' {spec.model_type} default when the key is absent)"
-        raise MergeError(f"{path}: sliding_window={_short(fields.get('sliding_window'))}{absent}: {_NO_SWA} "
+        raise MergeError(f"{path}: sliding_window={shown(fields.get('sliding_window'))}{absent}: {_NO_SWA} "
                          "(expected \"sliding_window\": null)")
     types = fields.get("layer_types")
     if types is not None:
@@ -450,7 +456,7 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
             if kind != "full_attention":
                 raise MergeError(f"{path}: layer_types[{i}]={shown(kind)}: {_NO_SWA} (expected only 'full_attention')")
     if getattr(fields.config, "pruned_heads", None):
-        raise MergeError(f"{path}: pruned_heads={_short(fields.config.pruned_heads)}: pruned attention heads are not "
+        raise MergeError(f"{path}: pruned_heads={shown(fields.config.pruned_heads)}: pruned attention heads are not "
                          "supported; expected none")
     names = fields.raw.get("architectures")
     if names is not None:
