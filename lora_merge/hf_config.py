@@ -303,8 +303,6 @@ class ConfigFields:
         return value
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The shape
 
@@ -471,8 +469,6 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
 
 # ---------------------------------------------------------------------------------------------------------
 # The tokenizer's ids
-
-
 
 
 def tokenizer_vocab(hf_dir: Path) -> tuple[int, Path] | None:
