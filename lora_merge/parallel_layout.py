@@ -1,0 +1,129 @@
+"""How a Megatron model is spread over ranks: tensor, pipeline (with virtual chunks and uneven first/last
+stages), expert and expert-tensor parallelism — which layer lives on which stage and chunk, which expert on
+which expert-parallel rank, and which rank files a legacy checkpoint of this layout has.
+
+Megatron orders ranks tensor-parallel fastest, then data-parallel, then pipeline; the experts' grid is
+expert-tensor-parallel fastest, then expert-parallel, then expert-data-parallel (megatron.core's
+RankGenerator orders "tp-cp-ep-dp-pp" and "tp-ep-dp-pp"). A legacy checkpoint is saved by the ranks of
+expert-data-parallel rank 0, one file per (TP rank, PP rank, EP rank) they hold; with ETP=1 < TP that grid is
+sparse (TP=2, EP=2: only mp_rank_00_000 and mp_rank_01_001).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from lora_merge.errors import MergeError
+from lora_merge.layer_numbering import LayerNumbering, numbering_from_args
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One legacy rank file: its coordinates on both grids."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int  # the expert-tensor-parallel shard of the experts it holds
+
+    def dir_name(self, layout: "ParallelLayout") -> str:
+        name = f"mp_rank_{self.tp:02d}"
+        if layout.pp > 1:
+            name += f"_{self.pp:03d}"
+        if layout.ep > 1:
+            name += f"_{self.ep:03d}"
+        return name
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # model chunks per pipeline stage (Megatron's virtual pipeline size; 1: none)
+    ep: int = 1
+    etp: int = 1
+    first_stage_layers: int | None = None  # Megatron's decoder_first_pipeline_num_layers
+    last_stage_layers: int | None = None
+
+    def __str__(self) -> str:
+        parts = [f"TP={self.tp}", f"PP={self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP={self.vpp}")
+        if self.ep > 1 or self.etp != self.tp:
+            parts += [f"EP={self.ep}", f"ETP={self.etp}"]
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            parts.append(f"first/last stage layers {self.first_stage_layers}/{self.last_stage_layers}")
+        return " ".join(parts)
+
+    def numbering(self, num_layers: int) -> LayerNumbering:
+        args = SimpleNamespace(num_layers=num_layers, decoder_first_pipeline_num_layers=self.first_stage_layers,
+                               decoder_last_pipeline_num_layers=self.last_stage_layers)
+        try:
+            return numbering_from_args(args, self.pp, self.vpp)
+        except MergeError as exc:  # its messages speak of args; here the layout is the user's choice
+            raise MergeError(f"target layout {self}: {str(exc).removeprefix('args: ')}") from None
+
+    def layer_homes(self, num_layers: int) -> list[tuple[int, int, int]]:
+        """(stage, chunk, local index) of every global layer, in order."""
+        numbering, homes = self.numbering(num_layers), []
+        for chunk, row in enumerate(numbering.counts):
+            for stage, count in enumerate(row):
+                homes += [(stage, chunk, local) for local in range(count)]
+        return homes
+
+    def expert_home(self, expert: int, num_experts: int) -> tuple[int, int]:
+        """(EP rank, local expert index) of a global expert."""
+        local = num_experts // self.ep
+        return expert // local, expert % local
+
+    @property
+    def world(self) -> int:
+        """The smallest world this layout runs on: data parallel just large enough for the expert grid."""
+        return self.pp * math.lcm(self.tp, self.etp * self.ep)
+
+    def rank_files(self) -> list[RankFile]:
+        """The files a legacy save of this layout writes, in rank order."""
+        per_stage, files, seen = self.world // self.pp, [], set()
+        for pp in range(self.pp):
+            for local in range(per_stage):
+                tp, etp = local % self.tp, local % self.etp
+                ep, edp = (local // self.etp) % self.ep, local // (self.etp * self.ep)
+                if edp == 0 and (tp, pp, ep) not in seen:
+                    seen.add((tp, pp, ep))
+                    files.append(RankFile(tp, pp, ep, etp))
+        return files
+
+    def check(self, shape, where: str = "target layout") -> None:
+        """Refuse a layout the model cannot be split into (before anything is written). Every tensor's split
+        is checked again when the writer plans its shards."""
+        num_layers, heads, groups = shape.num_layers, shape.heads, shape.groups
+        num_experts = shape.moe.num_experts if shape.moe is not None else None
+        for name, value in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
+                            ("--etp", self.etp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MergeError(f"{where}: {name}={value!r}; expected a whole number of at least 1")
+        if heads % self.tp:
+            raise MergeError(f"{where}: {heads} attention heads do not split over --tp {self.tp}")
+        if shape.mla is None and groups % self.tp:
+            raise MergeError(f"{where}: {groups} query groups (key/value heads) do not split over --tp {self.tp}")
+        dense_layers = shape.moe is None or len(shape.moe.layers) < num_layers
+        if dense_layers and shape.ffn % self.tp:
+            raise MergeError(f"{where}: the MLP's intermediate size {shape.ffn} does not split over --tp {self.tp}")
+        if shape.moe is not None and shape.moe.ffn % self.etp:
+            raise MergeError(f"{where}: the experts' intermediate size {shape.moe.ffn} does not split over --etp {self.etp}")
+        if self.vpp > 1 and self.pp == 1:
+            raise MergeError(f"{where}: --vpp {self.vpp} needs --pp of 2 or more (virtual chunks interleave stages)")
+        if (self.first_stage_layers is not None or self.last_stage_layers is not None) and self.pp == 1:
+            raise MergeError(f"{where}: first/last pipeline stage layer counts need --pp of 2 or more")
+        self.numbering(num_layers)  # refuses layer counts that do not split (with the args' messages)
+        if num_experts is None:
+            if self.ep > 1:
+                raise MergeError(f"{where}: --ep {self.ep} but the model has no routed experts")
+            return
+        if num_experts % self.ep:
+            raise MergeError(f"{where}: {num_experts} experts do not split over --ep {self.ep}")
+        if self.etp not in (1, self.tp):
+            raise MergeError(f"{where}: --etp {self.etp} with --tp {self.tp}; expert tensor parallelism must be 1 or "
+                             "equal to --tp")
