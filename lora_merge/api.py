@@ -50,6 +50,8 @@ from lora_merge.writers.ownership import PEFT_ADAPTER, check_input_dir
 from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.writers.targets import InputPaths, check_report_path
+from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.to_megatron import ConvertResult, MegatronTarget, run_to_megatron
 
 def _load_lazy_attributes() -> None:
     """transformers and huggingface_hub load their attributes on first access, which is not thread-safe:
@@ -91,15 +93,15 @@ class MergeResult:
 
     out: Path
     base: str  # the base checkpoint, described
-    lora: str
+    lora: str | None  # None: a conversion without a LoRA (then r, alpha, scale and settings_source are None)
     dtype: str
     tensors: int  # HF tensors written
     bytes: int
     lora_modules: int  # LoRA-adapted Megatron modules merged
-    r: int
-    alpha: float
-    scale: float
-    settings_source: str  # where r and alpha came from
+    r: int | None
+    alpha: float | None
+    scale: float | None
+    settings_source: str | None  # where r and alpha came from
     skipped: dict[str, int]  # what was deliberately not written, by reason
     files: list[str] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)  # file -> digest, hashed while writing (README.md aside; none with sha256=False)
@@ -195,14 +197,17 @@ def _dtype_choice(value: str) -> str:
     return value
 
 
-def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
+def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
           workers: int | None = None, base_model_id: str | None = None,
           progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
-    """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`)."""
-    opts = SimpleNamespace(base=_path(base, "base", BASE), lora=_required(lora, "lora", LORA),
+    """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`); without `lora`,
+    convert the Megatron checkpoint `base` as it is."""
+    if lora is None and base is None:
+        raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
+    opts = SimpleNamespace(base=_path(base, "base", BASE), lora=_path(lora, "lora", LORA),
                            hf_ref=_required(hf_ref, "hf_ref", HF_REF), out=_abs(_required(out, "out", OUT)),
                            dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size),
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
@@ -211,6 +216,34 @@ def merge(*, lora, hf_ref, out, base=None, dtype: str = "auto", max_shard_size: 
                            workers=_workers(workers), base_model_id=checked_base_model_id(base_model_id),
                            progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
     return run_merge(opts)
+
+
+def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
+                etp: int | None = None, decoder_first_pipeline_num_layers: int | None = None,
+                decoder_last_pipeline_num_layers: int | None = None, ckpt_format: str = "torch",
+                expert_layout: str = "sequential", make_vocab_size_divisible_by: int = 128,
+                padded_vocab_size: int | None = None, dtype: str = "auto", lora_r: int | None = None,
+                lora_alpha: float | None = None, allow_partial_lora: bool = False, dry_run: bool = False,
+                workers: int | None = None, progress: Callable[[int, int], None] | None = None,
+                warn: Callable[[str], None] = _warn_default) -> ConvertResult:
+    """Write a Megatron checkpoint at `out` in the given layout from an HF model or a Megatron checkpoint,
+    with a LoRA merged on the way if `lora` is given (see `lora-merge --to megatron --help`). `hf_ref`
+    defaults to `base` when that is an HF model dir."""
+    base_path = _path(base, "base", BASE)
+    if hf_ref is None and base_path is not None and is_hf_model_dir(base_path):
+        hf_ref = base_path
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=tp if etp is None else etp,
+                            first_stage_layers=decoder_first_pipeline_num_layers,
+                            last_stage_layers=decoder_last_pipeline_num_layers)
+    target = MegatronTarget(layout=layout, ckpt_format=ckpt_format, expert_layout=expert_layout,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                            padded_vocab_size=padded_vocab_size)
+    opts = SimpleNamespace(base=base_path, lora=_path(lora, "lora", LORA), hf_ref=_required(hf_ref, "hf_ref", HF_REF),
+                           out=_abs(_required(out, "out", OUT)), dtype=_dtype_choice(dtype), lora_r=_lora_r(lora_r),
+                           lora_alpha=_lora_alpha(lora_alpha), allow_partial_lora=allow_partial_lora,
+                           dry_run=dry_run, workers=_workers(workers), warn=_callable(warn, "warn"), force=False,
+                           progress=_callable(progress, "progress", optional=True))
+    return run_to_megatron(opts, target)
 
 
 def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_format: str = "per-expert",
@@ -273,9 +306,11 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         return _open_peft(shape, hf_config, arch, hf_dir, base_dir, lora_dir, opts)
     lora = open_checkpoint(lora_dir) if lora_dir else None
     if base_dir is not None and is_hf_model_dir(base_dir):
-        if lora is None:
+        if lora is None and not getattr(opts, "lora_optional", False):
             raise MergeError(f"{base_dir}: an HF model as --base needs a Megatron --lora to merge")
         check_same_model(shape, hf_dir, base_dir)
+        if lora is None:  # a conversion of the HF weights as they are
+            return Inputs(shape, hf_config, arch, read_hf_model(base_dir), None, None)
         base = read_hf_model(base_dir)
         check_against_args(shape, lora.args, str(lora.path))
         check_lora_targets(lora, arch, shape, getattr(opts, "allow_partial_lora", False))
@@ -402,6 +437,16 @@ class VerificationFailed(MergeError):
         super().__init__(f"{out}: verification failed ({len(report.problems)} problem(s)){what}")
 
 
+def _described(ckpt) -> str | None:
+    return None if ckpt is None else ckpt.describe()
+
+
+def _settings_fields(settings: LoraSettings | None) -> dict:
+    if settings is None:
+        return dict(r=None, alpha=None, scale=None, settings_source=None)
+    return dict(r=settings.r, alpha=settings.alpha, scale=settings.scale, settings_source=settings.source)
+
+
 def run_merge(opts) -> MergeResult:
     started = time.monotonic()
     checked_base_model_id(getattr(opts, "base_model_id", None))  # a usage error, before any work
@@ -429,11 +474,10 @@ def run_merge(opts) -> MergeResult:
         # stops here the same way (the real run first removes killed runs' staging dirs; a dry run writes
         # and removes nothing, so it counts them as taken).
         check_free_space(opts.out, tensor_bytes, ref_files.total_bytes)
-        return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
+        return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
                            dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan),
                            bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
-                           r=inp.settings.r, alpha=inp.settings.alpha, scale=inp.settings.scale,
-                           settings_source=inp.settings.source, skipped=dict(plan.skipped), dry_run=True, plan=plan,
+                           **_settings_fields(inp.settings), skipped=dict(plan.skipped), dry_run=True, plan=plan,
                            inputs=inp, copied_bytes=ref_files.total_bytes)
 
     verify_report = None
@@ -480,10 +524,9 @@ def run_merge(opts) -> MergeResult:
                                                      ref_files))
     if base_model_warning:
         opts.warn(base_model_warning)
-    return MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe(),
+    return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
                        dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
-                       lora_modules=plan.merged_modules, r=inp.settings.r, alpha=inp.settings.alpha,
-                       scale=inp.settings.scale, settings_source=inp.settings.source, skipped=dict(plan.skipped),
+                       lora_modules=plan.merged_modules, **_settings_fields(inp.settings), skipped=dict(plan.skipped),
                        files=files, sha256={f: h for f, h in hashes.items() if h is not None},
                        seconds=time.monotonic() - started,
                        verified=verify_report is not None, verify_report=verify_report)

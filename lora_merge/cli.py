@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base", type=Path, help=BASE_HELP + "; may be omitted when --lora is an unfiltered Megatron "
                    "LoRA checkpoint or a PEFT adapter")
-    p.add_argument("--lora", type=Path, required=True, help=LORA_HELP)
-    p.add_argument("--hf-ref", type=Path, required=True, help="HF model dir of the base model: its config.json "
+    p.add_argument("--lora", type=Path, help=LORA_HELP + "; optional: without it the base is converted as it is")
+    p.add_argument("--hf-ref", type=Path, help="HF model dir of the base model (required; with --to megatron it defaults to an HF --base): its config.json "
                    "defines the architecture; config, generation config and tokenizer files are copied (its weights, "
                    "if any, are read only as the baseline of --verify, or as the base of a PEFT adapter given "
                    "without --base)")
@@ -140,8 +140,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _base_model_id_option(p)
     _lora_options(p)
+    _megatron_options(p)
     p.add_argument("--version", action="version", version=f"lora-merge {__version__}")
     return p
+
+
+MEGATRON_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers", "ckpt_format", "expert_layout", "make_vocab_size_divisible_by",
+                    "padded_vocab_size")
+
+
+def _megatron_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--to megatron: the checkpoint's layout (Megatron's own option names)")
+    g.add_argument("--to", choices=["hf", "megatron"], default="hf", help="what to write: an HF model (default) or "
+                   "a Megatron checkpoint; the source may be an HF model or a Megatron checkpoint, --lora optional "
+                   "for both (HF → Megatron conversion, Megatron → HF, Megatron → Megatron reshard)")
+    for name, help_text in (("--tp", "tensor-parallel size"), ("--pp", "pipeline-parallel size"),
+                            ("--vpp", "virtual pipeline chunks per stage"), ("--ep", "expert-parallel size"),
+                            ("--etp", "expert tensor-parallel size, 1 or --tp (default: --tp)")):
+        g.add_argument(name, type=int, default=None, metavar="N", help=help_text + " (default: 1)" * (name != "--etp"))
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N", help="layers of the first stage")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N", help="layers of the last stage")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default=None,
+                   help="torch (legacy mp_rank_* files, what MindSpeed-LLM's converter writes; default)")
+    g.add_argument("--expert-layout", choices=["sequential", "grouped"], default=None,
+                   help="routed experts as SequentialMLP (default) or GroupedMLP (--moe-grouped-gemm)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="pad the vocabulary to a multiple of N x TP (default: 128, Megatron's)")
+    g.add_argument("--padded-vocab-size", type=int, default=None, metavar="N", help="the padded vocabulary size "
+                   "itself (at least the model's vocab_size, divisible by --tp)")
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
@@ -245,7 +272,7 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
     out = console.result
     out("plan (dry run: nothing is written)")
     out(f"  base:   {inp.base.describe()}")
-    if inp.lora is not inp.base:
+    if inp.lora is not None and inp.lora is not inp.base:
         out(f"  lora:   {inp.lora.describe()}")
     heads = f"{s.heads} heads, {s.mla}" if s.mla else f"{s.heads} heads / {s.groups} kv heads x {s.head_dim}"
     out(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {heads}, ffn {s.ffn}, vocab {s.vocab}, "
@@ -253,7 +280,10 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
         f"{', qkv bias' if s.qkv_bias else ''}")
     if s.moe is not None:
         out(f"  experts: {s.moe} in layers {sorted(s.moe.layers)}; {expert_layout(inp)}")
-    out(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
+    if inp.settings is None:
+        out("  LoRA:   none (a conversion)")
+    else:
+        out(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
         f"{inp.settings.source}) on {', '.join(lora_targets(plan)) or 'nothing'}: {plan.merged_modules} modules")
     out(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "
         f"in about {shards} shard(s) -> {opts.out}")
@@ -273,10 +303,13 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
 def print_summary(console: Console, s: MergeResult) -> None:
     out = console.result
     out(f"base:   {s.base}")
-    if s.lora != s.base:
+    if s.lora is not None and s.lora != s.base:
         out(f"lora:   {s.lora}")
-    out(f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
-        f"(scale {s.scale:g}, from {s.settings_source})")
+    if s.lora is None:
+        out("no LoRA: the checkpoint converted as it is")
+    else:
+        out(f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
+            f"(scale {s.scale:g}, from {s.settings_source})")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(s.skipped.items())) or "nothing"
     out(f"skipped on purpose: {skipped}")
     out(f"wrote {s.tensors} tensors, {s.bytes / 1e9:.3f} GB as {s.dtype} in "
@@ -328,6 +361,53 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
 
+def _run_to_megatron(api, opts, console: Console) -> int:
+    from lora_merge.parallel_layout import ParallelLayout
+    from lora_merge.readers.hf_model import is_hf_model_dir
+    from lora_merge.to_megatron import MegatronTarget, run_to_megatron
+
+    for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
+        if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
+            raise MergeError(f"--{name.replace('_', '-')}: an option of an HF output, not of --to megatron")
+    if opts.hf_ref is None and opts.base is not None and is_hf_model_dir(opts.base):
+        opts.hf_ref = opts.base
+    if opts.hf_ref is None:
+        raise MergeError("--hf-ref: required unless --base is an HF model dir (its config.json describes the model)")
+    tp = opts.tp or 1
+    layout = ParallelLayout(tp=tp, pp=opts.pp or 1, vpp=opts.vpp or 1, ep=opts.ep or 1,
+                            etp=tp if opts.etp is None else opts.etp,
+                            first_stage_layers=opts.decoder_first_pipeline_num_layers,
+                            last_stage_layers=opts.decoder_last_pipeline_num_layers)
+    target = MegatronTarget(layout=layout, ckpt_format=opts.ckpt_format or "torch",
+                            expert_layout=opts.expert_layout or "sequential",
+                            make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by or 128,
+                            padded_vocab_size=opts.padded_vocab_size)
+    bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
+    opts.progress = bar
+    try:
+        s = run_to_megatron(opts, target)
+    finally:
+        if bar is not None:
+            bar.close()
+    out = console.result
+    out(f"base:   {s.base}")
+    if s.lora is not None and s.lora != s.base:
+        out(f"lora:   {s.lora}")
+    out(f"merged {s.lora_modules} LoRA modules" if s.lora is not None else "no LoRA: converted as it is")
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(s.skipped.items())) or "nothing"
+    out(f"skipped on purpose: {skipped}")
+    verb = "would write" if s.dry_run else "wrote"
+    out(f"{verb} a Megatron {s.ckpt_format} checkpoint, {s.layout}, padded vocab {s.padded_vocab_size}: "
+        f"{s.tensors} tensor shards, {s.bytes / 1e9:.3f} GB as {s.dtype}"
+        + ("" if s.dry_run else f" in {len(s.files) - 1} rank file(s) to {s.out} in {s.seconds:.1f} s"))
+    if not s.dry_run:
+        out("load it with: --load " + str(s.out) + " --ckpt-format torch --transformer-impl local --finetune "
+            "--no-load-optim --no-load-rng, and the layout's parallel sizes")
+    for name in s.files:
+        console.detail(f"  {name}")
+    return 0
+
+
 def what_was_written() -> str:
     if PUBLISHED:
         return f"{', '.join(map(str, PUBLISHED))} had already been published complete"
@@ -370,6 +450,15 @@ def _run(command: str, opts, console: Console) -> int:
             return 1
         console.result(f"verify: OK, {len(report.statuses)} tensors checked")
         return 0
+    given = [f"--{name.replace('_', '-')}" for name in MEGATRON_OPTIONS if getattr(opts, name) is not None]
+    if opts.to == "hf" and given:
+        raise MergeError(f"{', '.join(given)}: options of a Megatron output; add --to megatron")
+    if opts.lora is None and opts.base is None:
+        raise MergeError("give --lora (a LoRA to merge) or --base (a checkpoint to convert), or both")
+    if opts.to == "megatron":
+        return _run_to_megatron(api, opts, console)
+    if opts.hf_ref is None:
+        raise MergeError("--hf-ref: required (the HF model dir whose config.json describes the model)")
     bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
     opts.progress = bar
     try:

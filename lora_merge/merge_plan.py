@@ -84,18 +84,19 @@ class HfTensors:
         return {name: single(t) for name, t in zip(self.rule.hf_shapes(shape), tensors)}
 
 
-def build_hf_base_plan(base: HfModel, lora: Checkpoint, shape: ModelShape, arch: Architecture,
+def build_hf_base_plan(base: HfModel, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
                        settings: LoraSettings, dtype: torch.dtype) -> MergePlan:
     """The plan for a Megatron LoRA onto an HF base: every HF tensor of the table from the base, merged
-    with its module's factors where it has them."""
+    with its module's factors where it has them (or as they are, with no LoRA: a conversion)."""
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
     plan.skipped.update(base.skipped)
-    plan.skipped.update(lora.skipped)
-    plan.replicas = list(lora.replicas)
-    if lora.params:
-        plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
-    unclaimed, adapters = set(base.tensors), dict(lora.lora)
-    for rule, names, hf_prefix in iter_rules(arch, shape, lora.has):
+    if lora is not None:
+        plan.skipped.update(lora.skipped)
+        plan.replicas = list(lora.replicas)
+        if lora.params:
+            plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
+    unclaimed, adapters = set(base.tensors), dict(lora.lora) if lora is not None else {}
+    for rule, names, hf_prefix in iter_rules(arch, shape, lora.has if lora is not None else None):
         if isinstance(rule, Skip):
             continue
         refs = []
@@ -111,7 +112,7 @@ def build_hf_base_plan(base: HfModel, lora: Checkpoint, shape: ModelShape, arch:
         task = Task(rule=HfTensors(rule), megatron=names[0], hf_prefix=hf_prefix, pieces=Pieces(tuple(refs), HF),
                     outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
                              for name, dims in rule.hf_shapes(shape).items()])
-        theirs = pick_name(names, lora.params, lora.path)
+        theirs = pick_name(names, lora.params, lora.path) if lora is not None else None
         if theirs is not None:  # an unfiltered LoRA checkpoint: its own base must be this one
             check_same_base(rule, theirs, task.pieces, fitted_pieces(lora, theirs, rule), shape, base, lora)
         if names[0].endswith(".weight") and task.lora_module in adapters:
@@ -194,7 +195,7 @@ def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arc
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
     if isinstance(lora, PeftAdapter):
         return build_peft_plan(base, lora, shape, arch, settings, dtype)
-    if isinstance(base, HfModel):
+    if isinstance(base, HfModel):  # with a Megatron LoRA, or none
         return build_hf_base_plan(base, lora, shape, arch, settings, dtype)
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
     plan.skipped.update(base.skipped)

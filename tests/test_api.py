@@ -79,7 +79,7 @@ def test_verify_export_and_inspect(tmp_path, merged_fixture):
 
 
 @pytest.mark.parametrize("function,kwargs,expected", [
-    ("merge", dict(lora=None), "lora is missing: expected the path of"),
+    ("merge", dict(lora=None, base=None), "merge: give lora (a LoRA to merge) or base"),
     ("merge", dict(hf_ref=None), "hf_ref is missing: expected the path of the HF model dir"),
     ("merge", dict(out=None), "out is missing: expected the path of the output dir"),
     ("merge", dict(lora=7), "lora=7: expected the path of"),

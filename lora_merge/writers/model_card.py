@@ -121,15 +121,17 @@ def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str,
 
     data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",
                          tags=["lora-merge", "merged-lora", *input_tags(base, lora)])
-    lines = [f"{hf_config.get('model_type', 'A')} model with a LoRA fine-tune merged in by lora-merge {__version__}: "
-             f"W' = W + (alpha/r)·B·A in float32, rounded once to {dtype}.", "", "## Provenance", "",
-             "| | |", "|---|---|"]
+    what = (f"with a LoRA fine-tune merged in by lora-merge {__version__}: W' = W + (alpha/r)·B·A in float32, "
+            f"rounded once to {dtype}." if lora is not None else
+            f"converted from a Megatron checkpoint by lora-merge {__version__} (no LoRA), in {dtype}.")
+    lines = [f"{hf_config.get('model_type', 'A')} model {what}", "", "## Provenance", "", "| | |", "|---|---|"]
     if base_model:
         lines.append(f"| base model | {_cell(base_model)} |")
-    lines += [f"| base | {_cell(shown_input(base))} |",
-              f"| LoRA | {_cell(shown_input(lora))} |",
-              f"| LoRA settings | r={settings.r}, alpha={settings.alpha:g}, scale {settings.scale:g} "
-              f"({_cell(settings.source)}) on {modules} modules |"]
+    lines += [f"| base | {_cell(shown_input(base))} |"]
+    if lora is not None:
+        lines += [f"| LoRA | {_cell(shown_input(lora))} |",
+                  f"| LoRA settings | r={settings.r}, alpha={settings.alpha:g}, scale {settings.scale:g} "
+                  f"({_cell(settings.source)}) on {modules} modules |"]
     experts = getattr(base, "experts", None) or getattr(lora, "experts", None)
     if experts is not None:
         lines.append(f"| experts | {_cell(str(experts))} |")

@@ -220,18 +220,24 @@ class TorchArchive:
         """Headers and the small members; the tensor spans are left for the caller (and the descriptors and
         directory, which need their CRC32s, for `finish`)."""
         for m in self.members:
-            _pwrite_all(fd, self._local(m), base + m.header)
+            pwrite_all(fd, self._local(m), base + m.header)
             if m.content is not None:
-                _pwrite_all(fd, m.content + self._descriptor(m), base + m.data)
+                pwrite_all(fd, m.content + self._descriptor(m), base + m.data)
+
+    def finish_member(self, fd: int, base: int, slot: TensorSlot) -> None:
+        """The slot's bytes are all written: read them back (from the page cache, just written) for its CRC32."""
+        m = self._slot_member[id(slot)]
+        m.crc = _crc_of(fd, base + m.data, m.size) if m.size else 0
+        pwrite_all(fd, self._descriptor(m), base + m.data + m.size)
 
     def finish(self, fd: int, base: int) -> None:
-        """Read every tensor member back, write its CRC32 into its descriptor and the directory."""
+        """The CRC32s of the tensor members not finished yet, then the directory."""
         for m in self.members:
-            if m.content is None and m.size:
-                m.crc = _crc_of(fd, base + m.data, m.size)
-                _pwrite_all(fd, self._descriptor(m), base + m.data + m.size)
+            if m.crc is None:
+                m.crc = _crc_of(fd, base + m.data, m.size) if m.size else 0
+                pwrite_all(fd, self._descriptor(m), base + m.data + m.size)
         self.directory = b"".join(self._central(m) for m in self.members)
-        _pwrite_all(fd, self._tail(), base + self.directory_offset)
+        pwrite_all(fd, self._tail(), base + self.directory_offset)
 
 
 def _crc_of(fd: int, start: int, size: int) -> int:
@@ -245,7 +251,7 @@ def _crc_of(fd: int, start: int, size: int) -> int:
     return crc
 
 
-def _pwrite_all(fd: int, data, offset: int) -> None:
+def pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
         n = os.pwrite(fd, view, offset)

@@ -1,0 +1,137 @@
+"""`--to megatron`: the same read → un-shard → merge pipeline, ending in a Megatron checkpoint at any layout
+instead of an HF model. The source may be an HF model, a Megatron checkpoint (a reshard) or either with a
+LoRA merged on the way; the plan is the one an HF output would get, and the writer places each HF row piece
+into the target's rank files as it streams."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lora_merge.errors import MergeError
+from lora_merge.layout import AsStored
+from lora_merge.merge_pipeline import execute
+from lora_merge.merge_plan import build_plan
+from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.readers.hf_model import HfModel
+from lora_merge.writers.background import BackgroundWriter
+from lora_merge.writers.megatron_args import padded_vocab_size, target_args
+from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
+from lora_merge.writers.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
+
+CKPT_FORMATS = ("torch", "torch_dist")
+EXPERT_LAYOUTS = ("sequential", "grouped")
+MEGATRON_CHECKPOINT = "Megatron checkpoint"
+
+
+@dataclass
+class MegatronTarget:
+    """What the user asked the checkpoint to be."""
+
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    ckpt_format: str = "torch"
+    expert_layout: str = "sequential"
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: int | None = None
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    base: str
+    lora: str | None
+    layout: str
+    ckpt_format: str
+    dtype: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    padded_vocab_size: int
+    lora_modules: int
+    skipped: dict
+    seconds: float = 0.0
+    dry_run: bool = False
+
+
+def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
+    # imported here: api imports this module for its entry point
+    from lora_merge.api import _check_input_dirs, _Progress, given_paths, input_paths, open_inputs, output_dtype
+
+    started = time.monotonic()
+    if target.ckpt_format not in CKPT_FORMATS:
+        raise MergeError(f"--ckpt-format {target.ckpt_format!r}: expected one of {', '.join(CKPT_FORMATS)}")
+    if target.ckpt_format == "torch_dist":
+        raise MergeError("--ckpt-format torch_dist: writing torch_dist checkpoints is not supported yet; write "
+                         "--ckpt-format torch (Megatron and MindSpeed-LLM load it at this layout)")
+    if target.expert_layout not in EXPERT_LAYOUTS:
+        raise MergeError(f"--expert-layout {target.expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    _check_input_dirs(opts)
+    if opts.out.exists() or opts.out.is_symlink():
+        raise MergeError(f"{opts.out}: already exists; a Megatron checkpoint is written to a new directory")
+    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, False, roots, early=True, kind=MEGATRON_CHECKPOINT)
+    opts.lora_optional = True
+    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
+    if inp.base is None:
+        raise MergeError(f"{opts.lora}: holds only LoRA weights; pass --base with the base model")
+    shape = inp.shape
+    layout = target.layout
+    layout.check(shape)
+    if target.expert_layout == "grouped":
+        raise MergeError("--expert-layout grouped: writing GroupedMLP experts is not supported yet; write "
+                         "--expert-layout sequential (SequentialMLP, MindSpeed without --moe-grouped-gemm)")
+    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
+    check_output_target(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT)
+    megatron_source = getattr(inp.base, "args", None) if not isinstance(inp.base, HfModel) else None
+    source_args = megatron_source or getattr(inp.lora, "args", None)
+    dtype = output_dtype(opts.dtype, shape, source_args)
+    if opts.dtype == "auto" and shape.dtype is None and isinstance(inp.base, HfModel):
+        dtype = inp.base.dtype
+    plan = build_plan(inp.base, inp.lora, shape, inp.arch, inp.settings, dtype)
+    for note in plan.notes:
+        if "num_nextn_predict_layers" not in note:
+            opts.warn(note)
+    mtp = [task for task in plan.tasks if isinstance(task.rule.rule if hasattr(task.rule, "rule") else task.rule,
+                                                       AsStored)]
+    if mtp:  # Megatron's own MTP layers (mtp.*) are another module tree; not written, and said so
+        plan.tasks = [task for task in plan.tasks if task not in mtp]
+        plan.skipped["multi-token-prediction layer tensors of the HF base (Megatron's MTP layers are not written)"] \
+            += len(mtp)
+        opts.warn(f"the base's {len(mtp)} multi-token-prediction tensors are not written: the Megatron checkpoint has "
+                  "no MTP layers (train or serve it without --mtp-num-layers)")
+    padded = padded_vocab_size(shape.vocab, layout.tp, target.make_vocab_size_divisible_by, target.padded_vocab_size)
+    args = target_args(shape, layout, dtype, padded, target.make_vocab_size_divisible_by,
+                       target.expert_layout == "grouped", source=source_args)
+    dtypes = {t.name: t.dtype for t in plan.tensors}
+    writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded)
+    missing = sorted(set(writer.hf) - set(dtypes))
+    extra = sorted(set(dtypes) - set(writer.hf))
+    if missing or extra:
+        raise MergeError(f"the plan and the target layout disagree (missing {missing[:3]}, extra {extra[:3]}); "
+                         "nothing written")
+    describe = dict(base=inp.base.describe(), lora=inp.lora.describe() if inp.lora is not None else None,
+                    layout=str(layout), ckpt_format=target.ckpt_format, dtype=str(dtype).removeprefix("torch."),
+                    tensors=len(writer.targets), bytes=writer.total_bytes, padded_vocab_size=padded,
+                    lora_modules=plan.merged_modules, skipped=dict(plan.skipped))
+    if opts.dry_run:
+        check_free_space(opts.out, writer.total_bytes, 0)
+        return ConvertResult(out=opts.out, files=[], dry_run=True, **describe)
+    remove_abandoned_staging(opts.out, inputs)
+    check_free_space(opts.out, writer.total_bytes, 0)
+    with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:
+        background = None
+        try:
+            writer.start(stage.dir)
+            background = BackgroundWriter(writer.write)
+            progress = _Progress(opts.progress, sum(t.nbytes for t in plan.tensors)) if opts.progress else None
+            try:
+                execute(plan, background.write, progress.update if progress else None, workers=opts.workers)
+            finally:
+                background.close()
+            files = writer.finish()
+        finally:
+            if background is not None:
+                background.stop()
+            writer.abort()
+    return ConvertResult(out=opts.out, files=files, seconds=time.monotonic() - started, **describe)

@@ -1,0 +1,135 @@
+"""The `args` namespace a written Megatron checkpoint carries: every model and parallel argument that
+Megatron's loaders (`check_checkpoint_args`, `--use-checkpoint-args`) and MindSpeed-LLM read, as plain
+values (no Megatron classes: the file must load without the training stack's enums).
+
+From a Megatron source, its own args are kept (they record how it was trained) with the layout, the
+vocabulary padding and the dtype replaced; from an HF source they are derived from the config. Either way
+they are checked against the HF config by the same check every reader applies (`check_against_args`), so
+what we write is what we would accept.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.megatron_args import check_against_args
+from lora_merge.model_shape import ModelShape
+from lora_merge.parallel_layout import ParallelLayout
+
+# Arguments that describe the source run's layout or its training state, not the model: replaced or dropped.
+_RUN_STATE = ("consumed_train_samples", "consumed_valid_samples", "iteration", "load", "save", "lora_load",
+              "lora_r", "lora_alpha", "lora_target_modules", "lora_ckpt_filter", "lora_fusion", "noop_layers",
+              "num_layer_list", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+              "pipeline_model_parallel_layout", "rank", "world_size", "data_parallel_size", "expert_tensor_parallel_size",
+              "moe_grouped_gemm")
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int, given: int | None) -> int:
+    """Megatron's rule: the vocabulary rounded up to a multiple of make_vocab_size_divisible_by × TP, or the
+    size given, which must cover the vocabulary and split over TP."""
+    if given is not None:
+        if given < vocab:
+            raise MergeError(f"--padded-vocab-size {given} is smaller than the model's vocab_size {vocab}")
+        if given % tp:
+            raise MergeError(f"--padded-vocab-size {given} does not split over --tp {tp}")
+        return given
+    if divisible_by < 1:
+        raise MergeError(f"--make-vocab-size-divisible-by {divisible_by}; expected a whole number of at least 1")
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, padded_vocab: int, divisible_by: int,
+                grouped_experts: bool, source=None) -> Namespace:
+    args = {k: v for k, v in vars(source).items() if _plain(v)} if source is not None else {}
+    for name in _RUN_STATE:
+        args.pop(name, None)
+    args.update(_model_args(shape) if source is None else {})
+    args.update(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp if shape.moe else None,
+        context_parallel_size=1, sequence_parallel=False if layout.tp == 1 else args.get("sequence_parallel", False),
+        padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=divisible_by,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        ckpt_format="torch", use_dist_ckpt=False, transformer_impl="local", use_mcore_models=True,
+        use_legacy_models=False, moe_grouped_gemm=grouped_experts if shape.moe else False,
+    )
+    result = Namespace(**args)
+    check_against_args(shape, result, "the args written into the Megatron checkpoint")
+    return result
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """A value any unpickler can rebuild without the training stack: no Megatron classes (enums such as
+    ModelType, AttnBackend are dropped; Megatron sets them from its own arguments at start-up)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return True
+    if isinstance(value, (list, tuple)) and depth < 4:
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict) and depth < 4:
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _model_args(shape: ModelShape) -> dict:
+    args = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads, group_query_attention=shape.groups != shape.heads,
+        num_query_groups=shape.groups, kv_channels=shape.head_dim, vocab_size=shape.vocab,
+        max_position_embeddings=None, position_embedding_type="rope", use_rotary_position_embeddings=True,
+        rotary_base=shape.rope_theta, rotary_percent=1.0, rotary_interleaved=False, normalization="RMSNorm",
+        norm_epsilon=shape.norm_eps, apply_layernorm_1p=False, swiglu=True, add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm or shape.mla is not None,
+        untie_embeddings_and_output_weights=not shape.tied, tokenizer_type="PretrainedFromHF",
+        hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=None,
+    )
+    args.update(_rope_args(shape))
+    if shape.moe is not None:
+        moe = shape.moe
+        args.update(
+            num_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn,
+            moe_shared_expert_intermediate_size=moe.shared_ffn or None, moe_shared_expert_gate=moe.shared_gate,
+            moe_layer_freq=[int(i in moe.layers) for i in range(shape.num_layers)],
+            moe_router_score_function=moe.score, moe_router_enable_expert_bias=moe.expert_bias,
+            moe_router_pre_softmax=moe.score == "softmax" and not moe.norm_topk,
+            moe_router_num_groups=moe.groups[0] if moe.groups else None,
+            moe_router_group_topk=moe.groups[1] if moe.groups else None,
+            moe_router_topk_scaling_factor=moe.scaling if moe.scaling != 1 else None,
+            moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall",
+        )
+        if moe.groups and moe.topk // moe.groups[1] != moe.group_score_top:
+            raise MergeError(f"the model's router scores an expert group by its best {moe.group_score_top} experts; "
+                             "Megatron's scores it by its best moe_router_topk // moe_router_group_topk = "
+                             f"{moe.topk // moe.groups[1]}, so no Megatron args describe this model")
+    if shape.mla is not None:
+        mla = shape.mla
+        args.update(multi_latent_attention=True, q_lora_rank=mla.q_lora, kv_lora_rank=mla.kv_lora,
+                    qk_head_dim=mla.nope, qk_pos_emb_head_dim=mla.rope, v_head_dim=mla.v, kv_channels=None,
+                    num_query_groups=None, group_query_attention=False)
+    return args
+
+
+def _rope_args(shape: ModelShape) -> dict:
+    scaling = shape.rope_scaling
+    if scaling is None:
+        return {}
+    if scaling.type == "linear":
+        return {"rotary_seq_len_interpolation_factor": scaling.get("factor")}
+    if scaling.type == "llama3":
+        return {"rope_scaling_type": "llama3", "rope_scaling_factor": scaling.get("factor"),
+                "low_freq_factor": scaling.get("low_freq_factor"), "high_freq_factor": scaling.get("high_freq_factor"),
+                "original_max_position_embeddings": scaling.get("original_max_position_embeddings")}
+    if scaling.type == "yarn":
+        return {"rope_scaling_type": "yarn", "rope_scaling_factor": scaling.get("factor"),
+                "rope_scaling_beta_fast": scaling.get("beta_fast"), "rope_scaling_beta_slow": scaling.get("beta_slow"),
+                "rope_scaling_original_max_position_embeddings": scaling.get("original_max_position_embeddings"),
+                "rope_scaling_mscale": scaling.get("mscale") or 1.0,
+                "rope_scaling_mscale_all_dim": scaling.get("mscale_all_dim") or 0.0}
+    raise MergeError(f"the model's RoPE scaling {scaling} has no Megatron argument that records it")
