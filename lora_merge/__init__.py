@@ -10,7 +10,7 @@ before torch is imported).
 
 __version__ = "0.1.0"  # the only place the version is written: pyproject.toml reads it from here
 
-_API = {"merge", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
+_API = {"merge", "to_megatron", "ConvertResult", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
 __all__ = sorted(_API | {"MergeError", "__version__"})
 
 

@@ -51,7 +51,7 @@ from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.writers.targets import InputPaths, check_report_path
 from lora_merge.parallel_layout import ParallelLayout
-from lora_merge.to_megatron import ConvertResult, MegatronTarget, run_to_megatron
+from lora_merge.megatron_target import ConvertResult, MegatronTarget, run_to_megatron
 
 def _load_lazy_attributes() -> None:
     """transformers and huggingface_hub load their attributes on first access, which is not thread-safe:

@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_to_megatron(api, opts, console: Console) -> int:
     from lora_merge.parallel_layout import ParallelLayout
     from lora_merge.readers.hf_model import is_hf_model_dir
-    from lora_merge.to_megatron import MegatronTarget, run_to_megatron
+    from lora_merge.megatron_target import MegatronTarget, run_to_megatron
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):

@@ -76,7 +76,7 @@ def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
     elif first is not None or last is not None:
         middle_stages = pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
-        if middle_stages < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
+        if middle_stages < 0 or rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
             raise MergeError(f"args: first/last stage layer counts ({first}/{last}) do not fit {num_layers} layers over PP={pp}")
         per_middle = rest // middle_stages if middle_stages else 0
         per_stage = [per_middle] * pp

@@ -1,0 +1,122 @@
+"""--to megatron without Megatron: round trips are byte-identical, every rank file is what torch.save and
+our own readers read, and targets a model cannot be split into are refused before anything is written.
+(That real Megatron loads what we write and computes the trained logits: test_megatron_loads_ours.py.)"""
+
+import filecmp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import lora_merge
+from lora_merge.errors import MergeError
+
+TESTS = Path(__file__).parent
+DENSE = TESTS / "fixtures/tp2pp2_fp32_filtered"
+MOE = TESTS / "fixtures_moe/qwen2moe_tp2ep2"
+MLA = TESTS / "fixtures_deepseek/deepseek_v3_ep2"
+
+
+def quiet(message):
+    pass
+
+
+def files_of(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def same_tree(a: Path, b: Path) -> None:
+    assert files_of(a) == files_of(b)
+    for name in files_of(a):
+        assert filecmp.cmp(a / name, b / name, shallow=False), name
+
+
+def to_hf(source: Path, fixture: Path, out: Path, lora=None):
+    return lora_merge.merge(base=source, lora=lora, hf_ref=fixture / "hf_ref", out=out, warn=quiet)
+
+
+def test_megatron_to_megatron_reshards_round_trip_byte_identical(tmp_path):
+    """TP2×PP2 + LoRA → TP4 → TP1×PP2×VPP2 → TP4: the two TP4 checkpoints are the same bytes, and every
+    layout converts to the HF model the direct merge writes."""
+    common = dict(hf_ref=DENSE / "hf_ref", warn=quiet)
+    lora_merge.to_megatron(base=DENSE / "base", lora=DENSE / "lora", out=tmp_path / "tp4", tp=4, **common)
+    lora_merge.to_megatron(base=tmp_path / "tp4", out=tmp_path / "vpp", pp=2, vpp=2, **common)
+    lora_merge.to_megatron(base=tmp_path / "vpp", out=tmp_path / "tp4again", tp=4, **common)
+    same_tree(tmp_path / "tp4", tmp_path / "tp4again")
+    assert files_of(tmp_path / "vpp") == ["latest_checkpointed_iteration.txt", "release/mp_rank_00_000/model_optim_rng.pt",
+                                          "release/mp_rank_00_001/model_optim_rng.pt"]
+    rank = torch.load(tmp_path / "vpp/release/mp_rank_00_001/model_optim_rng.pt", weights_only=False, mmap=True)
+    assert set(rank) == {"args", "checkpoint_version", "iteration", "model0", "model1"}
+    assert (rank["checkpoint_version"], rank["iteration"]) == (3.0, 0)
+    assert rank["args"].virtual_pipeline_model_parallel_size == 2 and rank["args"].tensor_model_parallel_size == 1
+    to_hf(DENSE / "base", DENSE, tmp_path / "direct", lora=DENSE / "lora")
+    for layout in ("tp4", "vpp"):
+        to_hf(tmp_path / layout, DENSE, tmp_path / f"hf-{layout}")
+        assert filecmp.cmp(tmp_path / "direct/model.safetensors", tmp_path / f"hf-{layout}/model.safetensors",
+                           shallow=False), layout
+
+
+@pytest.mark.parametrize("fixture,layout", [
+    (MOE, dict(tp=2, pp=2, ep=2)),  # dense layer 0, gated shared expert, experts split over ETP=TP
+    (MOE, dict(tp=2, ep=4, etp=1)),
+    (MLA, dict(tp=2, pp=3, ep=2)),  # MLA column-parallel down-projections; dense first layer
+])
+def test_hf_to_megatron_to_hf_is_byte_identical(tmp_path, fixture, layout):
+    to_hf(fixture / "base", fixture, tmp_path / "hf", lora=fixture / "lora")
+    lora_merge.to_megatron(base=tmp_path / "hf", out=tmp_path / "mg", warn=quiet, **layout)
+    to_hf(tmp_path / "mg", fixture, tmp_path / "back")
+    hf = [n for n in os.listdir(tmp_path / "hf") if n.endswith((".safetensors", ".json"))]
+    assert "model.safetensors" in hf or "model.safetensors.index.json" in hf
+    for name in hf:
+        assert filecmp.cmp(tmp_path / "hf" / name, tmp_path / "back" / name, shallow=False), name
+
+
+def test_the_rank_files_are_the_sparse_grid_megatron_saves(tmp_path):
+    """TP=2, EP=4, ETP=1: a world of 4 ranks; files of expert-data-parallel rank 0 only."""
+    lora_merge.to_megatron(base=MOE / "base", hf_ref=MOE / "hf_ref", out=tmp_path / "mg", tp=2, ep=4, etp=1,
+                           warn=quiet)
+    assert files_of(tmp_path / "mg/release") == [f"mp_rank_0{t}_00{e}/model_optim_rng.pt"
+                                                 for t, e in ((0, 0), (0, 2), (1, 1), (1, 3))]
+    rank = torch.load(tmp_path / "mg/release/mp_rank_01_003/model_optim_rng.pt", weights_only=False, mmap=True)["model"]
+    experts = sorted(k for k in rank if ".local_experts." in k and k.endswith("weight"))
+    assert experts == [f"decoder.layers.{i}.mlp.experts.local_experts.0.linear_fc{n}.weight" for i in (1, 2, 3)
+                       for n in (1, 2)]
+    assert rank["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (64, 64)  # whole: ETP=1
+    assert rank["decoder.layers.1.self_attention.linear_qkv.weight"].shape[0] * 2 == 8 * 8 + 2 * 4 * 8
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (dict(tp=3), "8 attention heads do not split over --tp 3"),
+    (dict(pp=3), "num_layers=4 is not divisible by PP=3"),
+    (dict(pp=2, vpp=3), "do not divide into 3 virtual-pipeline chunks"),
+    (dict(vpp=2), "--vpp 2 needs --pp of 2 or more"),
+    (dict(ep=2), "--ep 2 but the model has no routed experts"),
+    (dict(padded_vocab_size=200), "--padded-vocab-size 200 is smaller than the model's vocab_size 250"),
+    (dict(padded_vocab_size=251, tp=2), "--padded-vocab-size 251 does not split over --tp 2"),
+    (dict(pp=2, decoder_first_pipeline_num_layers=5), "do not fit 4 layers over PP=2"),
+    (dict(ckpt_format="zarr"), "--ckpt-format 'zarr'"),
+])
+def test_targets_the_model_cannot_be_split_into_are_refused_before_writing(tmp_path, layout, expected):
+    with pytest.raises(MergeError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        lora_merge.to_megatron(base=DENSE / "base", hf_ref=DENSE / "hf_ref", out=tmp_path / "mg", warn=quiet, **layout)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (dict(ep=3), "4 experts do not split over --ep 3"),
+    (dict(tp=2, etp=4), "--etp 4 with --tp 2"),
+])
+def test_expert_layouts_that_do_not_fit_are_refused(tmp_path, layout, expected):
+    with pytest.raises(MergeError, match=expected):
+        lora_merge.to_megatron(base=MOE / "base", hf_ref=MOE / "hf_ref", out=tmp_path / "mg", warn=quiet, **layout)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_existing_target_or_one_inside_an_input_is_refused(tmp_path):
+    (tmp_path / "mg").mkdir()
+    with pytest.raises(MergeError, match="already exists"):
+        lora_merge.to_megatron(base=DENSE / "base", hf_ref=DENSE / "hf_ref", out=tmp_path / "mg", warn=quiet)
+    with pytest.raises(MergeError, match="lies inside the input directory"):
+        lora_merge.to_megatron(base=DENSE / "base", hf_ref=DENSE / "hf_ref", out=DENSE / "base" / "x", warn=quiet)
+    assert not (DENSE / "base" / "x").exists()
