@@ -52,6 +52,8 @@ class ConvertResult:
     skipped: dict
     seconds: float = 0.0
     dry_run: bool = False
+    plan: object = None  # a dry run's plan and planned writer (for tools that inspect them)
+    writer: object = None
 
 
 def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
@@ -116,7 +118,7 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
                     lora_modules=plan.merged_modules, skipped=dict(plan.skipped))
     if opts.dry_run:
         check_free_space(opts.out, writer.total_bytes, 0)
-        return ConvertResult(out=opts.out, files=[], dry_run=True, **describe)
+        return ConvertResult(out=opts.out, files=[], dry_run=True, plan=plan, writer=writer, **describe)
     remove_abandoned_staging(opts.out, inputs)
     check_free_space(opts.out, writer.total_bytes, 0)
     with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:

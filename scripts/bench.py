@@ -24,7 +24,12 @@ its run, like every copy (this holds in all modes), so at most input + one outpu
 "copy" copies both dirs; "peft" is PEFT's route for the same two dirs: from_pretrained +
 PeftModel.from_pretrained + merge_and_unload + save_pretrained.
 
-    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft]
+--to-megatron: the other direction. An HF model (the 32B-shaped merged model, or the DeepSeek-V3-shaped one
+with --deepseek) converted to a Megatron legacy checkpoint at TP=4 (32B) or EP=8 (DeepSeek), against a copy of
+the HF model, and beside it the in-memory route other converters take: every HF tensor loaded at once, then
+each rank file built and torch.save'd (the same layout, computed from the same plan).
+
+    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft | --to-megatron]
 """
 
 from __future__ import annotations
@@ -64,6 +69,40 @@ from peft import PeftModel
 base, adapter, out = sys.argv[1:4]
 model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), adapter)
 model.merge_and_unload().save_pretrained(out)
+"""
+
+# The usual converter's route: load the whole HF model, then build each rank file in memory and torch.save it.
+# It uses lora-merge's own plan for the layout (what goes where), so only the memory strategy differs.
+IN_MEMORY_ROUTE = r"""
+import sys, glob, os, torch
+from collections import OrderedDict
+from safetensors.torch import load_file
+import lora_merge
+src, out, tp, ep = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+planned = lora_merge.to_megatron(base=src, out=out, tp=tp, ep=ep, dry_run=True, warn=lambda m: None).writer
+hf = {}
+for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+    hf.update(load_file(f))  # every tensor in memory at once
+shards = {}
+for name, entry in planned.hf.items():
+    rows = hf[name]
+    for dest in entry.destinations:
+        seg = dest.segment
+        piece = rows[seg.hf_start: seg.hf_start + seg.rows]
+        if seg.col_start is not None:
+            piece = piece[:, seg.col_start: seg.col_stop]
+        for targets in dest.targets.values():
+            for t in targets:
+                whole = shards.setdefault(id(t.slot), torch.zeros(t.slot.shape, dtype=t.slot.dtype))
+                whole[seg.shard_start: seg.shard_start + seg.rows] = piece
+for f in planned.files:
+    models = []
+    for chunk in f.chunks:
+        models.append(OrderedDict((k, None if v is None else shards[id(v)]) for k, v in chunk.items()))
+    path = os.path.join(out, str(f.path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"args": planned.args, "checkpoint_version": 3.0, "iteration": 0,
+                **({"model": models[0]} if len(models) == 1 else {f"model{v}": m for v, m in enumerate(models)})}, path)
 """
 
 # The merge's computing alone, without the disk: the plan run with a writer that drops every piece (the
@@ -277,6 +316,52 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
     return result
 
 
+def bench_to_megatron(layers: int, work: Path, repeat: int, deepseek: bool, deepseek_shape: list[str],
+                      preset: str = "qwen32b", in_memory: bool = True) -> dict:
+    """HF model → Megatron legacy checkpoint (TP=4 for the dense shapes, EP=8 for DeepSeek-V3's) by lora-merge,
+    alternating with a copy of the HF model; then the in-memory route once."""
+    root = work / ("to_megatron_deepseek" if deepseek else f"to_megatron_L{layers}")
+    drop(root)
+    generate_start = time.monotonic()
+    if deepseek:
+        layers = 2
+        subprocess.run([sys.executable, str(HERE / "synthetic_deepseek_checkpoint.py"), str(root), "--ep", "8",
+                        *(["--shape", *deepseek_shape] if deepseek_shape else [])], check=True)
+    else:
+        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
+                        "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
+    subprocess.run(LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+                                 str(root / "hf_ref"), "--out", str(root / "hf"), "--no-progress", "--no-sha256"],
+                   check=True, stdout=subprocess.DEVNULL)
+    drop(root / "base")
+    drop(root / "lora")
+    generate_seconds = time.monotonic() - generate_start
+    in_bytes = dir_bytes(root / "hf")
+    check_free(root, in_bytes)
+    layout = ["--ep", "8"] if deepseek else ["--tp", "4"]
+    cmd = LORA_MERGE + ["--to", "megatron", "--base", str(root / "hf"), "--out", str(root / "merged"),
+                        "--no-progress", *layout]
+    variants = merge_variants(cmd)
+    copy, merges, out_bytes = copy_and_merge(root, [root / "hf"], [c for _, c in variants], repeat)
+    result = {"layers": layers, "layout": ("DeepSeek-V3 shapes, HF -> EP=8" if deepseek else
+                                           "32B layer shapes, HF -> TP=4"), "generate_seconds": generate_seconds,
+              "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
+    for (label, _), ours in zip(variants, merges):
+        ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (out_bytes / 1e9)
+        ours["stage_cpu_s_per_gb"] = {k: v / (out_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
+        result["runs"][label] = ours
+    result["ours"] = result["runs"].get("workers default", merges[0])
+    result["ratio_to_copy"] = result["ours"]["ratio_to_copy"]
+    if in_memory:
+        tp, ep = ("1", "8") if deepseek else ("4", "1")
+        result["in_memory"] = measure([sys.executable, "-c", IN_MEMORY_ROUTE, str(root / "hf"),
+                                       str(root / "in_memory"), tp, ep])
+        drop(root / "in_memory")
+    drop(root)
+    return result
+
+
 def print_targets(title: str, r: dict) -> None:
     print(f"generated in {r['generate_seconds']:.0f} s")
     for label, ours in r["runs"].items():
@@ -326,6 +411,10 @@ def main() -> None:
                    help="the --workers settings measured for every input (default: 1 default)")
     p.add_argument("--scaling", action="store_true", help="dense, MoE and DeepSeek-V3 shapes in one run, each at "
                    "every --workers setting (--layers: the first value for dense, the last for MoE; --deepseek-shape applies)")
+    p.add_argument("--to-megatron", action="store_true", help="HF model -> Megatron checkpoint (32B shapes at TP=4 for "
+                   "each --layers, or DeepSeek-V3 shapes at EP=8 with --deepseek), beside the in-memory route")
+    p.add_argument("--skip-in-memory", action="store_true", help="--to-megatron without the in-memory route (it needs "
+                   "the whole model in RAM)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers
@@ -334,6 +423,25 @@ def main() -> None:
         results = scaling(args)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
+        return
+    if args.to_megatron:
+        runs = [bench_to_megatron(2, args.workdir, args.repeat, True, args.deepseek_shape,
+                                  in_memory=not args.skip_in_memory)] if args.deepseek else [
+            bench_to_megatron(n, args.workdir, args.repeat, False, [], args.preset, not args.skip_in_memory)
+            for n in args.layers]
+        print("| input | layers | HF GB | copy s | ours s | ours / copy | ours peak RSS MB | in-memory s | "
+              "in-memory peak RSS MB |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            mem = r.get("in_memory", {})
+            print(f"| {r['layout']} | {r['layers']} | {r['input_gb']:.2f} | {r['copy']['seconds']:.1f} | "
+                  f"{r['ours']['seconds']:.1f} | {r['ratio_to_copy']:.2f} | {r['ours']['peak_rss_mb']:.0f} | "
+                  f"{mem.get('seconds', float('nan')):.1f} | {mem.get('peak_rss_mb', float('nan')):.0f} |")
+        for r in runs:
+            print_runs(f"{r['layout']}, {r['layers']} layers", r | {"output_gb": r["output_gb"]})
+            print_targets(r["layout"], r)
+        if args.json:
+            args.json.write_text(json.dumps(runs, indent=2))
         return
     if args.moe + args.deepseek + args.peft > 1:
         p.error("--moe, --deepseek and --peft are separate benchmarks")

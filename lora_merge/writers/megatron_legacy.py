@@ -74,7 +74,7 @@ class MegatronLegacyWriter:
 
     def __init__(self, arch: Architecture, shape: ModelShape, layout: ParallelLayout, dtypes: dict, args,
                  padded_vocab: int):
-        self.layout, self.shape = layout, shape
+        self.layout, self.shape, self.args = layout, shape, args
         self.out: Path | None = None
         files = {f: _File(f, Path(RELEASE, f.dir_name(layout), FILE_NAME), [OrderedDict() for _ in range(layout.vpp)])
                  for f in layout.rank_files()}
