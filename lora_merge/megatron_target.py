@@ -80,9 +80,8 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     shape = inp.shape
     layout = target.layout
     layout.check(shape)
-    if target.expert_layout == "grouped":
-        raise MergeError("--expert-layout grouped: writing GroupedMLP experts is not supported yet; write "
-                         "--expert-layout sequential (SequentialMLP, MindSpeed without --moe-grouped-gemm)")
+    if target.expert_layout == "grouped" and shape.moe is None:
+        raise MergeError("--expert-layout grouped: the model has no routed experts")
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT)
     megatron_source = getattr(inp.base, "args", None) if not isinstance(inp.base, HfModel) else None
@@ -106,7 +105,8 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     args = target_args(shape, layout, dtype, padded, target.make_vocab_size_divisible_by,
                        target.expert_layout == "grouped", source=source_args)
     dtypes = {t.name: t.dtype for t in plan.tensors}
-    writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded)
+    writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded,
+                                  grouped_experts=target.expert_layout == "grouped")
     missing = sorted(set(writer.hf) - set(dtypes))
     extra = sorted(set(dtypes) - set(writer.hf))
     if missing or extra:

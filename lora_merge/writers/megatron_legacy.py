@@ -15,6 +15,7 @@ Vocabulary padding rows are zero. No optimizer or RNG state: load with `--finetu
 from __future__ import annotations
 
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,21 @@ class _Target:
 
 
 @dataclass
+class _Block:
+    """One expert's shard inside a GroupedMLP tensor (`weight1` [H, E·2F], `weight2` [E·F, H], expert-major,
+    each expert's block its shard transposed, in→out): its rows are gathered here, then written transposed."""
+
+    grouped: _Target  # the whole weight1/weight2 of that file
+    start: int  # byte offset of this expert's block in it
+    buffer: torch.Tensor | None
+    due: int
+
+    @property
+    def file(self) -> _File:
+        return self.grouped.file
+
+
+@dataclass
 class _Destination:
     segment: Segment
     targets: dict  # TP rank -> [_Target] (the same shard in every file holding it)
@@ -73,8 +89,9 @@ class MegatronLegacyWriter:
     """`write(hf_name, rows, then)` in each HF tensor's row order (tensors in any order), then `finish()`."""
 
     def __init__(self, arch: Architecture, shape: ModelShape, layout: ParallelLayout, dtypes: dict, args,
-                 padded_vocab: int):
-        self.layout, self.shape, self.args = layout, shape, args
+                 padded_vocab: int, grouped_experts: bool = False):
+        self.layout, self.shape, self.args, self.grouped_experts = layout, shape, args, grouped_experts
+        self._grouped: dict = {}  # (file, chunk, name) -> the _Target of a GroupedMLP weight1/weight2
         self.out: Path | None = None
         files = {f: _File(f, Path(RELEASE, f.dir_name(layout), FILE_NAME), [OrderedDict() for _ in range(layout.vpp)])
                  for f in layout.rank_files()}
@@ -96,14 +113,20 @@ class MegatronLegacyWriter:
                 stage, chunk, local_name = 0, 0, name
             else:
                 stage, chunk, local_name = last_stage, last_chunk, name
-            expert = is_expert_name(name)
+            expert, block = is_expert_name(name), None
             if expert:
                 e = int(name.split(".mlp.experts.")[1].split(".")[0])
                 ep_rank, k = layout.expert_home(e, shape.moe.num_experts)
-                local_name = local_name.replace(f".mlp.experts.{e}.", f".mlp.experts.local_experts.{k}.")
+                if grouped_experts:  # mlp.experts.{e}.linear_fc1.weight -> mlp.experts.weight1, block k
+                    fc = local_name.split(".mlp.experts.")[1].split(".")[1]
+                    block = k
+                    local_name = local_name.split(".mlp.experts.")[0] + ".mlp.experts.weight" + fc[-1]
+                else:
+                    local_name = local_name.replace(f".mlp.experts.{e}.", f".mlp.experts.local_experts.{k}.")
             tp = layout.etp if expert else layout.tp
             self._place(rule, hf_prefix, name, local_name, tp, dtypes, padded_vocab,
-                        [f for f in self.files if f.rank.pp == stage and (not expert or f.rank.ep == ep_rank)], chunk)
+                        [f for f in self.files if f.rank.pp == stage and (not expert or f.rank.ep == ep_rank)], chunk,
+                        block)
             if isinstance(rule, VocabParallel) and name.startswith("embedding.") and shape.tied and (
                     layout.pp > 1 or layout.vpp > 1):
                 # the last stage keeps its own copy of a tied embedding as output_layer (Megatron synchronises
@@ -116,7 +139,7 @@ class MegatronLegacyWriter:
             f.archive = TorchArchive({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, **models},
                                      name=FILE_NAME.removesuffix(".pt"))
 
-    def _place(self, rule, hf_prefix, name, local_name, tp, dtypes, padded_vocab, files, chunk) -> None:
+    def _place(self, rule, hf_prefix, name, local_name, tp, dtypes, padded_vocab, files, chunk, block=None) -> None:
         if not files:
             raise MergeError(f"{name}: no rank file of the target layout holds it (layout error)")
         parallel = "column" if rule.parallel == DUPLICATED_OR_COLUMN else rule.parallel
@@ -129,12 +152,17 @@ class MegatronLegacyWriter:
         if len(dtype) != 1:
             raise MergeError(f"{name}: its HF tensors come in different dtypes ({sorted(map(str, dtype))})")
         dtype = dtype.pop()
-        if rule.parallel != "replicated" and not local_name.startswith("embedding."):
+        if rule.parallel != "replicated" and not local_name.startswith("embedding.") and block is None:
             self.linears.add(local_name.rsplit(".", 1)[0])
         shard_targets: dict[int, list[_Target]] = {}
         for f in files:
             rank = f.rank.etp if tp != self.layout.tp else f.rank.tp
             shape = shard_shapes[rank]
+            if block is not None:
+                target = self._expert_block(f, chunk, local_name, shape, dtype, block)
+                shard_targets.setdefault(rank, []).append(target)
+                self.targets.append(target)
+                continue
             slot = TensorSlot(tuple(shape), dtype)
             if local_name in f.chunks[chunk]:
                 raise MergeError(f"{local_name}: planned twice in {f.path.parent.name} (layout error)")
@@ -154,6 +182,21 @@ class MegatronLegacyWriter:
                 for t in targets:
                     t.due = real * t.row_bytes
 
+    def _expert_block(self, f: _File, chunk: int, name: str, shard: tuple, dtype, k: int) -> _Block:
+        """Expert k's block of a file's GroupedMLP weight1/weight2 (planned with the first expert met)."""
+        local = self.shape.moe.num_experts // self.layout.ep
+        rows, cols = shard  # the Megatron shard [out, in]; the block holds it transposed
+        key = (id(f), chunk, name)
+        grouped = self._grouped.get(key)
+        if grouped is None:
+            whole = (cols, local * rows) if name.endswith("weight1") else (local * cols, rows)
+            slot = TensorSlot(whole, dtype)
+            f.chunks[chunk][name] = slot
+            grouped = self._grouped[key] = _Target(f, slot, 0, slot.nbytes)
+            self.targets.append(grouped)
+        nbytes = rows * cols * dtype.itemsize
+        return _Block(grouped, k * nbytes, None, nbytes)
+
     # --- writing ------------------------------------------------------------------------------------
 
     @property
@@ -170,6 +213,8 @@ class MegatronLegacyWriter:
             os.ftruncate(f.fd, f.archive.size)
             f.archive.write_frame(f.fd, 0)
         for t in self.targets:
+            if isinstance(t, _Block):
+                continue
             t.offset = t.file.archive.data_offset(t.slot)
             if t.due == 0:
                 t.file.archive.finish_member(t.file.fd, 0, t.slot)
@@ -190,6 +235,9 @@ class MegatronLegacyWriter:
             data = piece.contiguous().view(torch.uint8).numpy()
             for targets in dest.targets.values():
                 for t in targets:
+                    if isinstance(t, _Block):
+                        self._gather(t, piece, seg.shard_start + lo - seg.hf_start)
+                        continue
                     pwrite_all(t.file.fd, data, t.offset + (seg.shard_start + lo - seg.hf_start) * t.row_bytes)
                     t.due -= data.nbytes
                     if t.due == 0:
@@ -199,6 +247,21 @@ class MegatronLegacyWriter:
         entry.next_row = stop
         if then is not None:
             then()
+
+    def _gather(self, block: _Block, piece: torch.Tensor, row: int) -> None:
+        if block.buffer is None:
+            rows = block.due // (piece.shape[1] * piece.element_size())
+            block.buffer = torch.empty((rows, piece.shape[1]), dtype=piece.dtype)
+        block.buffer[row: row + piece.shape[0]] = piece
+        block.due -= piece.numel() * piece.element_size()
+        if block.due == 0:
+            data = block.buffer.t().contiguous().view(torch.uint8).numpy()
+            grouped = block.grouped
+            pwrite_all(grouped.file.fd, data, grouped.offset + block.start)
+            grouped.due -= data.nbytes
+            block.buffer = None
+            if grouped.due == 0:
+                grouped.file.archive.finish_member(grouped.file.fd, 0, grouped.slot)
 
     def finish(self) -> list[str]:
         unwritten = [t for t in self.targets if t.due]
@@ -221,10 +284,31 @@ class MegatronLegacyWriter:
                 f.fd = None
 
 
+# The order in which Megatron-Core's modules register their parameters (and so state_dict's order), within
+# a decoder layer: attention's output projection comes before its input projections.
+_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+                "self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.",
+                "self_attention.linear_q_up_proj.", "self_attention.linear_kv_down_proj.",
+                "self_attention.linear_kv_up_proj.", "self_attention.q_layernorm.", "self_attention.k_layernorm.",
+                "self_attention.kv_layernorm.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.",
+                "mlp.router.", "mlp.experts.", "mlp.shared_experts.gate_weight", "mlp.shared_experts.")
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.)?")
+
+
+def _megatron_order(name: str):
+    if not name.startswith("decoder.layers."):
+        return (0 if name.startswith("embedding.") else 2 if name.startswith("output_layer.") else 1.5,) + (0,) * 3
+    _, _, layer, rest = name.split(".", 3)
+    place = next(i for i, prefix in enumerate(_LAYER_ORDER + ("",)) if rest.startswith(prefix))
+    expert = _EXPERT.match(rest)
+    return (1, int(layer), place, int(expert.group(1)) if expert and expert.group(1) else 0)
+
+
 def _with_extra_state(chunk: OrderedDict, linears: set[str]) -> OrderedDict:
-    """Megatron-Core's parallel linears (local spec) save an `_extra_state` of None after their parameters
-    (TransformerEngine keeps FP8 metadata there); a strict load expects the key."""
-    out, names = OrderedDict(), list(chunk)
+    """The chunk in Megatron's state_dict order, with the `_extra_state` of None that Megatron-Core's parallel
+    linears (local spec) save after their parameters (TransformerEngine keeps FP8 metadata there); a strict
+    load expects the key."""
+    out, names = OrderedDict(), sorted(chunk, key=_megatron_order)  # stable: a module's own order is kept
     for i, name in enumerate(names):
         out[name] = chunk[name]
         module = name.rsplit(".", 1)[0]
