@@ -32,9 +32,10 @@ from lora_merge.lora import LoraSettings, hf_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
-from lora_merge.readers import safetensors_file
 from lora_merge.readers.peft import PeftAdapter
-from lora_merge.readers.safetensors_file import Damaged
+from lora_merge.readers.safetensors_dir import SafetensorsDir, plain_file_name, read_bounded
+from lora_merge.readers.safetensors_file import Damaged, shown_name
+from lora_merge.readers.safetensors_file import shown as shown_value
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
@@ -53,92 +54,6 @@ class VerifyReport:
         return not self.problems
 
 
-INDEX = "model.safetensors.index.json"
-# The index of a 671B model is well under 10 MB; a bigger file is not one, and is not read whole.
-MAX_INDEX_BYTES = 64 << 20
-class SafetensorsDir:
-    """The tensors of an HF model directory (sharded or not), read by name and row range.
-
-    Damage is collected in `problems`, not raised: in an output being verified it is a finding to report,
-    in the reference an error in the user's input; the caller decides. Only the index and the shards'
-    headers are read here; tensor data is mapped later, a row range at a time.
-    """
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.problems: list[str] = []
-        self.file_of: dict[str, str] = {}  # every tensor listed (by the index, or found in a shard's header)
-        self.headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}  # file -> its sound header
-        self.checked: dict[str, safetensors_file.Header] = {}  # file -> its header with offsets
-        index = directory / INDEX
-        listed = self._index(index) if os.path.lexists(index) else None
-        found = sorted(p.name for p in directory.glob("*.safetensors"))
-        files = found if listed is None else sorted(set(listed.values()))
-        for name in files:
-            header = self._header(directory / name)
-            if header is not None:
-                self.checked[name] = header
-                self.headers[name] = header.tensors()
-        if listed is None:
-            self._take_headers(files)
-        else:
-            self.file_of = listed
-            self._compare_with_headers()
-        # Only a finding in an output: a reference may hold other weight files (Mistral's consolidated.safetensors).
-        self.unlisted = [name for name in found if name not in files]
-
-    def __bool__(self) -> bool:
-        return bool(self.file_of)
-
-    def _index(self, index: Path) -> dict[str, str] | None:
-        try:
-            return read_index(index)
-        except Damaged as exc:
-            # The shards are still checked on their own, so one bad index is one problem, not one per tensor.
-            self.problems.append(f"{index}: {exc}")
-            return None
-
-    def _header(self, path: Path):
-        if not os.path.lexists(path):  # only the index names files without seeing them
-            self.problems.append(f"{path}: missing (listed in the index)")
-            return None
-        try:
-            return safetensors_file.read_header(path)
-        except Damaged as exc:
-            self.problems.append(f"{path}: {exc}")
-            return None
-
-    def _take_headers(self, files: list[str]) -> None:
-        for name in files:
-            for tensor in self.headers.get(name, {}):
-                if tensor in self.file_of:
-                    self.problems.append(f"{_name(tensor)}: in both {self.file_of[tensor]} and {name}")
-                self.file_of[tensor] = name
-
-    def _compare_with_headers(self) -> None:
-        for tensor, name in self.file_of.items():
-            if name in self.headers and tensor not in self.headers[name]:
-                self.problems.append(f"{_name(tensor)}: the index puts it in {name}, which does not hold it")
-        for name, header in self.headers.items():
-            unlisted = sorted(t for t in header if self.file_of.get(t) != name)
-            if unlisted:
-                shown = ", ".join(map(_name, unlisted[:3])) + (", ..." if len(unlisted) > 3 else "")
-                self.problems.append(f"{self.directory / name}: holds {len(unlisted)} tensor(s) the index does "
-                                     f"not put there ({shown})")
-
-    def readable(self, name: str) -> bool:
-        """Whether `name` is listed and its file and header are sound (a damaged file's tensors are not)."""
-        return name in self.headers.get(self.file_of.get(name), {})
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
-        return self.headers[self.file_of[name]][name]
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        # Read with the offsets of the header checked when the directory was opened (a read per call:
-        # no mapping is kept, so pages read so far do not stay resident).
-        return safetensors_file.read_rows(self.checked[self.file_of[name]], name, start, stop)
-
-
 def _reference_weights(reference: Path) -> SafetensorsDir:
     """The baseline: damage in it is an error in the user's input, not a finding about the output."""
     ref = SafetensorsDir(reference)
@@ -147,47 +62,6 @@ def _reference_weights(reference: Path) -> SafetensorsDir:
         raise MergeError(f"{ref.problems[0]}{more}; the reference's weights are verify's baseline and must be intact")
     return ref
 
-
-def read_index(index: Path) -> dict[str, str]:
-    """The index's weight_map, each file name checked to stay inside the directory."""
-    data = _json(_read_bounded(index, MAX_INDEX_BYTES), "")
-    if not isinstance(data, dict):
-        raise Damaged("not a JSON object; expected one with a weight_map {tensor: file}")
-    weight_map = data.get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise Damaged("no weight_map; expected an object {tensor: file} under that key" if weight_map is None else
-                      f"weight_map is a {type(weight_map).__name__}; expected an object {{tensor: file}}")
-    for tensor, name in weight_map.items():
-        if not isinstance(name, str) or not _plain_file_name(name):
-            raise Damaged(f"weight_map puts {_name(tensor)} in {_shown(name)}; expected the name of a file in "
-                          "this directory")
-    return dict(weight_map)
-
-
-def _plain_file_name(name: str) -> bool:
-    # Anything else would make verify read outside the directory it was given.
-    return (name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
-            and not os.path.isabs(name))
-
-
-_require_file = safetensors_file.require_file
-
-
-def _read_bounded(path: Path, limit: int) -> bytes:
-    _require_file(path)
-    try:
-        with path.open("rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as exc:
-        raise Damaged(f"cannot be read ({exc.strerror or exc})") from exc
-    if len(raw) > limit:
-        raise Damaged(f"larger than {limit} bytes; not an index")
-    return raw
-
-
-_json = safetensors_file.parse_json
-_shown = safetensors_file.shown
-_name = safetensors_file.shown_name
 
 
 def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, noise: torch.Tensor) -> bool:
@@ -296,7 +170,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 source = None
             report.statuses[extra] = _check_tensor(extra, got[0], out, source, None, None, report)
             continue
-        report.problems.append(f"{_name(extra)}: in the output but not part of a {shape.model_type} model "
+        report.problems.append(f"{shown_name(extra)}: in the output but not part of a {shape.model_type} model "
                                "with this config")
     return report
 
@@ -397,13 +271,13 @@ def _compare_with_reference(path: Path, ref: Path) -> str | None:
 
 def _card_name_ok(name: str) -> bool:
     parts = name.split("/")
-    return (len(parts) == 1 or len(parts) == 2 and parts[0] in COPIED_SUBDIRS) and all(map(_plain_file_name, parts))
+    return (len(parts) == 1 or len(parts) == 2 and parts[0] in COPIED_SUBDIRS) and all(map(plain_file_name, parts))
 
 
 def _check_card(out_dir: Path) -> list[str]:
     card = out_dir / README
     try:
-        text = _read_bounded(card, MAX_CARD_BYTES).decode("utf-8")
+        text = read_bounded(card, MAX_CARD_BYTES).decode("utf-8")
     except Damaged as exc:
         return [f"{card}: {exc}; the model card lists every output file with its sha256"]
     except UnicodeDecodeError:
@@ -415,7 +289,7 @@ def _check_card(out_dir: Path) -> list[str]:
     for name, digest in sorted(listed.items()):
         path = out_dir / name
         if not _card_name_ok(name):
-            problems.append(f"{card}: lists {_shown(name)}, which is not a file of this directory")
+            problems.append(f"{card}: lists {shown_value(name)}, which is not a file of this directory")
         elif not os.path.lexists(path):
             problems.append(f"{path}: missing; the model card lists it")
         elif path.is_symlink() or not path.is_file():

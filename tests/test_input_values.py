@@ -219,7 +219,7 @@ def test_a_huge_header_length_is_never_allocated(length, adapter, hf_base, tmp_p
 
 def test_verify_reads_rows_through_the_same_reader(merged_fixture, tmp_path):
     """verify reads row ranges with the offsets of the header it checked (no second parser)."""
-    from lora_merge.verification import SafetensorsDir
+    from lora_merge.readers.safetensors_dir import SafetensorsDir
     out = merged_fixture("tp2_fp32_filtered")
     found = SafetensorsDir(out)
     tensors = load_file(next(out.glob("*.safetensors")))

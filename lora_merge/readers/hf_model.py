@@ -49,7 +49,7 @@ class HfModel:
 
 
 def read_hf_model(path: Path) -> HfModel:
-    from lora_merge.verification import SafetensorsDir  # its header and index checks
+    from lora_merge.readers.safetensors_dir import SafetensorsDir
 
     path = Path(path)
     found = SafetensorsDir(path)
