@@ -136,6 +136,15 @@ class Rule:
         return SPLIT_DIM.get(self.parallel)
 
     @property
+    def lora_split(self) -> tuple[str, str]:
+        """How TP ranks hold this linear's LoRA factors A [r, in] and B [out, r] (PEFT's layout on Megatron's
+        parallel linears): a column layer replicates A and splits B like its weight; a row layer splits A on
+        its input columns and replicates B; a replicated layer replicates both."""
+        return {"column": ("replicated", "column"), "row": ("row", "replicated"),
+                DUPLICATED_OR_COLUMN: ("replicated", DUPLICATED_OR_COLUMN)}.get(self.parallel,
+                                                                               ("replicated", "replicated"))
+
+    @property
     def per_expert(self) -> bool:
         return "{expert}" in self.megatron
 

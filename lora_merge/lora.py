@@ -14,7 +14,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite
-from lora_merge.layout import DUPLICATED_OR_COLUMN, Rule, check_shards, unshard_replicated, unshard_row
+from lora_merge.layout import Rule, check_shards, unshard_replicated, unshard_row
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import LoraModule
 from lora_merge.value_checks import (MAX_ALPHA, MAX_RANK, finite_number, is_number, lora_scale, positive_int,
@@ -80,9 +80,7 @@ def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int,
     if a_shapes[0][0] != r or b_shapes[0][1] != r:
         raise MergeError(f"{lora.a[0].where}: {module} has LoRA rank {a_shapes[0][0]} (lora_A) / {b_shapes[0][1]} "
                          f"(lora_B), but r={r}")
-    a_split, b_split = {"column": ("replicated", "column"), "row": ("row", "replicated"),
-                        DUPLICATED_OR_COLUMN: ("replicated", DUPLICATED_OR_COLUMN)}.get(
-        rule.parallel, ("replicated", "replicated"))  # a replicated linear's LoRA is replicated too
+    a_split, b_split = rule.lora_split
     check_shards(a_shapes, a_split, (r, in_dim), f"{module}.lora_A ({lora.a[0].where})")
     check_shards(b_shapes, b_split, (out_dim, r), f"{module}.lora_B ({lora.b[0].where})")
 
@@ -91,17 +89,11 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
     """(B, A) for each HF tensor the rule produces, with B's rows in that tensor's HF order."""
     a_shards = [ref.load() for ref in lora.a]
     b_shards = [ref.load() for ref in lora.b]
-    if rule.parallel in ("column", DUPLICATED_OR_COLUMN):  # B split like the weight (or whole on every rank)
-        a = unshard_replicated(a_shards, f"{module}.lora_A")
-        return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
-    if rule.parallel == "row":
-        b = unshard_replicated(b_shards, f"{module}.lora_B")
-        (name,) = rule.hf_names()
-        return {name: (b, unshard_row(a_shards))}
-    # a replicated linear (MLA's down-projections): both factors whole on every rank
-    a = unshard_replicated(a_shards, f"{module}.lora_A")
-    b = unshard_replicated(b_shards, f"{module}.lora_B")
-    return {name: (b_rows, a) for name, b_rows in rule.to_hf([b], shape, f"{module}.lora_B").items()}
+    a_split, b_split = rule.lora_split
+    a = unshard_row(a_shards) if a_split == "row" else unshard_replicated(a_shards, f"{module}.lora_A")
+    if b_split == "replicated":  # whole on every rank: the rule sees it as one rank's shard
+        b_shards = [unshard_replicated(b_shards, f"{module}.lora_B")]
+    return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
 
 
 # W + s·B·A is computed this many float32 bytes of rows at a time: the block stays in the CPU cache from
