@@ -2,8 +2,8 @@
 
 Small GPTModels of every kind the torch_dist writer handles (dense with a qkv bias and untied output, dense
 tied with q/k norms, MoE with a dense first layer, a shared expert and its gate, MoE with stacked layers,
-MLA with a dense first layer, routed experts, an expert bias and shared experts), built with the local spec
-as Megatron-LM's --transformer-impl local does.
+MLA with a dense first layer, routed experts, an expert bias and shared experts, dense MLA without a q LoRA
+rank), built with the local spec as Megatron-LM's --transformer-impl local does.
 
 Run as `python megatron_dist_worker.py JOB.json` (the test does): two gloo ranks are spawned, and for each
 parallel layout in the job each rank builds every model, then
@@ -38,6 +38,9 @@ MODELS = {
     "mla_moe": dict(layers=2, heads=4, ffn=48, tied=False,
                     mla=dict(q_lora=24, kv_lora=16, qk_head=8, rope=4, v_head=8),
                     moe=dict(freq=[0, 1], experts=4, ffn=16, topk=2, shared=32, expert_bias=True)),
+    # DeepSeek-V2-Lite-like attention (no q LoRA rank: linear_q_proj), dense: stacked keys with MLA's norm names
+    "mla_dense_no_q_lora": dict(layers=2, heads=4, ffn=48, tied=False,
+                                mla=dict(q_lora=None, kv_lora=16, qk_head=8, rope=4, v_head=8)),
 }
 
 
@@ -60,10 +63,14 @@ def canonical_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
         out.append((p + "input_layernorm.weight", (H,)))
         if "mla" in s:
             m, nh = s["mla"], s["heads"]
-            out += [(p + "self_attention.linear_q_down_proj.weight", (m["q_lora"], H)),
-                    (p + "self_attention.q_layernorm.weight", (m["q_lora"],)),
-                    (p + "self_attention.linear_q_up_proj.weight", (nh * (m["qk_head"] + m["rope"]), m["q_lora"])),
-                    (p + "self_attention.linear_kv_down_proj.weight", (m["kv_lora"] + m["rope"], H)),
+            q = nh * (m["qk_head"] + m["rope"])
+            if m["q_lora"]:
+                out += [(p + "self_attention.linear_q_down_proj.weight", (m["q_lora"], H)),
+                        (p + "self_attention.q_layernorm.weight", (m["q_lora"],)),
+                        (p + "self_attention.linear_q_up_proj.weight", (q, m["q_lora"]))]
+            else:
+                out.append((p + "self_attention.linear_q_proj.weight", (q, H)))
+            out += [(p + "self_attention.linear_kv_down_proj.weight", (m["kv_lora"] + m["rope"], H)),
                     (p + "self_attention.kv_layernorm.weight", (m["kv_lora"],)),
                     (p + "self_attention.linear_kv_up_proj.weight", (nh * (m["qk_head"] + m["v_head"]), m["kv_lora"])),
                     (p + "self_attention.linear_proj.weight", (H, nh * m["v_head"]))]
@@ -173,8 +180,9 @@ def build(torch, name: str, tp: int, ep: int):
                     share_embeddings_and_output_weights=MODELS[name]["tied"], position_embedding_type="rope")
 
 
-COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
-          "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "word_embeddings.weight", "output_layer.weight")
+COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight", "linear_q_down_proj.weight",
+          "linear_q_up_proj.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "word_embeddings.weight",
+          "output_layer.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 GATED = ("linear_fc1.weight",)
 
