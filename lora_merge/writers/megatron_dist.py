@@ -1,0 +1,563 @@
+"""A Megatron-Core distributed checkpoint (`--ckpt-format torch_dist`) written in place: laid out as
+`megatron.core.dist_checkpointing.save` (megatron-core 0.16.1, torch_dist backend, torch's FileSystemWriter)
+lays out a TP=1 PP=1 EP=1 save, with every file and chunk planned from names and shapes before any data
+exists, and the tensor bytes then written by the caller into their reserved spans, in any order, in
+constant memory.
+
+What the iteration dir holds (confirmed by saving small GPTModels with the real megatron-core on gloo):
+
+- `metadata.json`: `{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+  "common_backend_version": 1}`; its presence is what makes Megatron-LM treat the dir as torch_dist.
+- `common.pt`: a torch.save of the non-sharded state (`args`, `checkpoint_version` 3.0, `iteration`, …) and
+  `content_metadata`, the flags the model's `sharded_state_dict` was built with, which Megatron-LM's load
+  builds its own with (here `{"singleton_local_shards": False, "chained_optim_avoid_prefix": True}`).
+- `.metadata`: a pickled `torch.distributed.checkpoint.metadata.Metadata`: each key's global shape, dtype and
+  chunks (`TensorStorageMetadata`) or `BytesStorageMetadata`; `storage_data` maps each (key, chunk offsets)
+  to (file, offset, length); `version` "1.0.0"; no `planner_data`.
+- `__0_K.distcp`: each chunk a complete torch.save archive of the chunk tensor (member prefix `archive/`),
+  each `_extra_state` a torch.save archive of `[None]` (what the local spec's linears hold).
+
+Keys (megatron-core 0.16.1, local spec; `TransformerBlock.sharded_state_dict`):
+
+- Homogeneous layers (`moe_layer_freq` an int equal to 1: every dense model, and MoE models whose every
+  layer has experts): a layer's tensors are stacked, `decoder.layers.<rest>` of shape `[L, …]`, saved as
+  one chunk per layer (`[1, …]` at offset `(layer, 0, …)`). Experts are `decoder.layers.mlp.experts.experts.
+  linear_fc1.weight` `[L, E, 2F, H]`, one chunk per (layer, expert).
+- Non-homogeneous layers (`moe_layer_freq` a list, as for a dense first layer, or an int > 1): per-layer keys
+  `decoder.layers.<i>.<rest>` of the layer's own shape, one chunk each; experts `decoder.layers.<i>.mlp.
+  experts.experts.linear_fc1.weight` `[E, 2F, H]`, one chunk per expert.
+- The local spec's norm names are mapped to TransformerEngine's (`sharded_state_dict_keys_map`) except in
+  multi-latent attention layers: `input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`,
+  `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (in MoE layers too).
+- Every column/row-parallel linear (not the router, norms, embedding or output layer) has an `_extra_state`
+  ShardedObject: `<module key>._extra_state/shard_<offsets>_<shape>`, offsets and shape being the layer
+  (and expert) axes: `shard_3_4` (stacked layer 3 of 4), `shard_3.1_4.8` (stacked layer 3, expert 1 of
+  8), `shard_1_8` (per-layer, expert 1), `shard_0_1` (per-layer, not an expert). Megatron's load requests
+  them (with the default strictness a missing one fails the load), so they are written.
+- `embedding.word_embeddings.weight` and `output_layer.weight` are the padded `[V_pad, H]`; a model with
+  tied embeddings has no `output_layer.weight`.
+
+One deliberate difference from Megatron's own save: Megatron's swiglu factory saves each fc1 (dense, shared
+expert, expert) as two chunks, its gate rows and its up rows; here it is one chunk `[gate; up]`, so that the
+whole tensor is one contiguous region. The torch_dist loader reads any chunk grid (it copies the overlap of
+each saved chunk with each requested shard), and TP=2 loads are tested that way.
+
+Files: every `_extra_state` archive first in `__0_0.distcp`, then the chunks in the order of the tensors given,
+a new file once one holds `file_bytes`; each archive starts at a multiple of 64 bytes (its tensor data is
+64-byte aligned within it), so the tensor data is 64-byte aligned in the file; the data spans are left as
+holes for the caller. Megatron names its files `__<rank>_<thread>.distcp`; the loader only follows
+`storage_data`. `done(name)` takes a tensor's CRC32 as soon as its bytes are written (`finish` does it for
+the rest, reading them back).
+
+What Megatron-LM's `load_checkpoint` needs (megatron-core 0.16.1 / Megatron-LM core_v0.16.1): the tracker
+`latest_checkpointed_iteration.txt` beside the iteration dir (the caller's), `metadata.json`, and in
+`common.pt` `args` (its TP/PP sizes decide whether RNG state is requested; `no_save_rng` / `no_save_optim`
+True in them keep a plain resume from asking for the RNG or optimizer state this checkpoint lacks), and
+`checkpoint_version` 3.0. No optimizer, scheduler or RNG state is written: load with `--finetune`, or with
+`--no-load-optim --no-load-rng`, or from a `release` dir, or with `no_save_optim`/`no_save_rng` set in the
+saved args.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pickle
+import re
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+
+from lora_merge.errors import MergeError
+from lora_merge.writers.torch_zip import TensorSlot, TorchArchive, pwrite_all
+
+try:
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # torch < 2.6 wrote no version
+    CURRENT_DCP_VERSION = "1.0.0"
+
+METADATA = ".metadata"
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+# megatron.core.dist_checkpointing's CheckpointingConfig of a torch_dist save, as its json.dump writes it
+CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                        "common_backend_version": 1}
+# Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer: the key layout written here
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+FILE_BYTES = 4 << 30  # a new .distcp file once one holds this much (Megatron writes two per rank)
+ALIGN = 64  # each archive starts at a multiple of this in its file (gaps are allowed: storage_data says where)
+
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
+# The local spec's TransformerLayer keys map (get_gpt_layer_local_spec, not for MLA layers)
+NORM_KEYS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+# Modules that are Megatron ColumnParallelLinear / RowParallelLinear in the local spec: each has an _extra_state
+LINEARS = frozenset({"self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.linear_q_proj",
+                     "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+                     "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj",
+                     "mlp.linear_fc1", "mlp.linear_fc2", "mlp.shared_experts.linear_fc1",
+                     "mlp.shared_experts.linear_fc2"})
+EXPERT_LINEARS = frozenset({"linear_fc1", "linear_fc2"})
+MLA_MODULES = ("self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
+               "self_attention.linear_kv_down_proj.", "self_attention.linear_kv_up_proj.", "self_attention.kv_layernorm.")
+# TransformerEngine fuses norms into the next linear; the same tensors under the local spec's names
+TE_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+            ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+            ("self_attention.linear_q_up_proj.layer_norm_", "self_attention.q_layernorm."),
+            ("self_attention.linear_kv_up_proj.layer_norm_", "self_attention.kv_layernorm."))
+
+
+@dataclass(frozen=True)
+class DistTensor:
+    """One tensor to write: its canonical global Megatron name (`decoder.layers.{i}.…` with the global layer
+    number, `….mlp.experts.{e}.…` with the global expert number, norms as `input_layernorm` /
+    `pre_mlp_layernorm`), its full TP=1 shape and its dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DistModelFacts:
+    """What the key naming needs beyond the tensors' names.
+
+    per_layer_keys: Megatron's non-homogeneous layers (`moe_layer_freq` a list or an int > 1): keys per
+    layer instead of stacked `decoder.layers.*` tensors. `moe_layers`: the layers with routed experts.
+    `multi_latent_attention`: MLA layers keep their norm names. Only the local spec (`--transformer-impl
+    local`) is laid out: TransformerEngine adds `_extra_state` entries (core attention) and names MLA
+    and MoE norms differently."""
+
+    num_layers: int
+    moe_layers: frozenset[int] = frozenset()
+    num_experts: int = 0
+    per_layer_keys: bool = False
+    multi_latent_attention: bool = False
+    transformer_impl: str = "local"
+
+    @classmethod
+    def from_args(cls, args) -> "DistModelFacts":
+        """The facts of a Megatron-LM training run, from its args (as saved in a checkpoint)."""
+        impl = getattr(args, "transformer_impl", "local") or "local"
+        for name in ("heterogeneous_layers_config_path", "linear_attention_freq", "mtp_num_layers"):
+            if getattr(args, name, None):
+                raise MergeError(f"writing a torch_dist checkpoint: args.{name} is set; layers of that kind are not "
+                                 "laid out by this writer")
+        num_layers = int(args.num_layers)
+        num_experts = int(getattr(args, "num_experts", None) or 0)
+        freq = getattr(args, "moe_layer_freq", 1)
+        if freq is None:
+            freq = 1
+        if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+            moe = [i for i in range(num_layers) if i % freq == 0]
+            per_layer = freq > 1
+        elif isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+            moe = [i for i, f in enumerate(freq) if f]
+            per_layer = True
+        else:
+            raise MergeError(f"writing a torch_dist checkpoint: moe_layer_freq {freq!r:.80} is neither a positive "
+                             f"int nor a list of {num_layers} zeros and ones")
+        return cls(num_layers, frozenset(moe) if num_experts else frozenset(), num_experts, per_layer,
+                   bool(getattr(args, "multi_latent_attention", False)), impl)
+
+
+@dataclass
+class _Key:
+    """One sharded key of the checkpoint: a global tensor and its chunks."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list = field(default_factory=list)  # _Chunk
+
+
+@dataclass
+class _Frame:
+    """The archive of a chunk of some shape and dtype: chunks alike share it (its frame is a function of the
+    file offset; the CRC32 of the one tensor member is taken and written for each chunk, under the lock)."""
+
+    archive: TorchArchive
+    slot: TensorSlot | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Chunk:
+    name: str | None  # the caller's name for the tensor (None for an _extra_state entry)
+    key: str
+    offsets: tuple[int, ...] | None  # None: a bytes entry
+    frame: _Frame
+    file: int = 0
+    base: int = 0
+    done: bool = False  # its CRC32 is written
+
+    @property
+    def size(self) -> int:
+        return self.frame.archive.size
+
+
+class DistCheckpointWriter:
+    """Plans and frames a torch_dist checkpoint in `iter_dir` (created if missing; no file of it may exist).
+
+    After construction, `region(name)` gives where tensor `name`'s bytes go (C order, its shape, its dtype);
+    once every byte is written, `finish()` fills in the CRC32s and writes `.metadata`, `common.pt` and
+    `metadata.json`, all flushed. `abort()` removes what was created. `common` is the non-sharded state
+    (`args`, `iteration`, …); `checkpoint_version` 3.0 and the content metadata are added when missing."""
+
+    def __init__(self, iter_dir: Path, tensors: list[DistTensor], common: dict, model: DistModelFacts,
+                 file_bytes: int = FILE_BYTES):
+        self.iter_dir = Path(iter_dir)
+        self.model = model
+        self.common = self._common(common)
+        self._fds: list[int] = []
+        self._created: list[Path] = []
+        self._made_dir = False
+        self._finished = False
+        self.keys: dict[str, _Key] = {}
+        self.extra: dict[str, _Chunk] = {}  # "<module>._extra_state/shard_…" -> its archive
+        self._by_name: dict[str, _Chunk] = {}
+        self._frames: dict[tuple, _Frame] = {}
+        self._extra_frame = _Frame(TorchArchive([None]), None)  # every _extra_state entry: the same bytes
+        if model.transformer_impl != "local":
+            raise MergeError(f"writing a torch_dist checkpoint for --transformer-impl {model.transformer_impl}: only "
+                             "the local spec's layout is written (TransformerEngine adds _extra_state entries and "
+                             "names MLA and MoE norms differently)")
+        self._plan(tensors)
+        self.files = self._place(file_bytes)
+        try:
+            self._open_and_frame()
+        except BaseException:
+            self.abort()
+            raise
+
+    # --- planning ------------------------------------------------------------------------------------
+
+    def _common(self, common: dict) -> dict:
+        if not isinstance(common, dict):
+            raise TypeError("common must be a dict")
+        common = dict(common)
+        given = common.get("content_metadata")
+        if given is not None and any(given.get(k, v) != v for k, v in CONTENT_METADATA.items()):
+            raise MergeError(f"writing a torch_dist checkpoint: content_metadata {given!r:.200} describes another key "
+                             f"layout than the one written ({CONTENT_METADATA})")
+        common["content_metadata"] = {**(given or {}), **CONTENT_METADATA}
+        common.setdefault("checkpoint_version", 3.0)
+        for sharded in ("model", "optimizer", "rng_state"):
+            if sharded in common:
+                raise MergeError(f"writing a torch_dist checkpoint: common state holds '{sharded}', which is "
+                                 "sharded state")
+        return common
+
+    def _plan(self, tensors: list[DistTensor]) -> None:
+        seen: dict[str, str] = {}
+        layer_sets: dict[int, dict[str, tuple]] = {}
+        experts: dict[tuple[int, str], set[int]] = {}
+        for t in tensors:
+            shape, dtype = tuple(int(d) for d in t.shape), t.dtype
+            if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
+                raise MergeError(f"writing a torch_dist checkpoint: {t.name} has shape {list(t.shape)} dtype {dtype}")
+            layer, rest = self._split(t.name)
+            key, gshape, offsets, extra = self._locate(t.name, layer, rest, shape)
+            canon = f"{layer}:{rest}" if layer is not None else rest
+            if canon in seen:
+                raise MergeError(f"writing a torch_dist checkpoint: {t.name} given twice (also as {seen[canon]})")
+            seen[canon] = t.name
+            if layer is not None:
+                layer_sets.setdefault(layer, {})[self._stack_name(rest)] = (shape, dtype)
+                if (e := EXPERT.match(rest)) is not None:
+                    experts.setdefault((layer, e.group(2)), set()).add(int(e.group(1)))
+            entry = self.keys.get(key)
+            if entry is None:
+                entry = self.keys[key] = _Key(key, gshape, dtype)
+            elif entry.shape != gshape or entry.dtype != dtype:
+                raise MergeError(f"writing a torch_dist checkpoint: {t.name} is {list(shape)} {dtype}, but the other "
+                                 f"tensors stacked in {key} make it {list(entry.shape)} {entry.dtype}")
+            sizes = tuple(1 for _ in range(len(gshape) - len(shape))) + shape
+            frame = self._frames.get((sizes, dtype))
+            if frame is None:
+                slot = TensorSlot(sizes, dtype)
+                frame = self._frames[(sizes, dtype)] = _Frame(TorchArchive(slot), slot)
+            chunk = _Chunk(t.name, key, offsets, frame)
+            entry.chunks.append(chunk)
+            self._by_name[t.name] = chunk
+            if extra is not None and extra not in self.extra:
+                self.extra[extra] = _Chunk(None, extra, None, self._extra_frame)
+        self._check_layers(layer_sets, experts)
+        for entry in self.keys.values():
+            entry.chunks.sort(key=lambda c: c.offsets)
+            _check_cover(entry)
+
+    @staticmethod
+    def _split(name: str) -> tuple[int | None, str]:
+        match = LAYER.match(name)
+        if match is None:
+            return None, name
+        rest = match.group(2)
+        # TransformerEngine's names of the norms (as torch_dist readers present them) are the same tensors
+        for te, local in TE_NORMS:
+            if rest.startswith(te):
+                rest = local + rest[len(te):]
+        return int(match.group(1)), rest
+
+    @staticmethod
+    def _stack_name(rest: str) -> str:
+        e = EXPERT.match(rest)
+        return f"mlp.experts.*.{e.group(2)}" if e else rest
+
+    def _locate(self, name: str, layer: int | None, rest: str, shape: tuple[int, ...]):
+        """(sharded key, its global shape, this tensor's chunk offsets, its module's _extra_state key or None)."""
+        m = self.model
+        if layer is None:
+            return name, shape, (0,) * len(shape), None
+        if layer >= m.num_layers:
+            raise MergeError(f"writing a torch_dist checkpoint: {name} is in layer {layer}, but the model has "
+                             f"{m.num_layers} layers")
+        if not m.multi_latent_attention:
+            if rest.startswith(MLA_MODULES):
+                raise MergeError(f"writing a torch_dist checkpoint: {name} is multi-latent attention, but the model "
+                                 "facts say the model has none")
+            for local, te in NORM_KEYS:
+                if rest.startswith(local):
+                    rest = te + rest[len(local):]
+        elif rest.startswith("self_attention.linear_qkv."):
+            raise MergeError(f"writing a torch_dist checkpoint: {name} in a multi-latent attention model (Megatron-Core's "
+                             "MLA has linear_q_down_proj / linear_kv_down_proj, not MindSpeed's fused linear_qkv)")
+        stacked = "decoder.layers." if not m.per_layer_keys else f"decoder.layers.{layer}."
+        lead_shape, lead_offsets = ((m.num_layers,), (layer,)) if not m.per_layer_keys else ((), ())
+        expert = EXPERT.match(rest)
+        if expert is not None:
+            e, tail = int(expert.group(1)), expert.group(2)
+            if layer not in m.moe_layers:
+                raise MergeError(f"writing a torch_dist checkpoint: {name} is an expert of layer {layer}, which is not "
+                                 f"a MoE layer ({sorted(m.moe_layers)})")
+            if e >= m.num_experts:
+                raise MergeError(f"writing a torch_dist checkpoint: {name}: expert {e} of {m.num_experts}")
+            module = tail.rsplit(".", 1)[0]
+            key = f"{stacked}mlp.experts.experts.{tail}"
+            gshape, offsets = (*lead_shape, m.num_experts, *shape), (*lead_offsets, e, *(0,) * len(shape))
+            extra = None
+            if module in EXPERT_LINEARS and tail.endswith(".weight"):
+                extra = _object_key(f"{stacked}mlp.experts.experts.{module}._extra_state",
+                                    (*lead_offsets, e), (*lead_shape, m.num_experts))
+            return key, gshape, offsets, extra
+        if rest.startswith(("mlp.router.", "mlp.experts.", "mlp.shared_experts.")) and layer not in m.moe_layers:
+            raise MergeError(f"writing a torch_dist checkpoint: {name} belongs to a MoE layer, but layer {layer} is "
+                             f"dense ({sorted(m.moe_layers)} have experts)")
+        module = rest.rsplit(".", 1)[0]
+        extra = None
+        if module in LINEARS and rest.endswith(".weight"):
+            extra = _object_key(f"{stacked}{module}._extra_state", lead_offsets or (0,), lead_shape or (1,))
+        return f"{stacked}{rest}", (*lead_shape, *shape), (*lead_offsets, *(0,) * len(shape)), extra
+
+    def _check_layers(self, layer_sets: dict, experts: dict) -> None:
+        m = self.model
+        tails = {tail for _, tail in experts}
+        for layer in sorted(m.moe_layers):
+            have = {tail for (at, tail) in experts if at == layer}
+            if have != tails or not have:
+                raise MergeError(f"writing a torch_dist checkpoint: MoE layer {layer} has experts' "
+                                 f"{sorted(have) or 'nothing'}, other MoE layers {sorted(tails)}")
+        for (layer, tail), numbers in experts.items():
+            if numbers != set(range(m.num_experts)):
+                missing = sorted(set(range(m.num_experts)) - numbers)
+                raise MergeError(f"writing a torch_dist checkpoint: layer {layer} has no {tail} for experts "
+                                 f"{missing[:8]}")
+        if not layer_sets:
+            return
+        absent = [layer for layer in range(m.num_layers) if layer not in layer_sets]
+        if absent:
+            raise MergeError(f"writing a torch_dist checkpoint: no tensors of layer {absent[0]} (the model has "
+                             f"{m.num_layers} layers)")
+        if m.per_layer_keys:
+            return
+        first = min(layer_sets)
+        for layer in range(m.num_layers):
+            if layer_sets[layer] != layer_sets[first]:
+                mine, theirs = set(layer_sets[layer]), set(layer_sets[first])
+                differ = sorted(mine ^ theirs) or sorted(k for k in mine if layer_sets[layer][k] != layer_sets[first][k])
+                raise MergeError(f"writing a torch_dist checkpoint with stacked layer keys: layer {layer} differs from "
+                                 f"layer {first} ({', '.join(differ[:3])}); layers of different kinds need per-layer "
+                                 "keys (moe_layer_freq given as a list)")
+
+    def _place(self, file_bytes: int) -> list[str]:
+        """Archives into files: every _extra_state first (in file 0), then the chunks in the caller's order."""
+        files, size = ["__0_0.distcp"], 0
+        order = list(self.extra.values()) + list(self._by_name.values())
+        for i, chunk in enumerate(order):
+            length = chunk.size
+            if size and size + length > file_bytes and i >= len(self.extra):
+                files.append(f"__0_{len(files)}.distcp")
+                size = 0
+            size += (-size) % ALIGN
+            chunk.file, chunk.base = len(files) - 1, size
+            size += length
+        return files
+
+    # --- writing -------------------------------------------------------------------------------------
+
+    def _open_and_frame(self) -> None:
+        try:
+            self.iter_dir.mkdir()
+            self._made_dir = True
+        except FileExistsError:
+            if not self.iter_dir.is_dir():
+                raise
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        for name in (METADATA, METADATA_JSON, COMMON):
+            if os.path.lexists(self.iter_dir / name):
+                raise FileExistsError(17, "already exists", str(self.iter_dir / name))
+        for name in self.files:
+            path = self.iter_dir / name
+            fd = os.open(path, flags, 0o666)
+            self._created.append(path)
+            self._fds.append(fd)
+        ends = [0] * len(self.files)
+        template = _render(self._extra_frame.archive) if self.extra else b""  # every _extra_state: these bytes
+        for chunk in self.extra.values():
+            pwrite_all(self._fds[chunk.file], template, chunk.base)
+            ends[chunk.file] = max(ends[chunk.file], chunk.base + chunk.size)
+        for chunk in self._by_name.values():
+            chunk.frame.archive.write_frame(self._fds[chunk.file], chunk.base)
+            ends[chunk.file] = max(ends[chunk.file], chunk.base + chunk.size)
+        for fd, end in zip(self._fds, ends):
+            os.ftruncate(fd, end)  # the data spans are holes until written
+
+    def region(self, name: str) -> tuple[int, int]:
+        """(fd, absolute file offset) where tensor `name`'s bytes go: C-contiguous, its shape, its dtype."""
+        chunk = self._by_name[name]
+        return self._fds[chunk.file], chunk.base + chunk.frame.archive.data_offset(chunk.frame.slot)
+
+    def done(self, name: str) -> None:
+        """Optional: tensor `name`'s bytes are all written; its CRC32 is taken now, while they are still in the
+        page cache (`finish` reads back those of the tensors not reported done)."""
+        chunk = self._by_name[name]
+        frame = chunk.frame
+        with frame.lock:
+            if not chunk.done:
+                frame.archive.finish_member(self._fds[chunk.file], chunk.base, frame.slot)
+                frame.archive.finish(self._fds[chunk.file], chunk.base)
+                chunk.done = True
+
+    def finish(self) -> None:
+        """After every tensor byte is written: CRC32s, then common.pt, .metadata and metadata.json, all flushed."""
+        for name in self._by_name:
+            self.done(name)
+        self._write_small(COMMON, self._common_bytes())
+        for fd in self._fds:
+            os.fsync(fd)
+        self._write_small(METADATA, pickle.dumps(self.metadata()))
+        self._write_small(METADATA_JSON, json.dumps(CHECKPOINTING_CONFIG).encode())
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        _fsync_dir(self.iter_dir)
+        self._finished = True
+
+    def abort(self) -> None:
+        """Close and remove every file this writer created (and the iteration dir, if it made it); after a
+        successful `finish` the checkpoint is complete and stays."""
+        if self._finished:
+            return
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+        for path in self._created:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self._created = []
+        if self._made_dir:
+            try:
+                self.iter_dir.rmdir()
+            except OSError:
+                pass
+            self._made_dir = False
+
+    # --- the small files -----------------------------------------------------------------------------
+
+    def metadata(self) -> Metadata:
+        """torch.distributed.checkpoint's Metadata of what is planned, as FileSystemWriter.finish pickles it."""
+        state, storage = {}, {}
+        for entry in self.keys.values():
+            chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.frame.slot.shape)) for c in entry.chunks]
+            state[entry.key] = TensorStorageMetadata(TensorProperties(dtype=entry.dtype), torch.Size(entry.shape),
+                                                     chunks)
+            for c in entry.chunks:
+                storage[MetadataIndex(entry.key, torch.Size(c.offsets))] = _StorageInfo(
+                    self.files[c.file], c.base, c.size)
+        for key, chunk in self.extra.items():
+            state[key] = BytesStorageMetadata()
+            storage[MetadataIndex(key)] = _StorageInfo(self.files[chunk.file], chunk.base, chunk.size)
+        plan = hashlib.sha256(repr(sorted((k, str(v)) for k, v in state.items())).encode()).hexdigest()
+        meta = StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid5(uuid.NAMESPACE_OID, plan)))
+        metadata = Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage, storage_meta=meta)
+        if hasattr(metadata, "version"):
+            metadata.version = CURRENT_DCP_VERSION
+        return metadata
+
+    def _common_bytes(self) -> bytes:
+        return _render(TorchArchive(self.common))
+
+    def _write_small(self, name: str, data: bytes) -> None:
+        """A whole small file, flushed, under its final name only once complete."""
+        path, tmp = self.iter_dir / name, self.iter_dir / f"{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self._created.append(tmp)
+        try:
+            pwrite_all(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        self._created[self._created.index(tmp)] = path
+
+
+def _object_key(key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """ShardedObject.unique_key: `<key>/shard_<offsets joined by .>_<shape joined by .>`."""
+    return f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
+
+
+def _check_cover(entry: _Key) -> None:
+    """The chunks of a key tile its global shape (stacked keys need every layer / expert present)."""
+    total = sum(math.prod(c.frame.slot.shape) for c in entry.chunks)
+    if total != math.prod(entry.shape):
+        lead = sorted({c.offsets[0] for c in entry.chunks})
+        raise MergeError(f"writing a torch_dist checkpoint: {entry.key} {list(entry.shape)} is not covered by the "
+                         f"tensors given (first-axis indices present: {lead[:12]})")
+
+
+def _render(archive: TorchArchive) -> bytes:
+    """The bytes of an archive without tensors (framed in an in-memory file)."""
+    fd = os.memfd_create("torch-archive", getattr(os, "MFD_CLOEXEC", 0)) if hasattr(os, "memfd_create") else None
+    if fd is None:
+        import tempfile
+
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+    try:
+        archive.write_frame(fd, 0)
+        archive.finish(fd, 0)
+        return os.pread(fd, archive.size, 0)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
