@@ -93,7 +93,8 @@ for name, entry in planned.hf.items():
             piece = piece[:, seg.col_start: seg.col_stop]
         for targets in dest.targets.values():
             for t in targets:
-                whole = shards.setdefault(id(t.slot), torch.zeros(t.slot.shape, dtype=t.slot.dtype))
+                slot = planned._slots[id(t)][1]
+                whole = shards.setdefault(id(slot), torch.zeros(slot.shape, dtype=slot.dtype))
                 whole[seg.shard_start: seg.shard_start + seg.rows] = piece
 for f in planned.files:
     models = []

@@ -17,20 +17,19 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from lora_merge.architectures import Architecture, iter_rules
-from lora_merge.architectures.base import HF_LAYER, MEGATRON_LAYER
+from lora_merge.architectures.base import MEGATRON_LAYER
 from lora_merge.errors import MergeError
-from lora_merge.layout import DUPLICATED_OR_COLUMN, Skip, VocabParallel, expected_shard_shape
+from lora_merge.layout import Skip, VocabParallel
 from lora_merge.model_shape import ModelShape
 from lora_merge.parallel_layout import ParallelLayout, RankFile
-from lora_merge.placement import Segment, hf_segments
 from lora_merge.readers.experts import is_expert_name
-from lora_merge.writers.torch_zip import TensorSlot, TorchArchive, pwrite_all
+from lora_merge.writers.row_scatter import Block, RowScatter, Target, target_shard_shapes, tensor_dtype
+from lora_merge.writers.torch_zip import TensorSlot, TorchArchive
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -47,57 +46,20 @@ class _File:
     fd: int | None = None
 
 
-@dataclass
-class _Target:
-    """One TP shard of a Megatron parameter in one file: where its bytes go and how many are still due."""
-
-    file: _File
-    slot: TensorSlot
-    row_bytes: int
-    due: int
-    offset: int = 0  # absolute file offset of the shard's data, once planned
-
-
-@dataclass
-class _Block:
-    """One expert's shard inside a GroupedMLP tensor (`weight1` [H, E·2F], `weight2` [E·F, H], expert-major,
-    each expert's block its shard transposed, in→out): its rows are gathered here, then written transposed."""
-
-    grouped: _Target  # the whole weight1/weight2 of that file
-    start: int  # byte offset of this expert's block in it
-    buffer: torch.Tensor | None
-    due: int
-
-    @property
-    def file(self) -> _File:
-        return self.grouped.file
-
-
-@dataclass
-class _Destination:
-    segment: Segment
-    targets: dict  # TP rank -> [_Target] (the same shard in every file holding it)
-
-
-@dataclass
-class _HfTensor:
-    destinations: list[_Destination] = field(default_factory=list)
-    next_row: int = 0
-
-
-class MegatronLegacyWriter:
-    """`write(hf_name, rows, then)` in each HF tensor's row order (tensors in any order), then `finish()`."""
+class MegatronLegacyWriter(RowScatter):
+    """`start(dir)`, then `write(hf_name, rows, then)` in each HF tensor's row order (tensors in any order),
+    then `finish()` (or `abort()`)."""
 
     def __init__(self, arch: Architecture, shape: ModelShape, layout: ParallelLayout, dtypes: dict, args,
                  padded_vocab: int, grouped_experts: bool = False):
-        self.layout, self.shape, self.args, self.grouped_experts = layout, shape, args, grouped_experts
-        self._grouped: dict = {}  # (file, chunk, name) -> the _Target of a GroupedMLP weight1/weight2
+        super().__init__(shape)
+        self.layout, self.args, self.grouped_experts = layout, args, grouped_experts
+        self._grouped: dict = {}  # (file, chunk, name) -> the Target of a GroupedMLP weight1/weight2
+        self._slots: dict = {}  # id(Target) -> (file, slot)
         self.out: Path | None = None
         files = {f: _File(f, Path(RELEASE, f.dir_name(layout), FILE_NAME), [OrderedDict() for _ in range(layout.vpp)])
                  for f in layout.rank_files()}
         self.files = list(files.values())
-        self.hf: dict[str, _HfTensor] = {}
-        self.targets: list[_Target] = []
         self.linears: set[str] = set()  # local module names of Megatron's parallel linears (they carry _extra_state)
         homes = layout.layer_homes(shape.num_layers)
         last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
@@ -142,47 +104,30 @@ class MegatronLegacyWriter:
     def _place(self, rule, hf_prefix, name, local_name, tp, dtypes, padded_vocab, files, chunk, block=None) -> None:
         if not files:
             raise MergeError(f"{name}: no rank file of the target layout holds it (layout error)")
-        parallel = "column" if rule.parallel == DUPLICATED_OR_COLUMN else rule.parallel
-        if isinstance(rule, VocabParallel):
-            shard_shapes = [(padded_vocab // tp, self.shape.hidden)] * tp
-        else:
-            shard_shapes = [expected_shard_shape(parallel, rule.global_shape(self.shape), tp,
-                                                 f"{name} at the target layout {self.layout}")] * tp
-        dtype = {dtypes[hf_prefix + n] for n in rule.hf_names()}
-        if len(dtype) != 1:
-            raise MergeError(f"{name}: its HF tensors come in different dtypes ({sorted(map(str, dtype))})")
-        dtype = dtype.pop()
+        shard_shapes = target_shard_shapes(rule, self.shape, tp, padded_vocab, f"{name} at the target layout {self.layout}")
+        dtype = tensor_dtype(rule, hf_prefix, dtypes, name)
         if rule.parallel != "replicated" and not local_name.startswith("embedding.") and block is None:
             self.linears.add(local_name.rsplit(".", 1)[0])
-        shard_targets: dict[int, list[_Target]] = {}
+        by_rank: dict[int, list] = {}
         for f in files:
             rank = f.rank.etp if tp != self.layout.tp else f.rank.tp
             shape = shard_shapes[rank]
             if block is not None:
-                target = self._expert_block(f, chunk, local_name, shape, dtype, block)
-                shard_targets.setdefault(rank, []).append(target)
-                self.targets.append(target)
+                by_rank.setdefault(rank, []).append(self._expert_block(f, chunk, local_name, shape, dtype, block))
                 continue
-            slot = TensorSlot(tuple(shape), dtype)
             if local_name in f.chunks[chunk]:
                 raise MergeError(f"{local_name}: planned twice in {f.path.parent.name} (layout error)")
-            f.chunks[chunk][local_name] = slot
-            row_bytes = slot.nbytes // shape[0] if shape[0] else 0
-            target = _Target(f, slot, row_bytes, slot.nbytes)
-            shard_targets.setdefault(rank, []).append(target)
-            self.targets.append(target)
-        for hf_name, segments in hf_segments(rule, self.shape, shard_shapes, name).items():
-            entry = self.hf.setdefault(hf_prefix + hf_name, _HfTensor())
-            for seg in segments:
-                ranks = range(tp) if seg.rank is None else [seg.rank]
-                entry.destinations.append(_Destination(seg, {r: shard_targets.get(r, []) for r in ranks}))
-        if isinstance(rule, VocabParallel):  # padding rows past the vocabulary stay zero: not due
-            for rank, targets in shard_targets.items():
-                real = max(0, min(self.shape.vocab - rank * shard_shapes[0][0], shard_shapes[0][0]))
-                for t in targets:
-                    t.due = real * t.row_bytes
+            by_rank.setdefault(rank, []).append(self._tensor(f, chunk, local_name, tuple(shape), dtype))
+        self.route(rule, hf_prefix, name, shard_shapes, by_rank)
 
-    def _expert_block(self, f: _File, chunk: int, name: str, shard: tuple, dtype, k: int) -> _Block:
+    def _tensor(self, f: _File, chunk: int, name: str, shape: tuple, dtype) -> Target:
+        slot = TensorSlot(shape, dtype)
+        f.chunks[chunk][name] = slot
+        target = Target(slot.nbytes // shape[0] if shape and shape[0] else 0, slot.nbytes)
+        self._slots[id(target)] = (f, slot)
+        return target
+
+    def _expert_block(self, f: _File, chunk: int, name: str, shard: tuple, dtype, k: int) -> Block:
         """Expert k's block of a file's GroupedMLP weight1/weight2 (planned with the first expert met)."""
         local = self.shape.moe.num_experts // self.layout.ep
         rows, cols = shard  # the Megatron shard [out, in]; the block holds it transposed
@@ -190,12 +135,10 @@ class MegatronLegacyWriter:
         grouped = self._grouped.get(key)
         if grouped is None:
             whole = (cols, local * rows) if name.endswith("weight1") else (local * cols, rows)
-            slot = TensorSlot(whole, dtype)
-            f.chunks[chunk][name] = slot
-            grouped = self._grouped[key] = _Target(f, slot, 0, slot.nbytes)
+            grouped = self._grouped[key] = self._tensor(f, chunk, name, whole, dtype)
             self.targets.append(grouped)
         nbytes = rows * cols * dtype.itemsize
-        return _Block(grouped, k * nbytes, None, nbytes)
+        return Block(grouped, k * nbytes, nbytes)
 
     # --- writing ------------------------------------------------------------------------------------
 
@@ -213,61 +156,16 @@ class MegatronLegacyWriter:
             os.ftruncate(f.fd, f.archive.size)
             f.archive.write_frame(f.fd, 0)
         for t in self.targets:
-            if isinstance(t, _Block):
+            if isinstance(t, Block):
                 continue
-            t.offset = t.file.archive.data_offset(t.slot)
+            f, slot = self._slots[id(t)]
+            t.fd, t.offset = f.fd, f.archive.data_offset(slot)
+            t.done = lambda f=f, slot=slot: f.archive.finish_member(f.fd, 0, slot)
             if t.due == 0:
-                t.file.archive.finish_member(t.file.fd, 0, t.slot)
-
-    def write(self, name: str, rows: torch.Tensor, then=None) -> None:
-        entry = self.hf.get(name)
-        if entry is None:
-            raise MergeError(f"{name}: not a tensor of the target Megatron layout (plan error)")
-        start, stop = entry.next_row, entry.next_row + rows.shape[0]
-        for dest in entry.destinations:
-            seg = dest.segment
-            lo, hi = max(start, seg.hf_start), min(stop, seg.hf_start + seg.rows)
-            if lo >= hi:
-                continue
-            piece = rows[lo - start: hi - start]
-            if seg.col_start is not None:
-                piece = piece[:, seg.col_start: seg.col_stop]
-            data = piece.contiguous().view(torch.uint8).numpy()
-            for targets in dest.targets.values():
-                for t in targets:
-                    if isinstance(t, _Block):
-                        self._gather(t, piece, seg.shard_start + lo - seg.hf_start)
-                        continue
-                    pwrite_all(t.file.fd, data, t.offset + (seg.shard_start + lo - seg.hf_start) * t.row_bytes)
-                    t.due -= data.nbytes
-                    if t.due == 0:
-                        t.file.archive.finish_member(t.file.fd, 0, t.slot)
-                    elif t.due < 0:
-                        raise MergeError(f"{name}: rows written twice into {self.out / t.file.path} (plan error)")
-        entry.next_row = stop
-        if then is not None:
-            then()
-
-    def _gather(self, block: _Block, piece: torch.Tensor, row: int) -> None:
-        if block.buffer is None:
-            rows = block.due // (piece.shape[1] * piece.element_size())
-            block.buffer = torch.empty((rows, piece.shape[1]), dtype=piece.dtype)
-        block.buffer[row: row + piece.shape[0]] = piece
-        block.due -= piece.numel() * piece.element_size()
-        if block.due == 0:
-            data = block.buffer.t().contiguous().view(torch.uint8).numpy()
-            grouped = block.grouped
-            pwrite_all(grouped.file.fd, data, grouped.offset + block.start)
-            grouped.due -= data.nbytes
-            block.buffer = None
-            if grouped.due == 0:
-                grouped.file.archive.finish_member(grouped.file.fd, 0, grouped.slot)
+                t.done()
 
     def finish(self) -> list[str]:
-        unwritten = [t for t in self.targets if t.due]
-        if unwritten:
-            raise MergeError(f"{self.out / unwritten[0].file.path}: {len(unwritten)} tensor shard(s) not completely written "
-                             "(plan error); nothing published")
+        self.check_complete(self.out)
         for f in self.files:
             f.archive.finish(f.fd, 0)
             os.fsync(f.fd)

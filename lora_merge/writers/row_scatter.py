@@ -1,0 +1,152 @@
+"""HF row pieces scattered into Megatron tensors on disk, in constant memory.
+
+A Megatron writer plans its files first (every tensor's bytes get a span in some file) and registers each
+span here as a `Target`; `route` then asks the layout rule, run backwards (`placement`), which rows of which
+HF tensor go where. As row pieces stream in, each is cut into the segments it covers and written with
+pwrite, straight into every file holding that shard. A target reports `done` once its last byte is written,
+so its CRC32 is taken while the bytes are still in the page cache. GroupedMLP experts, stored transposed,
+gather one expert's rows (`Block`) and are written when complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.layout import DUPLICATED_OR_COLUMN, VocabParallel, expected_shard_shape
+from lora_merge.placement import Segment, hf_segments
+from lora_merge.writers.torch_zip import pwrite_all
+
+
+@dataclass(eq=False)
+class Target:
+    """One Megatron tensor (a TP shard of a parameter) in a file: C order, `row_bytes` per row."""
+
+    row_bytes: int
+    due: int  # bytes still to be written
+    done: Callable[[], None] | None = None  # called once every byte is written
+    fd: int | None = None  # set when the file is open
+    offset: int = 0  # absolute file offset of its first byte
+
+
+@dataclass(eq=False)
+class Block:
+    """One expert's shard inside a GroupedMLP tensor (`weight1` [H, E·2F], `weight2` [E·F, H], expert-major,
+    each expert's block its shard transposed, in→out): its rows are gathered, then written transposed."""
+
+    grouped: Target  # the whole weight1/weight2 of that file
+    start: int  # byte offset of this expert's block in it
+    due: int
+    buffer: torch.Tensor | None = None
+
+
+@dataclass
+class _Destination:
+    segment: Segment
+    targets: dict  # TP rank -> [Target | Block] (the same shard in every file holding it)
+
+
+@dataclass
+class _HfTensor:
+    destinations: list[_Destination] = field(default_factory=list)
+    next_row: int = 0
+
+
+def target_shard_shapes(rule, shape, tp: int, padded_vocab: int, where: str) -> list[tuple[int, ...]]:
+    """Each TP rank's shard shape of a parameter at the target: the vocabulary padded, MLA's
+    down-projections column-parallel (Megatron-Core's local spec builds them so)."""
+    if isinstance(rule, VocabParallel):
+        return [(padded_vocab // tp, shape.hidden)] * tp
+    parallel = "column" if rule.parallel == DUPLICATED_OR_COLUMN else rule.parallel
+    return [expected_shard_shape(parallel, rule.global_shape(shape), tp, where)] * tp
+
+
+def tensor_dtype(rule, hf_prefix: str, dtypes: dict, name: str) -> torch.dtype:
+    """The dtype a parameter is written in: its HF tensors' (the plan's), which must agree."""
+    found = {dtypes[hf_prefix + n] for n in rule.hf_names()}
+    if len(found) != 1:
+        raise MergeError(f"{name}: its HF tensors come in different dtypes ({sorted(map(str, found))})")
+    return found.pop()
+
+
+class RowScatter:
+    """`write(hf_name, rows, then)` in each HF tensor's row order (tensors in any order)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+        self.hf: dict[str, _HfTensor] = {}
+        self.targets: list[Target | Block] = []
+
+    def route(self, rule, hf_prefix: str, name: str, shard_shapes: list[tuple[int, ...]], by_rank: dict) -> None:
+        """Send the rule's HF rows to `by_rank[rank]` (the targets holding that TP rank's shard)."""
+        for target in (t for targets in by_rank.values() for t in targets):
+            self.targets.append(target)
+        tp = len(shard_shapes)
+        for hf_name, segments in hf_segments(rule, self.shape, shard_shapes, name).items():
+            entry = self.hf.setdefault(hf_prefix + hf_name, _HfTensor())
+            for seg in segments:
+                ranks = range(tp) if seg.rank is None else [seg.rank]
+                entry.destinations.append(_Destination(seg, {r: by_rank.get(r, []) for r in ranks}))
+        if isinstance(rule, VocabParallel):  # padding rows past the vocabulary stay zero: never due
+            rows = shard_shapes[0][0]
+            for rank, targets in by_rank.items():
+                real = max(0, min(self.shape.vocab - rank * rows, rows))
+                for t in targets:
+                    t.due = real * t.row_bytes
+
+    def write(self, name: str, rows: torch.Tensor, then=None) -> None:
+        entry = self.hf.get(name)
+        if entry is None:
+            raise MergeError(f"{name}: not a tensor of the target Megatron layout (plan error)")
+        start, stop = entry.next_row, entry.next_row + rows.shape[0]
+        for dest in entry.destinations:
+            seg = dest.segment
+            lo, hi = max(start, seg.hf_start), min(stop, seg.hf_start + seg.rows)
+            if lo >= hi:
+                continue
+            piece = rows[lo - start: hi - start]
+            if seg.col_start is not None:
+                piece = piece[:, seg.col_start: seg.col_stop]
+            row = seg.shard_start + lo - seg.hf_start
+            data = None
+            for targets in dest.targets.values():
+                for t in targets:
+                    if isinstance(t, Block):
+                        self._gather(t, piece, row)
+                        continue
+                    if data is None:
+                        data = piece.contiguous().view(torch.uint8).numpy()
+                    pwrite_all(t.fd, data, t.offset + row * t.row_bytes)
+                    self._written(t, data.nbytes, name)
+        entry.next_row = stop
+        if then is not None:
+            then()
+
+    def _written(self, t: Target, nbytes: int, name: str) -> None:
+        t.due -= nbytes
+        if t.due == 0:
+            if t.done is not None:
+                t.done()
+        elif t.due < 0:
+            raise MergeError(f"{name}: rows written twice (plan error)")
+
+    def _gather(self, block: Block, piece: torch.Tensor, row: int) -> None:
+        if block.buffer is None:
+            rows = block.due // (piece.shape[1] * piece.element_size())
+            block.buffer = torch.empty((rows, piece.shape[1]), dtype=piece.dtype)
+        block.buffer[row: row + piece.shape[0]] = piece
+        block.due -= piece.numel() * piece.element_size()
+        if block.due == 0:
+            data = block.buffer.t().contiguous().view(torch.uint8).numpy()
+            block.buffer = None
+            pwrite_all(block.grouped.fd, data, block.grouped.offset + block.start)
+            self._written(block.grouped, data.nbytes, "a GroupedMLP expert")
+
+    def check_complete(self, where) -> None:
+        unwritten = [t for t in self.targets if t.due]
+        if unwritten:
+            raise MergeError(f"{where}: {len(unwritten)} tensor(s) not completely written (plan error); nothing "
+                             "published")
