@@ -399,10 +399,11 @@ def _run_to_megatron(api, opts, console: Console) -> int:
     verb = "would write" if s.dry_run else "wrote"
     out(f"{verb} a Megatron {s.ckpt_format} checkpoint, {s.layout}, padded vocab {s.padded_vocab_size}: "
         f"{s.tensors} tensor shards, {s.bytes / 1e9:.3f} GB as {s.dtype}"
-        + ("" if s.dry_run else f" in {len(s.files) - 1} rank file(s) to {s.out} in {s.seconds:.1f} s"))
+        + ("" if s.dry_run else f" to {s.out} in {s.seconds:.1f} s"))
     if not s.dry_run:
-        out("load it with: --load " + str(s.out) + " --ckpt-format torch --transformer-impl local --finetune "
-            "--no-load-optim --no-load-rng, and the layout's parallel sizes")
+        out(f"load it with: --load {s.out} --ckpt-format {s.ckpt_format} --transformer-impl local --finetune "
+            "--no-load-optim --no-load-rng" + (", at any layout (the torch_dist loader reshards)"
+                                              if s.ckpt_format == "torch_dist" else ", at this layout"))
     for name in s.files:
         console.detail(f"  {name}")
     return 0

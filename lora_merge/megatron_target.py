@@ -63,9 +63,6 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     started = time.monotonic()
     if target.ckpt_format not in CKPT_FORMATS:
         raise MergeError(f"--ckpt-format {target.ckpt_format!r}: expected one of {', '.join(CKPT_FORMATS)}")
-    if target.ckpt_format == "torch_dist":
-        raise MergeError("--ckpt-format torch_dist: writing torch_dist checkpoints is not supported yet; write "
-                         "--ckpt-format torch (Megatron and MindSpeed-LLM load it at this layout)")
     if target.expert_layout not in EXPERT_LAYOUTS:
         raise MergeError(f"--expert-layout {target.expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
     _check_input_dirs(opts)
@@ -103,10 +100,15 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
                   "no MTP layers (train or serve it without --mtp-num-layers)")
     padded = padded_vocab_size(shape.vocab, layout.tp, target.make_vocab_size_divisible_by, target.padded_vocab_size)
     args = target_args(shape, layout, dtype, padded, target.make_vocab_size_divisible_by,
-                       target.expert_layout == "grouped", source=source_args)
+                       target.expert_layout == "grouped", source=source_args, ckpt_format=target.ckpt_format)
     dtypes = {t.name: t.dtype for t in plan.tensors}
-    writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded,
-                                  grouped_experts=target.expert_layout == "grouped")
+    if target.ckpt_format == "torch_dist":
+        from lora_merge.writers.megatron_dist import MegatronDistOutput  # torch.distributed.checkpoint: only here
+
+        writer = MegatronDistOutput(inp.arch, shape, dtypes, args, padded)
+    else:
+        writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded,
+                                      grouped_experts=target.expert_layout == "grouped")
     missing = sorted(set(writer.hf) - set(dtypes))
     extra = sorted(set(dtypes) - set(writer.hf))
     if missing or extra:

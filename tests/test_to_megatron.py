@@ -173,3 +173,17 @@ def test_a_base_written_at_its_own_layout_is_what_megatron_saved(tmp_path, fixtu
                     assert not ours[chunk][name][keep:].any()
                 else:
                     assert ours[chunk][name].dtype == value.dtype and torch.equal(ours[chunk][name], value), (rank, name)
+
+
+@pytest.mark.parametrize("fixture", [DENSE, MOE, MLA])
+def test_torch_dist_round_trips_byte_identical(tmp_path, fixture):
+    """HF → torch_dist → HF, and torch_dist → legacy TP2 → torch_dist again: the same bytes."""
+    to_hf(fixture / "base", fixture, tmp_path / "hf", lora=fixture / "lora")
+    lora_merge.to_megatron(base=tmp_path / "hf", out=tmp_path / "dist", ckpt_format="torch_dist", warn=quiet)
+    assert {"common.pt", "metadata.json", ".metadata"} <= set(os.listdir(tmp_path / "dist/release"))
+    to_hf(tmp_path / "dist", fixture, tmp_path / "back")
+    assert filecmp.cmp(tmp_path / "hf/model.safetensors", tmp_path / "back/model.safetensors", shallow=False)
+    lora_merge.to_megatron(base=tmp_path / "dist", hf_ref=fixture / "hf_ref", out=tmp_path / "tp2", tp=2, warn=quiet)
+    lora_merge.to_megatron(base=tmp_path / "tp2", hf_ref=fixture / "hf_ref", out=tmp_path / "dist2",
+                           ckpt_format="torch_dist", warn=quiet)
+    same_tree(tmp_path / "dist", tmp_path / "dist2")

@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from lora_merge.errors import MergeError
 from lora_merge.writers.torch_zip import TensorSlot, TorchArchive, pwrite_all
+from lora_merge.writers.row_scatter import RowScatter, Target, target_shard_shapes, tensor_dtype
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -561,3 +562,54 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class MegatronDistOutput(RowScatter):
+    """`--ckpt-format torch_dist`: the whole model as TP=1 global tensors in a DistCheckpointWriter (the
+    torch_dist loader reshards to whatever layout loads it), filled from HF row pieces as they stream.
+    Same interface as the legacy writer: `start(dir)`, `write`, `finish()`, `abort()`."""
+
+    def __init__(self, arch, shape, dtypes: dict, args, padded_vocab: int):
+        from lora_merge.architectures import iter_rules
+        from lora_merge.layout import Skip
+
+        super().__init__(shape)
+        self.args, self.out, self.writer = args, None, None
+        self.tensors: list[DistTensor] = []
+        self._named: list[tuple[str, Target]] = []
+        for rule, names, hf_prefix in iter_rules(arch, shape):
+            if isinstance(rule, Skip):
+                continue
+            name = names[0]
+            shard_shapes = target_shard_shapes(rule, shape, 1, padded_vocab, name)
+            dtype = tensor_dtype(rule, hf_prefix, dtypes, name)
+            size = shard_shapes[0]
+            nbytes = dtype.itemsize * math.prod(size)
+            target = Target(nbytes // size[0] if size and size[0] else 0, nbytes)
+            self.tensors.append(DistTensor(name, tuple(size), dtype))
+            self._named.append((name, target))
+            self.route(rule, hf_prefix, name, shard_shapes, {0: [target]})
+        self.facts = DistModelFacts.from_args(args)
+        self.total_bytes = sum(t.due for _, t in self._named)  # data; the frame adds little
+
+    def start(self, out: Path) -> None:
+        self.out = Path(out)
+        common = {"args": self.args, "checkpoint_version": 3.0, "iteration": 0}
+        self.writer = DistCheckpointWriter(self.out / "release", self.tensors, common, self.facts)
+        for name, target in self._named:
+            target.fd, target.offset = self.writer.region(name)
+            target.done = lambda name=name: self.writer.done(name)
+            if target.due == 0:
+                target.done()
+
+    def finish(self) -> list[str]:
+        self.check_complete(self.out)
+        self.writer.finish()
+        with open(self.out / "latest_checkpointed_iteration.txt", "x") as tracker:
+            tracker.write("release")
+        return ["latest_checkpointed_iteration.txt"] + sorted(
+            str(p.relative_to(self.out)) for p in (self.out / "release").iterdir())
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
