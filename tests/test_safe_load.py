@@ -45,7 +45,12 @@ def test_real_megatron_checkpoint_loads_with_stand_ins():
     # A rank file written by the real megatron-core: its args carry Megatron enums and its rng_state numpy
     # arrays. Neither Megatron nor any numpy code is needed to read it.
     path = next(FIXTURES.glob("tp2_fp32_filtered/lora/iter_0000010/mp_rank_00/model_optim_rng.pt"))
-    unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    theirs = torch.serialization.get_safe_globals()  # megatron, once imported in this process, adds its enums
+    torch.serialization.clear_safe_globals()
+    try:
+        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    finally:
+        torch.serialization.add_safe_globals(theirs)
     assert "megatron.core.enums.ModelType" in unsafe
     state = load_pt(path)
     assert state["args"].tensor_model_parallel_size == 2
