@@ -4,9 +4,10 @@ which expert-parallel rank, and which rank files a legacy checkpoint of this lay
 
 Megatron orders ranks tensor-parallel fastest, then data-parallel, then pipeline; the experts' grid is
 expert-tensor-parallel fastest, then expert-parallel, then expert-data-parallel (megatron.core's
-RankGenerator orders "tp-cp-ep-dp-pp" and "tp-ep-dp-pp"). A legacy checkpoint is saved by the ranks of
-expert-data-parallel rank 0, one file per (TP rank, PP rank, EP rank) they hold; with ETP=1 < TP that grid is
-sparse (TP=2, EP=2: only mp_rank_00_000 and mp_rank_01_001).
+RankGenerator orders "tp-cp-ep-dp-pp" and "tp-ep-dp-pp"). On load every rank opens the file of its own
+(TP rank, PP rank, EP rank); with ETP=1 < TP that grid is sparse (TP=2, EP=2: only mp_rank_00_000 and
+mp_rank_01_001). Megatron 0.16.1 saves from expert-data-parallel rank 0 only, which for TP=4 ETP=1 EP=2
+leaves files that ranks load unwritten (it cannot reload its own save); we write every file a rank opens.
 """
 
 from __future__ import annotations
@@ -84,13 +85,13 @@ class ParallelLayout:
         return self.pp * math.lcm(self.tp, self.etp * self.ep)
 
     def rank_files(self) -> list[RankFile]:
-        """The files a legacy save of this layout writes, in rank order."""
+        """The files the ranks of this layout load, in rank order."""
         per_stage, files, seen = self.world // self.pp, [], set()
         for pp in range(self.pp):
             for local in range(per_stage):
                 tp, etp = local % self.tp, local % self.etp
-                ep, edp = (local // self.etp) % self.ep, local // (self.etp * self.ep)
-                if edp == 0 and (tp, pp, ep) not in seen:
+                ep = (local // self.etp) % self.ep
+                if (tp, pp, ep) not in seen:
                     seen.add((tp, pp, ep))
                     files.append(RankFile(tp, pp, ep, etp))
         return files

@@ -187,3 +187,11 @@ def test_torch_dist_round_trips_byte_identical(tmp_path, fixture):
     lora_merge.to_megatron(base=tmp_path / "tp2", hf_ref=fixture / "hf_ref", out=tmp_path / "dist2",
                            ckpt_format="torch_dist", warn=quiet)
     same_tree(tmp_path / "dist", tmp_path / "dist2")
+
+
+def test_every_file_a_rank_loads_is_written_even_where_megatron_016_saves_fewer(tmp_path):
+    """TP=4, ETP=1, EP=2: ranks 2 and 3 open mp_rank_02_000 and mp_rank_03_001, which megatron-core 0.16.1's
+    save (expert-data-parallel rank 0 only) leaves out; we write them."""
+    lora_merge.to_megatron(base=MOE / "base", hf_ref=MOE / "hf_ref", out=tmp_path / "mg", tp=4, ep=2, etp=1,
+                           warn=quiet)
+    assert files_of(tmp_path / "mg/release") == [f"mp_rank_0{t}_00{t % 2}/model_optim_rng.pt" for t in range(4)]
