@@ -326,14 +326,7 @@ def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.
     job = dict(ckpt=str(ckpt.resolve()), fmt=ckpt_format, grouped=expert_layout == "grouped", spec=spec,
                exact_keys=bool(exact_keys), layout=lay, world=world, timeout=float(timeout))
 
-    import multiprocessing
-
-    if START_METHOD in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD + [__name__])  # (no effect once the server runs)
-    else:
-        ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="megatron_oracle_") as tmp:
         port = _free_port()
         procs = [ctx.Process(target=_rank_main, args=(r, port, job, input_ids, tmp), daemon=True,
@@ -352,6 +345,51 @@ def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.
         return _collect(tmp)
 
 
+def _context():
+    import multiprocessing
+
+    if START_METHOD not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD + [__name__])  # (no effect once the server runs)
+    return ctx
+
+
+def run_isolated(fn, *args, timeout: float = 120.0):
+    """fn(*args) in a child process started like the ranks; its (picklable) return value comes back, its
+    exception as MegatronOracleError. For checkpoint surgery in tests: unpickling a Megatron rank file imports
+    megatron.core, and importing megatron.core adds Namespace, numpy arrays, BytesIO, PosixPath, ... to
+    torch's process-wide weights_only allow-list (megatron/core/safe_globals.py), which a test process that
+    checks weights-only loading must not get. The oracle never imports megatron in the calling process."""
+    import pickle
+
+    with tempfile.TemporaryDirectory(prefix="megatron_oracle_") as tmp:
+        p = _context().Process(target=_isolated_main, args=(fn, args, tmp), daemon=True)
+        try:
+            p.start()
+            _wait([p], tmp, timeout, what="isolated call")
+        finally:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
+            if p.pid is not None:
+                p.join(5)
+        return pickle.loads(Path(tmp, "result.pkl").read_bytes())
+
+
+def _isolated_main(fn, args, tmp: str):
+    import pickle
+
+    try:
+        Path(tmp, "result.pkl").write_bytes(pickle.dumps(fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the caller
+        rec = dict(rank=0, time=time.time(), summary=f"{type(e).__name__}: {e}"[:2000],
+                   traceback=traceback.format_exc())
+        Path(tmp, "error_0.json").write_text(json.dumps(rec))
+        os._exit(1)
+    os._exit(0)
+
+
 def _errors(tmp: str) -> list[dict]:
     out = []
     for f in sorted(Path(tmp).glob("error_*.json")):
@@ -362,14 +400,14 @@ def _errors(tmp: str) -> list[dict]:
     return sorted(out, key=lambda e: e["time"])
 
 
-def _raise_errors(errs: list[dict], extra: str = ""):
+def _raise_errors(errs: list[dict], extra: str = "", what: str = "Megatron rank"):
     first = errs[0]
     others = "".join(f"\n  then rank {e['rank']}: {e['summary']}" for e in errs[1:])
-    raise MegatronOracleError(f"Megatron rank {first['rank']} failed: {first['summary']}{extra}{others}\n"
-                              f"--- rank {first['rank']} traceback ---\n{first['traceback']}")
+    raise MegatronOracleError(f"{what} {first['rank']} failed: {first['summary']}{extra}{others}\n"
+                              f"--- {what} {first['rank']} traceback ---\n{first['traceback']}")
 
 
-def _wait(procs, tmp: str, timeout: float):
+def _wait(procs, tmp: str, timeout: float, what: str = "Megatron rank"):
     deadline = time.monotonic() + timeout
     while True:
         codes = [p.exitcode for p in procs]
@@ -383,16 +421,16 @@ def _wait(procs, tmp: str, timeout: float):
                 time.sleep(0.05)
             errs = _errors(tmp)
             if errs:
-                _raise_errors(errs)
+                _raise_errors(errs, what=what)
             r, c = bad[0]
-            raise MegatronOracleError(f"Megatron rank {r} died with exit code {c} without a Python error "
+            raise MegatronOracleError(f"{what} {r} died with exit code {c} without a Python error "
                                       "(killed, out of memory or a crash in native code)")
         if time.monotonic() > deadline:
             alive = [r for r, c in enumerate(codes) if c is None]
             errs = _errors(tmp)
-            msg = f"Megatron ranks {alive} still running after {timeout:.0f} s (killed)"
+            msg = f"{what}s {alive} still running after {timeout:.0f} s (killed)"
             if errs:
-                _raise_errors(errs, f" [{msg}]")
+                _raise_errors(errs, f" [{msg}]", what)
             raise MegatronOracleTimeout(msg)
         time.sleep(0.05)
 

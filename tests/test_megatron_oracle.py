@@ -2,8 +2,10 @@
 into the real megatron-core GPTModel at their own layout gives back the Megatron logits the generators
 recorded (logits.pt 'logits_base'), and broken checkpoints fail loudly, naming the rank."""
 
+import functools
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import psutil
@@ -16,6 +18,7 @@ from megatron_oracle import (
     legacy_rank_dirs,
     megatron_logits,
     model_spec,
+    run_isolated,
     world_size,
 )
 
@@ -65,10 +68,56 @@ def copy_base(name: str, tmp_path: Path) -> Path:
     return dst
 
 
-def edit_rank_file(path: Path, edit):
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    edit(state)
-    torch.save(state, path)
+def _edit_rank_files(paths: list, edit):
+    for path in paths:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        edit(state)
+        torch.save(state, path)
+
+
+def edit_rank_files(paths, edit, *args):
+    """edit(state, *args) on each Megatron rank file, in a child process: unpickling one imports megatron.core,
+    which must stay out of this process (see run_isolated). edit must be a module-level function."""
+    run_isolated(_edit_rank_files, [Path(p) for p in paths], functools.partial(edit, *args) if args else edit)
+
+
+# edits (module-level: they run in the child process)
+
+def drop_key(key, state):
+    state["model"].pop(key)
+
+
+def drop_extra_states(state):
+    for k in [k for k in state["model"] if k.endswith("_extra_state")]:
+        assert state["model"].pop(k) is None
+
+
+def drop_last_column(key, state):
+    state["model"][key] = state["model"][key][:, :-1].clone()
+
+
+def scale(key, factor, state):
+    state["model"][key] = state["model"][key] * factor
+
+
+def set_version(version, state):
+    state["checkpoint_version"] = version
+
+
+def grouped_weight1_by_column_blocks(state):
+    for k, w in state["model"].items():
+        if k.endswith("mlp.experts.weight1"):
+            H = w.shape[0]
+            per_expert = w.view(2, H, -1)  # (E_loc, H, 2F): what GroupedMLP reads
+            state["model"][k] = per_expert.permute(1, 0, 2).reshape(H, -1).contiguous()
+
+
+@pytest.fixture(autouse=True)
+def _megatron_stays_out_of_this_process():
+    """Importing megatron.core widens torch's weights_only allow-list for the whole process (Namespace, numpy
+    arrays, BytesIO, ...), which other tests of the suite check the loading without."""
+    yield
+    assert "megatron" not in sys.modules
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -116,7 +165,7 @@ def test_legacy_rank_dir_rule():
 def test_missing_key_names_the_rank(tmp_path):
     ck = copy_base("dense_tp2pp2", tmp_path)
     key = "decoder.layers.1.self_attention.linear_qkv.bias"
-    edit_rank_file(ck / "mp_rank_01_000" / "model_optim_rng.pt", lambda s: s["model"].pop(key))
+    edit_rank_files([ck / "mp_rank_01_000" / "model_optim_rng.pt"], drop_key, key)
     _, hf, ref = load_case("dense_tp2pp2")
     for exact in (True, False):
         with pytest.raises(MegatronOracleError) as e:
@@ -130,12 +179,7 @@ def test_extra_state_is_written_by_megatron_but_not_needed_to_load(tmp_path):
     """Megatron's save writes '<linear>._extra_state' (None) for every local-spec linear; its load fills a
     missing one in (ColumnParallelLinear / RowParallelLinear load pre-hook)."""
     ck = copy_base("qwen3moe_tp2_ep2_etp1", tmp_path)
-
-    def edit(s):
-        for k in [k for k in s["model"] if k.endswith("_extra_state")]:
-            assert s["model"].pop(k) is None
-
-    edit_rank_file(ck / "mp_rank_00_000" / "model_optim_rng.pt", edit)
+    edit_rank_files([ck / "mp_rank_00_000" / "model_optim_rng.pt"], drop_extra_states)
     _, hf, ref = load_case("qwen3moe_tp2_ep2_etp1")
     with pytest.raises(MegatronOracleError, match=r"rank 0 .*missing \['decoder.layers.0.mlp.experts.local_experts"
                                                   r".0.linear_fc1._extra_state'.*pass exact_keys=False"):
@@ -147,11 +191,7 @@ def test_extra_state_is_written_by_megatron_but_not_needed_to_load(tmp_path):
 def test_shape_mismatch_names_the_rank(tmp_path):
     ck = copy_base("qwen3moe_tp2_ep2_etp1", tmp_path)
     key = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"
-
-    def edit(s):
-        s["model"][key] = s["model"][key][:, :-1].clone()
-
-    edit_rank_file(ck / "mp_rank_01_001" / "model_optim_rng.pt", edit)
+    edit_rank_files([ck / "mp_rank_01_001" / "model_optim_rng.pt"], drop_last_column, key)
     _, hf, ref = load_case("qwen3moe_tp2_ep2_etp1")
     with pytest.raises(MegatronOracleError) as e:
         megatron_logits(ck, hf, dict(tp=2, ep=2, etp=1), ref["input_ids"])
@@ -171,11 +211,7 @@ def test_missing_rank_file(tmp_path):
 def test_replicas_that_disagree_are_an_error(tmp_path):
     """EP ranks are data-parallel replicas of the non-expert model, each loading its own file's copy."""
     ck = copy_base("qwen3moe_grouped_ep2", tmp_path)
-
-    def edit(s):
-        s["model"]["decoder.final_layernorm.weight"] = s["model"]["decoder.final_layernorm.weight"] * 1.01
-
-    edit_rank_file(ck / "mp_rank_00_001" / "model_optim_rng.pt", edit)
+    edit_rank_files([ck / "mp_rank_00_001" / "model_optim_rng.pt"], scale, "decoder.final_layernorm.weight", 1.01)
     _, hf, ref = load_case("qwen3moe_grouped_ep2")
     with pytest.raises(MegatronOracleError, match="computed different logits"):
         megatron_logits(ck, hf, dict(ep=2, etp=1), ref["input_ids"], expert_layout="grouped")
@@ -187,8 +223,7 @@ def test_args_must_agree_with_the_model(tmp_path):
     with pytest.raises(MegatronOracleError, match=r"args.moe_grouped_gemm = True, expected False"):
         megatron_logits(ck, hf, dict(ep=2, etp=1), ref["input_ids"])
     ck = copy_base("dense_tp2pp2", tmp_path)
-    for d in ck.iterdir():
-        edit_rank_file(d / "model_optim_rng.pt", lambda s: s.update(checkpoint_version=2.0))
+    edit_rank_files([d / "model_optim_rng.pt" for d in ck.iterdir()], set_version, 2.0)
     _, hf, ref = load_case("dense_tp2pp2")
     with pytest.raises(MegatronOracleError, match="checkpoint_version 2.0"):
         megatron_logits(ck, hf, dict(tp=2, pp=2), ref["input_ids"])
@@ -198,16 +233,7 @@ def test_grouped_weights_are_read_by_megatrons_own_view(tmp_path):
     """weight1 laid out by column blocks ([H, E_loc, 2F] instead of GroupedMLP's (E_loc, H, 2F) view) loads
     (same shape) but computes other logits: the oracle runs GroupedMLP's own forward."""
     ck = copy_base("qwen3moe_grouped_ep2", tmp_path)
-
-    def edit(s):
-        for k, w in s["model"].items():
-            if k.endswith("mlp.experts.weight1"):
-                H = w.shape[0]
-                per_expert = w.view(2, H, -1)  # (E_loc, H, 2F): what Megatron reads
-                s["model"][k] = per_expert.permute(1, 0, 2).reshape(H, -1).contiguous()
-
-    for d in ck.iterdir():
-        edit_rank_file(d / "model_optim_rng.pt", edit)
+    edit_rank_files([d / "model_optim_rng.pt" for d in ck.iterdir()], grouped_weight1_by_column_blocks)
     _, hf, ref = load_case("qwen3moe_grouped_ep2")
     logits = megatron_logits(ck, hf, dict(ep=2, etp=1), ref["input_ids"], expert_layout="grouped")
     assert (logits - ref["logits_base"]).abs().max().item() > 1e-2
@@ -237,3 +263,9 @@ def test_refuses_what_it_cannot_translate():
         megatron_logits(ck, hf, dict(tp=2, pp=2), ref["input_ids"], ckpt_format="torch_dist")
     with pytest.raises(ValueError, match="vocabulary"):
         megatron_logits(ck, hf, dict(tp=2, pp=2), ref["input_ids"] + hf["vocab_size"])
+
+
+def test_run_isolated():
+    assert run_isolated(sorted, [3, 1, 2]) == [1, 2, 3]
+    with pytest.raises(MegatronOracleError, match=r"isolated call 0 failed: ValueError: invalid literal"):
+        run_isolated(int, "x")
