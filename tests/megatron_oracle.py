@@ -72,7 +72,8 @@ legacy checkpoint (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``t
 (below 3.0 Megatron reorders the QKV rows on load) and ``iteration``. Where present, the args must also agree
 on ``expert_model_parallel_size``, ``expert_tensor_parallel_size``, ``virtual_pipeline_model_parallel_size``,
 ``num_experts`` and ``moe_grouped_gemm`` (Megatron builds its model from args: a disagreeing field builds
-another model). For torch_dist the args and content metadata come from the checkpoint's common state.
+another model). For torch_dist the args and content metadata come from the checkpoint's common state, and
+the saving run's layout fields are not compared: it loads at any layout (resharding), as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -616,8 +617,10 @@ def _mla_core_attention():
     return MLADotProductAttention
 
 
-def _check_args(state: dict, spec: dict, lay: dict, grouped: bool, vpad: int, where: str):
-    """The checkpoint fields Megatron-LM reads / asserts on load, against the model and layout (ARGS_DOC)."""
+def _check_args(state: dict, spec: dict, lay: dict, grouped: bool, vpad: int, where: str, dist: bool):
+    """The checkpoint fields Megatron-LM reads / asserts on load, against the model and layout (ARGS_DOC).
+    torch_dist holds global tensors and loads at any layout and expert implementation: there the saving run's
+    parallel sizes and moe_grouped_gemm are not compared (Megatron-LM does not either)."""
     problems = []
     ver = state.get("checkpoint_version")
     if ver is None or float(ver) < 3.0:
@@ -629,17 +632,20 @@ def _check_args(state: dict, spec: dict, lay: dict, grouped: bool, vpad: int, wh
         problems.append("no 'args'")
     else:
         want = dict(num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
-                    num_attention_heads=spec["num_attention_heads"], tensor_model_parallel_size=lay["tp"],
-                    pipeline_model_parallel_size=lay["pp"], padded_vocab_size=vpad)
+                    num_attention_heads=spec["num_attention_heads"], padded_vocab_size=vpad)
+        if not dist:
+            want.update(tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"])
         for k, v in want.items():
             if not hasattr(a, k):
                 problems.append(f"args.{k} missing")
             elif getattr(a, k) != v:
                 problems.append(f"args.{k} = {getattr(a, k)!r}, expected {v!r}")
-        opt = dict(expert_model_parallel_size=lay["ep"], virtual_pipeline_model_parallel_size=lay["vpp"])
+        opt = {} if dist else dict(expert_model_parallel_size=lay["ep"],
+                                   virtual_pipeline_model_parallel_size=lay["vpp"])
         if spec["moe"]:
-            opt.update(expert_tensor_parallel_size=lay["etp"], num_experts=spec["moe"]["num_experts"],
-                       moe_grouped_gemm=grouped)
+            opt.update(num_experts=spec["moe"]["num_experts"])
+            if not dist:
+                opt.update(expert_tensor_parallel_size=lay["etp"], moe_grouped_gemm=grouped)
         unset = dict(expert_tensor_parallel_size=lay["tp"], moe_grouped_gemm=False)  # what None means
         for k, v in opt.items():
             got = getattr(a, k, v)
@@ -724,7 +730,7 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
     elif vocab_rows and vocab_rows != {vpad}:
         raise ValueError(f"{where}: args.padded_vocab_size {vpad} but embedding / output rows give "
                          f"{sorted(vocab_rows)}")
-    _check_args(state, spec, lay, grouped, vpad, where)
+    _check_args(state, spec, lay, grouped, vpad, where, job["fmt"] == "torch_dist")
 
     # ---- the model chunks, as megatron.training.get_model builds them ----
     config = _make_config(torch, spec, lay, grouped, _moe_layer_freq(spec, a) if spec["moe"] else None)

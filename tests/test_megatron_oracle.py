@@ -269,3 +269,16 @@ def test_run_isolated():
     assert run_isolated(sorted, [3, 1, 2]) == [1, 2, 3]
     with pytest.raises(MegatronOracleError, match=r"isolated call 0 failed: ValueError: invalid literal"):
         run_isolated(int, "x")
+
+
+@pytest.mark.parametrize("name,layout,experts", [
+    ("dist_tp2pp2", dict(tp=1, pp=2, vpp=2), "sequential"),
+    ("dist_singleton_tp2", dict(pp=2, first_stage_layers=1), "sequential"),
+    ("qwen3moe_dist_ep2", dict(tp=2, ep=4, etp=1), "grouped"),
+])
+def test_torch_dist_loads_at_another_layout(name, layout, experts):
+    """torch_dist holds global tensors: Megatron reshards them for any layout and expert implementation."""
+    d, hf, ref = load_case(name)
+    logits = megatron_logits(iter_dir(d / "base"), hf, layout, ref["input_ids"], ckpt_format="torch_dist",
+                             expert_layout=experts)
+    assert (logits - ref["logits_base"]).abs().max().item() <= TOL
