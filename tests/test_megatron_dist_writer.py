@@ -15,6 +15,7 @@ import io
 import json
 import os
 import socket
+import importlib.util
 import subprocess
 import sys
 import zlib
@@ -193,8 +194,10 @@ def test_torch_dcp_reads_it_without_megatron(written, model):
 
 @pytest.fixture(scope="module")
 def megatron_job(written, tmp_path_factory):
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("psutil")  # dist_checkpointing.save's helper process
+    # test dependencies (pyproject's test extra): required, and looked up without importing megatron into this
+    # process (importing it widens torch's weights_only allow-list for every later test)
+    for module in ("megatron.core", "psutil"):  # psutil: dist_checkpointing.save's helper process
+        assert importlib.util.find_spec(module) is not None, f"{module} is not installed (pip install -e '.[test]')"
     root, models = written
     out = tmp_path_factory.mktemp("megatron")
     own = {m: str(out / f"megatron_{m}") for m in models}
