@@ -27,7 +27,8 @@ PeftModel.from_pretrained + merge_and_unload + save_pretrained.
 --to-megatron: the other direction. An HF model (the 32B-shaped merged model, or the DeepSeek-V3-shaped one
 with --deepseek) converted to a Megatron legacy checkpoint at TP=4 (32B) or EP=8 (DeepSeek), against a copy of
 the HF model, and beside it the in-memory route other converters take: every HF tensor loaded at once, then
-each rank file built and torch.save'd (the same layout, computed from the same plan).
+each rank file built and torch.save'd (the same layout, computed from the same plan; legacy EP=8 rank files
+for DeepSeek, whose lora-merge run writes torch_dist).
 
     python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft | --to-megatron]
 """
@@ -339,12 +340,12 @@ def bench_to_megatron(layers: int, work: Path, repeat: int, deepseek: bool, deep
     generate_seconds = time.monotonic() - generate_start
     in_bytes = dir_bytes(root / "hf")
     check_free(root, in_bytes)
-    layout = ["--ep", "8"] if deepseek else ["--tp", "4"]
+    layout = ["--ep", "8", "--ckpt-format", "torch_dist"] if deepseek else ["--tp", "4"]
     cmd = LORA_MERGE + ["--to", "megatron", "--base", str(root / "hf"), "--out", str(root / "merged"),
                         "--no-progress", *layout]
     variants = merge_variants(cmd)
     copy, merges, out_bytes = copy_and_merge(root, [root / "hf"], [c for _, c in variants], repeat)
-    result = {"layers": layers, "layout": ("DeepSeek-V3 shapes, HF -> EP=8" if deepseek else
+    result = {"layers": layers, "layout": ("DeepSeek-V3 shapes, HF -> torch_dist (EP=8 args)" if deepseek else
                                            "32B layer shapes, HF -> TP=4"), "generate_seconds": generate_seconds,
               "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
     for (label, _), ours in zip(variants, merges):
