@@ -195,3 +195,16 @@ def test_every_file_a_rank_loads_is_written_even_where_megatron_016_saves_fewer(
     lora_merge.to_megatron(base=MOE / "base", hf_ref=MOE / "hf_ref", out=tmp_path / "mg", tp=4, ep=2, etp=1,
                            warn=quiet)
     assert files_of(tmp_path / "mg/release") == [f"mp_rank_0{t}_00{t % 2}/model_optim_rng.pt" for t in range(4)]
+
+
+def test_an_hf_base_with_a_peft_adapter_merges_into_megatron(tmp_path):
+    """HF + PEFT → Megatron (TP2) → HF equals HF + PEFT → HF."""
+    to_hf(DENSE / "base", DENSE, tmp_path / "hf")
+    lora_merge.export_adapter(lora=DENSE / "lora", hf_ref=DENSE / "hf_ref", out=tmp_path / "adapter", warn=quiet)
+    lora_merge.merge(base=tmp_path / "hf", lora=tmp_path / "adapter", hf_ref=DENSE / "hf_ref",
+                     out=tmp_path / "direct", warn=quiet)
+    result = lora_merge.to_megatron(base=tmp_path / "hf", lora=tmp_path / "adapter", out=tmp_path / "mg", tp=2,
+                                    warn=quiet)
+    assert result.lora_modules == 4 * 7 and result.lora is not None  # PEFT counts q, k, v … apart
+    to_hf(tmp_path / "mg", DENSE, tmp_path / "back")
+    assert filecmp.cmp(tmp_path / "direct/model.safetensors", tmp_path / "back/model.safetensors", shallow=False)
