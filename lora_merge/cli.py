@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 MEGATRON_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers", "ckpt_format", "expert_layout", "make_vocab_size_divisible_by",
-                    "padded_vocab_size")
+                    "padded_vocab_size", "mla_naming")
 
 
 def _megatron_options(p: argparse.ArgumentParser) -> None:
@@ -169,6 +169,9 @@ def _megatron_options(p: argparse.ArgumentParser) -> None:
                    help="pad the vocabulary to a multiple of N x TP (default: 128, Megatron's)")
     g.add_argument("--padded-vocab-size", type=int, default=None, metavar="N", help="the padded vocabulary size "
                    "itself (at least the model's vocab_size, divisible by --tp)")
+    g.add_argument("--mla-naming", choices=["megatron-core", "mindspeed"], default=None,
+                   help="DeepSeek MLA: Megatron-Core's linear_q_down_proj/linear_kv_down_proj (default), or "
+                        "MindSpeed-LLM's fused linear_qkv (what MindSpeed's MLA loads)")
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
@@ -381,7 +384,8 @@ def _run_to_megatron(api, opts, console: Console) -> int:
     target = MegatronTarget(layout=layout, ckpt_format=opts.ckpt_format or "torch",
                             expert_layout=opts.expert_layout or "sequential",
                             make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by or 128,
-                            padded_vocab_size=opts.padded_vocab_size)
+                            padded_vocab_size=opts.padded_vocab_size,
+                            mla_naming=opts.mla_naming or "megatron-core")
     bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
     opts.progress = bar
     try:

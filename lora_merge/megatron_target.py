@@ -22,6 +22,7 @@ from lora_merge.writers.staged_dir import StagedOutput, check_free_space, check_
 
 CKPT_FORMATS = ("torch", "torch_dist")
 EXPERT_LAYOUTS = ("sequential", "grouped")
+MLA_NAMINGS = ("megatron-core", "mindspeed")
 MEGATRON_CHECKPOINT = "Megatron checkpoint"
 
 
@@ -34,6 +35,7 @@ class MegatronTarget:
     expert_layout: str = "sequential"
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
+    mla_naming: str = "megatron-core"  # or "mindspeed": MLA's down-projections fused into linear_qkv
 
 
 @dataclass
@@ -77,6 +79,11 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     shape = inp.shape
     layout = target.layout
     layout.check(shape)
+    if target.mla_naming not in MLA_NAMINGS:
+        raise MergeError(f"--mla-naming {target.mla_naming!r}: expected one of {', '.join(MLA_NAMINGS)}")
+    if target.mla_naming == "mindspeed" and (shape.mla is None or target.ckpt_format != "torch"):
+        raise MergeError("--mla-naming mindspeed: MindSpeed-LLM's fused MLA naming is written for multi-latent "
+                         "attention models in --ckpt-format torch only")
     if target.expert_layout == "grouped" and shape.moe is None:
         raise MergeError("--expert-layout grouped: the model has no routed experts")
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
@@ -108,7 +115,8 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
         writer = MegatronDistOutput(inp.arch, shape, dtypes, args, padded)
     else:
         writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded,
-                                      grouped_experts=target.expert_layout == "grouped")
+                                      grouped_experts=target.expert_layout == "grouped",
+                                      fused_mla=target.mla_naming == "mindspeed")
     missing = sorted(set(writer.hf) - set(dtypes))
     extra = sorted(set(dtypes) - set(writer.hf))
     if missing or extra:

@@ -208,3 +208,33 @@ def test_an_hf_base_with_a_peft_adapter_merges_into_megatron(tmp_path):
     assert result.lora_modules == 4 * 7 and result.lora is not None  # PEFT counts q, k, v … apart
     to_hf(tmp_path / "mg", DENSE, tmp_path / "back")
     assert filecmp.cmp(tmp_path / "direct/model.safetensors", tmp_path / "back/model.safetensors", shallow=False)
+
+
+def test_mindspeed_mla_naming_is_the_fused_linear_qkv_mindspeed_loads(tmp_path):
+    """--mla-naming mindspeed: the committed MindSpeed-named base rewritten at its layout is its own bytes'
+    tensors, key for key (linear_qkv = [q_down; kv_down], whole on every rank, with its _extra_state)."""
+    fixture = TESTS / "fixtures_deepseek/deepseek_v3_mindspeed_fused_qkv_ep2"
+    for source in (fixture / "base", MLA / "base"):  # from either naming
+        out = tmp_path / source.parent.name
+        lora_merge.to_megatron(base=source, hf_ref=fixture / "hf_ref", out=out, ep=2, tp=2, etp=1,
+                               mla_naming="mindspeed", warn=quiet)
+        rank = torch.load(out / "release/mp_rank_01_001/model_optim_rng.pt", weights_only=False, mmap=True)["model"]
+        assert "decoder.layers.0.self_attention.linear_q_down_proj.weight" not in rank
+        assert rank["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (48 + 32 + 8, 64)  # not split
+        assert "decoder.layers.0.self_attention.linear_qkv._extra_state" in rank
+    lora_merge.to_megatron(base=fixture / "base", hf_ref=fixture / "hf_ref", out=tmp_path / "same", ep=2,
+                           mla_naming="mindspeed", warn=quiet)
+    for name in ("mp_rank_00_000", "mp_rank_00_001"):
+        ours = torch.load(tmp_path / "same/release" / name / "model_optim_rng.pt", weights_only=False, mmap=True)["model"]
+        theirs = torch.load(fixture / "base/iter_0000001" / name / "model_optim_rng.pt", weights_only=False,
+                            mmap=True)["model"]
+        assert list(ours) == list(theirs)
+        for key, value in theirs.items():
+            if value is not None and "word_embeddings" not in key and "output_layer" not in key:
+                assert torch.equal(ours[key], value), key
+    to_hf(MLA / "base", MLA, tmp_path / "hf")  # and it reads back (at TP2) as the model it came from
+    to_hf(tmp_path / "base", MLA, tmp_path / "back")
+    assert filecmp.cmp(tmp_path / "hf/model.safetensors", tmp_path / "back/model.safetensors", shallow=False)
+    with pytest.raises(MergeError, match="--mla-naming mindspeed"):
+        lora_merge.to_megatron(base=DENSE / "base", hf_ref=DENSE / "hf_ref", out=tmp_path / "x", mla_naming="mindspeed",
+                               warn=quiet)

@@ -111,7 +111,7 @@ def _model_args(shape: ModelShape) -> dict:
                              f"{moe.topk // moe.groups[1]}, so no Megatron args describe this model")
     if shape.mla is not None:
         mla = shape.mla
-        args.update(multi_latent_attention=True, q_lora_rank=mla.q_lora, kv_lora_rank=mla.kv_lora,
+        args.update(multi_latent_attention=True, multi_head_latent_attention=True, q_lora_rank=mla.q_lora, kv_lora_rank=mla.kv_lora,
                     qk_head_dim=mla.nope, qk_pos_emb_head_dim=mla.rope, v_head_dim=mla.v, kv_channels=None,
                     num_query_groups=None, group_query_attention=False)
     return args

@@ -51,7 +51,7 @@ class MegatronLegacyWriter(RowScatter):
     then `finish()` (or `abort()`)."""
 
     def __init__(self, arch: Architecture, shape: ModelShape, layout: ParallelLayout, dtypes: dict, args,
-                 padded_vocab: int, grouped_experts: bool = False):
+                 padded_vocab: int, grouped_experts: bool = False, fused_mla: bool = False):
         super().__init__(shape)
         self.layout, self.args, self.grouped_experts = layout, args, grouped_experts
         self._grouped: dict = {}  # (file, chunk, name) -> the Target of a GroupedMLP weight1/weight2
@@ -63,7 +63,9 @@ class MegatronLegacyWriter(RowScatter):
         self.linears: set[str] = set()  # local module names of Megatron's parallel linears (they carry _extra_state)
         homes = layout.layer_homes(shape.num_layers)
         last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
-        for rule, names, hf_prefix in iter_rules(arch, shape):
+        # MindSpeed-LLM's MLA ("pack_mla"): the two down-projections as one replicated linear_qkv
+        fused = (lambda n: n.endswith(".self_attention.linear_qkv.weight")) if fused_mla else None
+        for rule, names, hf_prefix in iter_rules(arch, shape, fused):
             if isinstance(rule, Skip):
                 continue
             name = names[0]
@@ -106,7 +108,8 @@ class MegatronLegacyWriter(RowScatter):
             raise MergeError(f"{name}: no rank file of the target layout holds it (layout error)")
         shard_shapes = target_shard_shapes(rule, self.shape, tp, padded_vocab, f"{name} at the target layout {self.layout}")
         dtype = tensor_dtype(rule, hf_prefix, dtypes, name)
-        if rule.parallel != "replicated" and not local_name.startswith("embedding.") and block is None:
+        if (rule.parallel != "replicated" or rule.instead_of) and not local_name.startswith("embedding.") \
+                and block is None:  # (MindSpeed's fused MLA linear_qkv is a parallel linear, whole on every rank)
             self.linears.add(local_name.rsplit(".", 1)[0])
         by_rank: dict[int, list] = {}
         for f in files:
