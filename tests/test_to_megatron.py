@@ -233,7 +233,7 @@ def test_mindspeed_mla_naming_is_the_fused_linear_qkv_mindspeed_loads(tmp_path):
             if value is not None and "word_embeddings" not in key and "output_layer" not in key:
                 assert torch.equal(ours[key], value), key
     to_hf(MLA / "base", MLA, tmp_path / "hf")  # and it reads back (at TP2) as the model it came from
-    to_hf(tmp_path / "base", MLA, tmp_path / "back")
+    to_hf(tmp_path / MLA.name, MLA, tmp_path / "back")
     assert filecmp.cmp(tmp_path / "hf/model.safetensors", tmp_path / "back/model.safetensors", shallow=False)
     with pytest.raises(MergeError, match="--mla-naming mindspeed"):
         lora_merge.to_megatron(base=DENSE / "base", hf_ref=DENSE / "hf_ref", out=tmp_path / "x", mla_naming="mindspeed",
