@@ -37,8 +37,9 @@ from lora_merge.options import MAX_WORKERS
 from lora_merge.options import DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, parse_size  # noqa: F401  (part of the API)
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.readers.hf_model import HfModel, is_hf_model_dir, read_hf_model
-from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
+from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind
+from lora_merge.readers.hf_model import HfModel, read_hf_model
+from lora_merge.readers.peft import read_peft_adapter
 from lora_merge.report import hash_files, report_text, write_report
 from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, shown_value
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
@@ -231,7 +232,7 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
     with a LoRA merged on the way if `lora` is given (see `lora-merge --to megatron --help`). `hf_ref`
     defaults to `base` when that is an HF model dir."""
     base_path = _path(base, "base", BASE)
-    if hf_ref is None and base_path is not None and is_hf_model_dir(base_path):
+    if hf_ref is None and base_path is not None and input_kind(base_path) == HF_DIR:
         hf_ref = base_path
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=tp if etp is None else etp,
                             first_stage_layers=decoder_first_pipeline_num_layers,
@@ -303,10 +304,10 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     for note in notes:
         opts.warn(note)
     arch = architecture_for(shape)
-    if lora_dir is not None and is_peft_adapter_dir(lora_dir):
+    if lora_dir is not None and input_kind(lora_dir) == PEFT_DIR:
         return _open_peft(shape, hf_config, arch, hf_dir, base_dir, lora_dir, opts)
     lora = open_checkpoint(lora_dir) if lora_dir else None
-    if base_dir is not None and is_hf_model_dir(base_dir):
+    if base_dir is not None and input_kind(base_dir) == HF_DIR:
         if lora is None and not getattr(opts, "lora_optional", False):
             raise MergeError(f"{base_dir}: an HF model as --base needs a Megatron --lora to merge")
         check_same_model(shape, hf_dir, base_dir)
@@ -343,7 +344,7 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
         raise MergeError(f"{lora_dir}: --lora-r/--lora-alpha set a Megatron LoRA's settings; a PEFT adapter's r and "
                          "lora_alpha (and rank/alpha patterns) come from its adapter_config.json")
     base_dir = base_dir or hf_dir
-    if not is_hf_model_dir(base_dir):
+    if input_kind(base_dir) != HF_DIR:
         raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
                          "model dir with safetensors weights")
     check_same_model(shape, hf_dir, base_dir)
@@ -535,7 +536,7 @@ def run_merge(opts) -> MergeResult:
 
 def run_export(opts) -> ExportResult:
     check_input_dir(opts.lora, LORA)
-    if is_peft_adapter_dir(opts.lora):
+    if input_kind(opts.lora) == PEFT_DIR:
         raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
                          "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
     checked_base_model_id(getattr(opts, "base_model_id", None))
@@ -583,7 +584,7 @@ def run_verify(opts) -> VerifyReport:
     if not (out / "config.json").is_file():
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     base_dir = opts.base
-    if base_dir is None and opts.lora is not None and is_peft_adapter_dir(opts.lora) and has_weights(opts.hf_ref):
+    if base_dir is None and opts.lora is not None and input_kind(opts.lora) == PEFT_DIR and has_weights(opts.hf_ref):
         base_dir = opts.hf_ref  # as the merge took it: a PEFT adapter without --base went onto --hf-ref's weights
     inp = open_inputs(out, base_dir, opts.lora, opts, need_base=False)
     inputs = input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora)

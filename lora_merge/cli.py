@@ -366,13 +366,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_to_megatron(api, opts, console: Console) -> int:
     from lora_merge.parallel_layout import ParallelLayout
-    from lora_merge.readers.hf_model import is_hf_model_dir
+    from lora_merge.readers import HF_DIR, input_kind
     from lora_merge.megatron_target import MegatronTarget, run_to_megatron
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
             raise MergeError(f"--{name.replace('_', '-')}: an option of an HF output, not of --to megatron")
-    if opts.hf_ref is None and opts.base is not None and is_hf_model_dir(opts.base):
+    if opts.hf_ref is None and opts.base is not None and input_kind(opts.base) == HF_DIR:
         opts.hf_ref = opts.base
     if opts.hf_ref is None:
         raise MergeError("--hf-ref: required unless --base is an HF model dir (its config.json describes the model)")

@@ -38,9 +38,9 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def describe_dir(path: Path, verbose: bool = False) -> list[str]:
     """Whichever input `path` is: a PEFT adapter (adapter_config.json), an HF model dir (config.json +
     safetensors) or a Megatron checkpoint; each described by what its own files say."""
-    from lora_merge.readers import open_checkpoint
-    from lora_merge.readers.hf_model import is_hf_model_dir, read_hf_model
-    from lora_merge.readers.peft import is_peft_adapter_dir, read_peft_adapter
+    from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind, open_checkpoint
+    from lora_merge.readers.hf_model import read_hf_model
+    from lora_merge.readers.peft import read_peft_adapter
 
     from lora_merge.writers.ownership import check_input_dir
 
@@ -48,9 +48,9 @@ def describe_dir(path: Path, verbose: bool = False) -> list[str]:
     if not path.exists():
         raise MergeError(f"{path}: does not exist")
     check_input_dir(path, "a Megatron checkpoint, HF model or PEFT adapter dir")
-    if is_peft_adapter_dir(path):
+    if input_kind(path) == PEFT_DIR:
         return describe_peft_adapter(read_peft_adapter(path), verbose)
-    if is_hf_model_dir(path):
+    if input_kind(path) == HF_DIR:
         return describe_hf_model(read_hf_model(path), verbose)
     if (path / "config.json").is_file():
         raise MergeError(f"{path}: has a config.json but no *.safetensors or model.safetensors.index.json; an HF "

@@ -11,6 +11,24 @@ from lora_merge.readers.legacy import is_legacy_iteration, read_legacy
 from lora_merge.readers.torch_dist import is_torch_dist_iteration, read_torch_dist
 
 
+HF_DIR, PEFT_DIR, MEGATRON_DIR = "HF model", "PEFT adapter", "Megatron checkpoint"
+
+
+def input_kind(path: Path | None) -> str | None:
+    """What an input dir is, decided here only: a PEFT adapter (adapter_config.json), an HF model (config.json
+    and safetensors weights), or else a Megatron checkpoint (whose reader says so if it is not one)."""
+    from lora_merge.readers.hf_model import is_hf_model_dir
+    from lora_merge.readers.peft import is_peft_adapter_dir
+
+    if path is None:
+        return None
+    if is_peft_adapter_dir(path):
+        return PEFT_DIR
+    if is_hf_model_dir(path):
+        return HF_DIR
+    return MEGATRON_DIR
+
+
 def open_checkpoint(path: Path) -> Checkpoint:
     """Detect the checkpoint format and open it (reading only pickles and metadata, no tensor data)."""
     path = Path(path)
