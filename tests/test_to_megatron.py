@@ -241,3 +241,41 @@ def test_mindspeed_mla_naming_is_the_fused_linear_qkv_mindspeed_loads(tmp_path):
     with pytest.raises(MergeError, match="--mla-naming mindspeed"):
         lora_merge.to_megatron(base=DENSE / "base", hf_ref=DENSE / "hf_ref", out=tmp_path / "x", mla_naming="mindspeed",
                                warn=quiet)
+
+
+def test_the_command_line(tmp_path, capsys):
+    from lora_merge.cli import main
+
+    hf = tmp_path / "hf"
+    to_hf(DENSE / "base", DENSE, hf)
+    # a dry run says what it would write, and writes nothing
+    assert main(["--to", "megatron", "--base", str(hf), "--out", str(tmp_path / "mg"), "--tp", "2", "--pp", "2",
+                 "--dry-run", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "would write a Megatron torch checkpoint, TP=2 PP=2, padded vocab 256" in out and not (tmp_path / "mg").exists()
+    # --hf-ref defaults to an HF --base; the load flags are printed
+    assert main(["--to", "megatron", "--base", str(hf), "--out", str(tmp_path / "mg"), "--tp", "2",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "--ckpt-format torch --transformer-impl local --finetune --no-load-optim --no-load-rng" in out
+    assert (tmp_path / "mg/release/mp_rank_01/model_optim_rng.pt").is_file()
+    # layout options without --to megatron, HF-only options with it, nothing to convert: one line, exit 2
+    for argv, expected in (
+            (["--base", str(hf), "--hf-ref", str(hf), "--out", str(tmp_path / "o"), "--tp", "2"],
+             "--tp: options of a Megatron output; add --to megatron"),
+            (["--to", "megatron", "--base", str(hf), "--out", str(tmp_path / "o"), "--verify"],
+             "--verify: an option of an HF output, not of --to megatron"),
+            (["--to", "megatron", "--hf-ref", str(hf), "--out", str(tmp_path / "o")], "give --lora"),
+            (["--to", "megatron", "--base", str(DENSE / "base"), "--out", str(tmp_path / "o")], "--hf-ref: required"),
+    ):
+        assert main(argv + ["--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_any_worker_count_writes_the_same_checkpoint(tmp_path):
+    for workers in (1, 3):
+        lora_merge.to_megatron(base=MOE / "base", lora=MOE / "lora", hf_ref=MOE / "hf_ref", out=tmp_path / str(workers),
+                               tp=2, ep=2, workers=workers, warn=quiet)
+    same_tree(tmp_path / "1", tmp_path / "3")
