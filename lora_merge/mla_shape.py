@@ -57,3 +57,11 @@ def check_mla_args(mla: MlaShape | None, args, where: str) -> None:
     if getattr(args, "mla_mm_split", False):
         raise MergeError(f"{where}: args.mla_mm_split=True splits the up-projections into per-part matrices "
                          "whose layout is not documented; convert the checkpoint without it")
+
+
+def megatron_mla_args(mla: MlaShape) -> dict:
+    """The args that record these MLA sizes (Megatron-LM's names, and MindSpeed-LLM's switch), as
+    `check_mla_args` reads them back."""
+    return dict(multi_latent_attention=True, multi_head_latent_attention=True, q_lora_rank=mla.q_lora,
+                kv_lora_rank=mla.kv_lora, qk_head_dim=mla.nope, qk_pos_emb_head_dim=mla.rope, v_head_dim=mla.v,
+                kv_channels=None, num_query_groups=None, group_query_attention=False)

@@ -197,3 +197,23 @@ def _check_routing(moe: MoeShape, trained: TrainedRouting, where: str) -> None:
     (scaling, said) = trained.scaling
     if not math.isclose(scaling, moe.scaling, rel_tol=1e-6):
         raise MergeError(f"{where}: {said} but the HF config's routed_scaling_factor is {moe.scaling:g}")
+
+
+def megatron_moe_args(moe: MoeShape, num_layers: int) -> dict:
+    """The args that record this MoE shape for Megatron-Core's router and experts (what `check_moe_args`
+    reads back)."""
+    if moe.groups and moe.topk // moe.groups[1] != moe.group_score_top:
+        raise MergeError(f"the model's router scores an expert group by its best {moe.group_score_top} experts; "
+                         "Megatron's scores it by its best moe_router_topk // moe_router_group_topk = "
+                         f"{moe.topk // moe.groups[1]}, so no Megatron args describe this model")
+    return dict(
+        num_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn,
+        moe_shared_expert_intermediate_size=moe.shared_ffn or None, moe_shared_expert_gate=moe.shared_gate,
+        moe_layer_freq=[int(i in moe.layers) for i in range(num_layers)],
+        moe_router_score_function=moe.score, moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_pre_softmax=moe.score == "softmax" and not moe.norm_topk,
+        moe_router_num_groups=moe.groups[0] if moe.groups else None,
+        moe_router_group_topk=moe.groups[1] if moe.groups else None,
+        moe_router_topk_scaling_factor=moe.scaling if moe.scaling != 1 else None,
+        moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall",
+    )

@@ -353,3 +353,28 @@ def _mindspeed_yarn_mscale(args, factor: float, where: str) -> tuple[str, float]
     source = (f"args.rope_scaling_mscale={mscale:g} and rope_scaling_mscale_all_dim={mscale_all:g} give "
               f"attention_factor={value:g}")
     return source, value
+
+
+def megatron_rope_args(scaling) -> dict:
+    """The args that record this HF RoPE scaling for Megatron/MindSpeed (what `check_rope_scaling` reads back)."""
+    if scaling is None:
+        return {}
+    if scaling.type == "linear":
+        return {"rotary_seq_len_interpolation_factor": scaling.get("factor")}
+    if scaling.type == "llama3":
+        return {"rope_scaling_type": "llama3", "rope_scaling_factor": scaling.get("factor"),
+                "low_freq_factor": scaling.get("low_freq_factor"), "high_freq_factor": scaling.get("high_freq_factor"),
+                "original_max_position_embeddings": scaling.get("original_max_position_embeddings")}
+    if scaling.type == "yarn":
+        factor, mscale_all = scaling.get("factor"), scaling.get("mscale_all_dim") or 0.0
+        # MindSpeed scales cos/sin by yarn_mscale(f, mscale) / yarn_mscale(f, mscale_all_dim); transformers by
+        # attention_factor: the mscale that gives it (yarn_mscale(f, m) = 0.1·m·ln f + 1 for f > 1)
+        attention = scaling.get("attention_factor")
+        mscale = 1.0
+        if attention is not None and factor and factor > 1:
+            mscale = (attention * _yarn_mscale(factor, mscale_all) - 1) / (0.1 * math.log(factor))
+        return {"rope_scaling_type": "yarn", "rope_scaling_factor": factor,
+                "rope_scaling_beta_fast": scaling.get("beta_fast"), "rope_scaling_beta_slow": scaling.get("beta_slow"),
+                "rope_scaling_original_max_position_embeddings": scaling.get("original_max_position_embeddings"),
+                "rope_scaling_mscale": mscale, "rope_scaling_mscale_all_dim": mscale_all}
+    raise MergeError(f"the model's RoPE scaling {scaling} has no Megatron argument that records it")

@@ -3,6 +3,7 @@ our own readers read, and targets a model cannot be split into are refused befor
 (That real Megatron loads what we write and computes the trained logits: test_megatron_loads_ours.py.)"""
 
 import filecmp
+import json
 import os
 from pathlib import Path
 
@@ -279,3 +280,25 @@ def test_any_worker_count_writes_the_same_checkpoint(tmp_path):
         lora_merge.to_megatron(base=MOE / "base", lora=MOE / "lora", hf_ref=MOE / "hf_ref", out=tmp_path / str(workers),
                                tp=2, ep=2, workers=workers, warn=quiet)
     same_tree(tmp_path / "1", tmp_path / "3")
+
+
+PUBLISHED = TESTS / "data/published_configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PUBLISHED.glob("*.json")))
+def test_every_published_config_is_recorded_in_args_our_readers_accept(tmp_path, name):
+    """From an HF source the args are derived from the config (RoPE scaling of every kind, MoE routing, MLA);
+    target_args checks them against the config with the check every Megatron input gets, so writing one the
+    readers would refuse fails here."""
+    from lora_merge.hf_config import read_hf_config
+    from lora_merge.parallel_layout import ParallelLayout
+    from lora_merge.writers.megatron_args import padded_vocab_size, target_args
+
+    config = json.loads((PUBLISHED / f"{name}.json").read_text())
+    config.pop("quantization_config", None)  # the FP8 releases (read in another issue)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape, _ = read_hf_config(tmp_path)
+    padded = padded_vocab_size(shape.vocab, 8, 128, None)
+    args = target_args(shape, ParallelLayout(tp=8), torch.bfloat16, padded, 128, False)
+    assert (args.num_layers, args.hidden_size, args.padded_vocab_size) == (shape.num_layers, shape.hidden, padded)
+    assert args.bf16 and args.tensor_model_parallel_size == 8

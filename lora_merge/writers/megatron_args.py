@@ -16,7 +16,10 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.megatron_args import check_against_args
+from lora_merge.mla_shape import megatron_mla_args
 from lora_merge.model_shape import ModelShape
+from lora_merge.moe_shape import megatron_moe_args
+from lora_merge.rope import megatron_rope_args
 from lora_merge.parallel_layout import ParallelLayout
 
 # Arguments that describe the source run's layout or its training state, not the model: replaced or dropped.
@@ -91,46 +94,9 @@ def _model_args(shape: ModelShape) -> dict:
         untie_embeddings_and_output_weights=not shape.tied, tokenizer_type="PretrainedFromHF",
         hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=None,
     )
-    args.update(_rope_args(shape))
+    args.update(megatron_rope_args(shape.rope_scaling))
     if shape.moe is not None:
-        moe = shape.moe
-        args.update(
-            num_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn,
-            moe_shared_expert_intermediate_size=moe.shared_ffn or None, moe_shared_expert_gate=moe.shared_gate,
-            moe_layer_freq=[int(i in moe.layers) for i in range(shape.num_layers)],
-            moe_router_score_function=moe.score, moe_router_enable_expert_bias=moe.expert_bias,
-            moe_router_pre_softmax=moe.score == "softmax" and not moe.norm_topk,
-            moe_router_num_groups=moe.groups[0] if moe.groups else None,
-            moe_router_group_topk=moe.groups[1] if moe.groups else None,
-            moe_router_topk_scaling_factor=moe.scaling if moe.scaling != 1 else None,
-            moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall",
-        )
-        if moe.groups and moe.topk // moe.groups[1] != moe.group_score_top:
-            raise MergeError(f"the model's router scores an expert group by its best {moe.group_score_top} experts; "
-                             "Megatron's scores it by its best moe_router_topk // moe_router_group_topk = "
-                             f"{moe.topk // moe.groups[1]}, so no Megatron args describe this model")
+        args.update(megatron_moe_args(shape.moe, shape.num_layers))
     if shape.mla is not None:
-        mla = shape.mla
-        args.update(multi_latent_attention=True, multi_head_latent_attention=True, q_lora_rank=mla.q_lora, kv_lora_rank=mla.kv_lora,
-                    qk_head_dim=mla.nope, qk_pos_emb_head_dim=mla.rope, v_head_dim=mla.v, kv_channels=None,
-                    num_query_groups=None, group_query_attention=False)
+        args.update(megatron_mla_args(shape.mla))
     return args
-
-
-def _rope_args(shape: ModelShape) -> dict:
-    scaling = shape.rope_scaling
-    if scaling is None:
-        return {}
-    if scaling.type == "linear":
-        return {"rotary_seq_len_interpolation_factor": scaling.get("factor")}
-    if scaling.type == "llama3":
-        return {"rope_scaling_type": "llama3", "rope_scaling_factor": scaling.get("factor"),
-                "low_freq_factor": scaling.get("low_freq_factor"), "high_freq_factor": scaling.get("high_freq_factor"),
-                "original_max_position_embeddings": scaling.get("original_max_position_embeddings")}
-    if scaling.type == "yarn":
-        return {"rope_scaling_type": "yarn", "rope_scaling_factor": scaling.get("factor"),
-                "rope_scaling_beta_fast": scaling.get("beta_fast"), "rope_scaling_beta_slow": scaling.get("beta_slow"),
-                "rope_scaling_original_max_position_embeddings": scaling.get("original_max_position_embeddings"),
-                "rope_scaling_mscale": scaling.get("mscale") or 1.0,
-                "rope_scaling_mscale_all_dim": scaling.get("mscale_all_dim") or 0.0}
-    raise MergeError(f"the model's RoPE scaling {scaling} has no Megatron argument that records it")
