@@ -28,6 +28,7 @@ import torch
 
 from lora_merge.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError
+from lora_merge.fp8 import read_fp8_config
 from lora_merge.interrupts import raise_if_received
 from lora_merge.model_shape import DTYPES, ModelShape, RopeScaling
 from lora_merge.rope import hf_rope
@@ -376,15 +377,8 @@ def _check_plain_fields(raw: dict, path: Path) -> None:
     for key in ("dtype", "torch_dtype"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise MergeError(f"{path}: {shown(key)} must be a dtype name or null, found {shown(raw[key])}")
-    if raw.get("quantization_config") is not None:
-        q = raw["quantization_config"]
-        kind = q.get("quant_method") if isinstance(q, dict) else None
-        fix = (" (FP8 weights with weight_scale_inv, as DeepSeek-V3 is released): give the bf16 copy the Megatron base "
-               "was converted from (e.g. made with DeepSeek's fp8_cast_bf16.py), whose config has no "
-               "quantization_config" if kind == "fp8" else "; expected the unquantized HF model the Megatron base "
-               "was converted from")
-        raise MergeError(f"{path}: has a quantization_config ({kind if isinstance(kind, str) else 'unknown method'}): the "
-                         f"reference is a quantized model{fix}")
+    if raw.get("quantization_config") is not None:  # block-FP8 releases are read (dequantized); others refused
+        read_fp8_config(raw["quantization_config"], path)
 
 
 _TYPED_KEYS = {

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.fp8 import Fp8Weight
 from lora_merge.integrity import check_finite
 
 if TYPE_CHECKING:
@@ -104,11 +105,23 @@ class RowBlock:
         return self.take(0, self.rows)
 
 
+@dataclass(frozen=True)
+class QuantizedRowBlock(RowBlock):
+    """A block-FP8 weight's rows (`parts`: its fp8 rows, as stored), taken dequantized to float32."""
+
+    weight: Fp8Weight | None = None
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        return self.weight.rows(start, stop)
+
+
 def join_blocks(blocks: list[RowBlock]) -> torch.Tensor:
     return unshard_column([b.whole() for b in blocks])
 
 
-def single(t: torch.Tensor) -> list[RowBlock]:
+def single(t: torch.Tensor | Fp8Weight) -> list[RowBlock]:
+    if isinstance(t, Fp8Weight):
+        return [QuantizedRowBlock((t.q,), t)]
     return [RowBlock((t,))]
 
 

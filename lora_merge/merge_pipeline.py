@@ -26,6 +26,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
+from lora_merge.layout import QuantizedRowBlock
 from lora_merge.lora import hf_factors, merge_block_rows, merge_weight
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS
@@ -277,6 +278,16 @@ def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: 
     sources = [part[start:stop] for part in block.parts]
     damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
                "the checkpoint is damaged or training diverged")
+    if isinstance(block, QuantizedRowBlock):  # block-FP8: checked once dequantized (the fp8 bytes are not floats torch checks)
+        sources = [block.take(start, stop)]
+        if factors is None:
+            check_finite(sources[0], name, damaged)
+            piece = sources[0].to(dtype)
+            check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 "
+                         "or float32")
+            if mapped:
+                _release_all([part[start:stop] for part in block.parts])
+            return piece, None
     if factors is None:
         for source in sources:
             check_finite(source, name, damaged)
@@ -292,11 +303,12 @@ def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: 
         # source checked, to say which of the two is at fault.
         b, a, scale = factors
         try:
-            piece = merge_weight(block.take(start, stop), b[offset + start: offset + stop], a, scale, dtype, name)
+            weight = sources[0] if isinstance(block, QuantizedRowBlock) else block.take(start, stop)
+            piece = merge_weight(weight, b[offset + start: offset + stop], a, scale, dtype, name)
         except MergeError:
             for source in sources:
                 check_finite(source, name, damaged)
             raise
     if mapped:
-        _release_all(sources)
+        _release_all([part[start:stop] for part in block.parts])
     return piece, None

@@ -136,10 +136,14 @@ def test_published_config_reads_as_transformers_reads_it(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(FP8_RELEASES))
-def test_fp8_release_config_as_published_names_its_quantization(name, tmp_path):
+def test_fp8_release_config_as_published_is_read(name, tmp_path):
+    """Block-FP8 releases' configs are read as published (their weights are dequantized as they stream)."""
     (tmp_path / "config.json").write_text(json.dumps(published(name)))
-    with pytest.raises(MergeError, match=r"quantization_config \(fp8\).*fp8_cast_bf16"):
-        read_hf_config(tmp_path)
+    config = published(name)
+    config.pop("quantization_config")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain/config.json").write_text(json.dumps(config))
+    assert read_hf_config(tmp_path)[0] == read_hf_config(tmp_path / "plain")[0]
 
 
 def fixture_args(name: str, hf: Path, out: Path) -> list[str]:

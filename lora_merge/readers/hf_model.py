@@ -8,14 +8,18 @@ Megatron base, except the rotary tables some exporters save (recomputed from the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from lora_merge.errors import MergeError
+from lora_merge.fp8 import SCALE_SUFFIX, Fp8Format, Fp8Weight, read_fp8_config, scale_shape
+from lora_merge.pages import release_pages
 from lora_merge.readers.checkpoint import TensorRef
 from lora_merge.readers.safetensors_file import tensor_refs
+from lora_merge.small_files import read_json
 INDEX = "model.safetensors.index.json"
 DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from the config, not weights
 
@@ -36,13 +40,16 @@ class HfModel:
     sources: list = field(default_factory=list)
     format: str = "HF"
 
+    fp8: Fp8Format | None = None  # a block-FP8 release: its quantized weights read dequantized
+
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype most of its bytes have."""
+        """The dtype most of its bytes have (of an FP8 release: that of the tensors it left unquantized)."""
         weight: dict[torch.dtype, int] = {}
         for ref in self.tensors.values():
-            weight[ref.dtype] = weight.get(ref.dtype, 0) + ref.nbytes
-        return max(weight, key=weight.get)
+            if not isinstance(ref, Fp8Ref):
+                weight[ref.dtype] = weight.get(ref.dtype, 0) + ref.nbytes
+        return max(weight, key=weight.get) if weight else torch.bfloat16
 
     def describe(self) -> str:
         return f"HF model {self.path} ({len(self.tensors)} tensors in {len(self.sources) - 1} file(s))"
@@ -57,10 +64,10 @@ def read_hf_model(path: Path) -> HfModel:
         raise MergeError(f"{found.problems[0]}; the HF base's weights must be intact")
     if not found:
         raise MergeError(f"{path}: no safetensors weights (an HF base needs model.safetensors or an index)")
-    model = HfModel(path=path, sources=[path / "config.json"])
+    model = HfModel(path=path, sources=[path / "config.json"], fp8=_fp8_format(path))
     for file in sorted(set(found.file_of.values())):
         model.sources.append(path / file)
-        for name, ref in _tensors(path / file).items():
+        for name, ref in tensor_refs(path / file, "the HF base's weights", fp8=model.fp8 is not None).items():
             if name.endswith(DERIVED):
                 model.skipped["rotary tables (recomputed from the config)"] = \
                     model.skipped.get("rotary tables (recomputed from the config)", 0) + 1
@@ -68,8 +75,59 @@ def read_hf_model(path: Path) -> HfModel:
                 model.tensors[name] = ref
     if (path / INDEX).exists():
         model.sources.append(path / INDEX)
+    if model.fp8 is not None:
+        _pair_fp8_weights(model)
     return model
 
 
-def _tensors(file: Path) -> dict[str, TensorRef]:
-    return tensor_refs(file, "the HF base's weights")
+@dataclass(frozen=True)
+class Fp8Ref(TensorRef):
+    """A block-FP8 weight and its scales (possibly in two shards); load() gives an Fp8Weight, read dequantized."""
+
+    scale: TensorRef | None = None
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def nbytes(self) -> int:
+        return self.quantized_nbytes
+
+    @property
+    def quantized_nbytes(self) -> int:
+        return math.prod(self.shape) + self.scale.nbytes
+
+    def load(self) -> Fp8Weight:
+        return Fp8Weight(self.loader(), self.scale.load(), self.block)
+
+    def release(self) -> None:
+        if self.mapped:
+            release_pages(self.loader())
+
+
+def _fp8_format(path: Path) -> Fp8Format | None:
+    raw = read_json(path / "config.json")
+    q = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return None if q is None else read_fp8_config(q, path / "config.json")
+
+
+def _pair_fp8_weights(model: HfModel) -> None:
+    """Each float8 weight with its weight_scale_inv (which may sit in another shard), of the shape the block
+    size gives; a scale without its weight, or the other way round, is refused."""
+    block = model.fp8.block
+    for name in [n for n, r in model.tensors.items() if r.dtype == torch.float8_e4m3fn]:
+        ref = model.tensors[name]
+        scale = model.tensors.pop(name + SCALE_SUFFIX, None)
+        if scale is None:
+            raise MergeError(f"{ref.where}: an FP8 weight without its {name + SCALE_SUFFIX} (the scales of its "
+                             f"{block[0]}x{block[1]} blocks); the release is incomplete")
+        if len(ref.shape) != 2 or scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape(ref.shape, block):
+            expected = list(scale_shape(ref.shape, block)) if len(ref.shape) == 2 else "a 2-D weight"
+            raise MergeError(f"{scale.where}: scales of shape {list(scale.shape)} ({str(scale.dtype).removeprefix('torch.')}) "
+                             f"for the FP8 weight {list(ref.shape)} in {block[0]}x{block[1]} blocks (the config's "
+                             f"weight_block_size); expected float32 {expected}")
+        model.tensors[name] = Fp8Ref(ref.where, ref.shape, torch.float32, ref.loader, ref.mapped, scale=scale,
+                                     block=block)
+    strays = [n for n in model.tensors if n.endswith(SCALE_SUFFIX)]
+    if strays:
+        raise MergeError(f"{model.tensors[strays[0]].where}: FP8 scales without an FP8 weight {strays[0].removesuffix(SCALE_SUFFIX)}")
+
+

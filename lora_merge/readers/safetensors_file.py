@@ -135,10 +135,11 @@ def _entry(name: str, entry) -> Entry:
     return Entry(tuple(shape), dtype, offsets[0], offsets[1])
 
 
-def tensor_refs(path: Path, what: str) -> dict[str, TensorRef]:
+def tensor_refs(path: Path, what: str, fp8: bool = False) -> dict[str, TensorRef]:
     """Every tensor of a file a merge uses (an HF base shard, a PEFT adapter), each a view of the mapped
     file; damage, and any dtype that is not a float a merge can use, is a MergeError naming the file.
-    `what` says what the file is, for messages ("the HF base's weights")."""
+    `what` says what the file is, for messages ("the HF base's weights"); `fp8`: float8_e4m3fn tensors are
+    let through (a block-FP8 release's weights, which the caller pairs with their scales)."""
     try:
         header = read_header(path)
     except Damaged as exc:
@@ -148,7 +149,8 @@ def tensor_refs(path: Path, what: str) -> dict[str, TensorRef]:
     for name, entry in header.entries.items():
         where = f"{path}[{shown_name(name)}]"
         dtype = TORCH_DTYPES.get(entry.dtype)
-        require_float(where, dtype, entry.dtype)
+        if not (fp8 and dtype == torch.float8_e4m3fn):  # an FP8 release's quantized weights: paired with scales later
+            require_float(where, dtype, entry.dtype)
         offset = header.data_start + entry.begin
         # A misaligned tensor is loaded as a copy, which is not the mapping: `mapped` is what lets release()
         # hand its pages back (madvise), and on a copy's heap memory that would zero live data.

@@ -1,0 +1,108 @@
+"""Block-scaled FP8: the format DeepSeek-V3/R1, Kimi-K2 and Qwen3's -FP8 releases ship their linear weights in.
+
+A quantized weight W [out, in] is stored as `q` (float8_e4m3fn, the same shape) and `weight_scale_inv`
+(float32, [ceil(out/bo), ceil(in/bi)], one per bo×bi block, (bo, bi) = weight_block_size, 128×128 in every
+release): W = q · s over each block, partial edge blocks included (DeepSeek's weight_dequant). The config says
+so: `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128], activation_scheme:
+dynamic}`. Every other format is refused, naming what was found.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.shown import shown
+
+SCALE_SUFFIX = "_scale_inv"  # weight_scale_inv beside each quantized weight
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """A release's block-FP8 quantization_config, checked."""
+
+    block: tuple[int, int]
+    config: dict  # as published, written back into an FP8 output's config.json
+
+    @property
+    def not_converted(self) -> tuple[str, ...]:
+        return tuple(self.config.get("modules_to_not_convert") or ())
+
+
+def read_fp8_config(q, path) -> Fp8Format:
+    """The quantization_config of an FP8 release, or a MergeError naming the format found."""
+    if not isinstance(q, dict):
+        raise MergeError(f"{path}: quantization_config {shown(q)}; expected an object")
+    method = q.get("quant_method")
+    if method != "fp8":
+        name = method if isinstance(method, str) else "unknown method"
+        raise MergeError(f"{path}: has a quantization_config ({name}): a model quantized that way is not read; "
+                         "block-scaled FP8 (quant_method fp8, weight_block_size [128, 128]) is, and unquantized "
+                         "float weights are")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise MergeError(f"{path}: quantization_config fmt={shown(fmt)}; only e4m3 FP8 weights are read")
+    block = q.get("weight_block_size")
+    if block is None:
+        raise MergeError(f"{path}: quantization_config has no weight_block_size: per-tensor or per-channel FP8 "
+                         "scales are not read; block-scaled FP8 ([128, 128]) is")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool)
+                                                               and 1 <= b <= 1 << 16 for b in block)):
+        raise MergeError(f"{path}: quantization_config weight_block_size={shown(block)}; expected [rows, columns]")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise MergeError(f"{path}: quantization_config activation_scheme={shown(q.get('activation_scheme'))}; only "
+                         "dynamic activation scaling (no stored activation scales) is read")
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in (None, "float"):
+        raise MergeError(f"{path}: quantization_config scale_fmt={shown(scale_fmt)}; only float32 scales are read")
+    return Fp8Format(tuple(block), dict(q))
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+def dequantize_rows(q: torch.Tensor, scale_inv: torch.Tensor, start: int, block: tuple[int, int]) -> torch.Tensor:
+    """Rows [start, start + len(q)) of W = q · s, in float32 (q: those rows; scale_inv: the whole tensor)."""
+    rows, cols = q.shape
+    if not rows:
+        return torch.empty((0, cols), dtype=torch.float32)
+    first, last = start // block[0], (start + rows - 1) // block[0]
+    s = scale_inv[first: last + 1].float()
+    s = s.repeat_interleave(block[0], dim=0)[start - first * block[0]: start - first * block[0] + rows]
+    s = s.repeat_interleave(block[1], dim=1)[:, :cols]
+    return q.float().mul_(s)
+
+
+def quantize_rows(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn, scale_inv float32) of rows that start on a block boundary: per block s = amax / 448
+    (1 where the block is all zero), q = round_to_e4m3(W / s)."""
+    rows, cols = w.shape
+    br, bc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    padded = torch.zeros((br * block[0], bc * block[1]), dtype=torch.float32)
+    padded[:rows, :cols] = w
+    blocks = padded.view(br, block[0], bc, block[1])
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(br * block[0], bc * block[1])[:rows, :cols].contiguous(), scale
+
+
+@dataclass
+class Fp8Weight:
+    """A quantized weight as a merge reads it: its fp8 rows and scales, still mapped; rows come out in float32."""
+
+    q: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return dequantize_rows(self.q[start:stop], self.scale_inv, start, self.block)

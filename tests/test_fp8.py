@@ -1,0 +1,181 @@
+"""Block-FP8 bases (DeepSeek-V3's and Qwen3-FP8's release format), read directly.
+
+The FP8 models here are made by the test itself, the way the releases are: every linear weight of attention
+and the MLP/experts quantized per 128×128 block (s = amax / 448, q = float8_e4m3fn(W / s), weight_scale_inv
+= s), embeddings, norms, router and lm_head left as they are, and quantization_config in config.json. The
+fixtures' dimensions (64, 96, 250 …) are not multiples of 128, so partial edge blocks are everywhere, and the
+Qwen3-MoE attention (256 rows) has two row blocks. The reference dequantization below is written from
+DeepSeek's definition, block by block, and shares no code with lora_merge.fp8."""
+
+import filecmp
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import lora_merge
+from lora_merge.errors import MergeError
+
+TESTS = Path(__file__).parent
+FIXTURES = {"deepseek_v3": TESTS / "fixtures_deepseek/deepseek_v3_ep2", "qwen3_moe": TESTS / "fixtures_moe/qwen3moe_ep2"}
+BLOCK = 128
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+             "gate_proj", "up_proj", "down_proj")
+CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic"}
+
+
+def quiet(message):
+    pass
+
+
+def is_quantized(name: str, tensor) -> bool:
+    return tensor.dim() == 2 and name.endswith(".weight") and name.split(".")[-2] in QUANTIZED
+
+
+def reference_quantize(w: torch.Tensor):
+    """Per block: s = amax / 448, q = e4m3(W / s)."""
+    rows, cols = w.shape
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    s = torch.empty((math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)), dtype=torch.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            block = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            amax = block.abs().max().item()
+            s[i, j] = amax / 448.0 if amax > 0 else 1.0
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def reference_dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's weight_dequant: each block of q times its scale, in float32."""
+    w = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            block = q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = block * s[i, j]
+    return w
+
+
+def hf_base(fixture: Path, out: Path) -> Path:
+    lora_merge.merge(base=fixture / "base", hf_ref=fixture / "hf_ref", out=out, warn=quiet)
+    return out
+
+
+def fp8_release(hf: Path, out: Path, scales_apart: bool = True) -> tuple[Path, Path]:
+    """The FP8 release of an HF model, and its bf16-free twin: the same values dequantized (float32)."""
+    tensors = load_file(hf / "model.safetensors")
+    fp8, dequantized = {}, {}
+    for name, t in tensors.items():
+        if is_quantized(name, t):
+            q, s = reference_quantize(t)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            dequantized[name] = reference_dequantize(q, s)
+        else:
+            fp8[name] = dequantized[name] = t
+    for directory, weights, quantized in ((out / "fp8", fp8, True), (out / "dequantized", dequantized, False)):
+        shutil.copytree(hf, directory, ignore=shutil.ignore_patterns("*.safetensors", "README.md"))
+        config = json.loads((hf / "config.json").read_text())
+        if quantized:
+            config["quantization_config"] = CONFIG
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        if quantized and scales_apart:  # the scales in a shard of their own, as an index lays them out
+            scales = {k: v for k, v in weights.items() if k.endswith("_scale_inv")}
+            rest = {k: v for k, v in weights.items() if k not in scales}
+            save_file(rest, directory / "model-00001-of-00002.safetensors")
+            save_file(scales, directory / "model-00002-of-00002.safetensors")
+            index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in rest},
+                                                   **{k: "model-00002-of-00002.safetensors" for k in scales}}}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+        else:
+            save_file(weights, directory / "model.safetensors")
+    return out / "fp8", out / "dequantized"
+
+
+def test_dequantization_is_deepseeks_definition_on_every_block_shape():
+    from lora_merge.fp8 import dequantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((64, 96), (128, 128), (300, 200), (129, 1), (1, 257)):
+        w = torch.randn(rows, cols, generator=g) * 3
+        q, s = reference_quantize(w)
+        expected = reference_dequantize(q, s)
+        assert torch.equal(dequantize_rows(q, s, 0, (BLOCK, BLOCK)), expected)
+        for start, stop in ((0, 1), (5, 131), (127, 129), (rows - 1, rows)):  # any row range, across blocks
+            if stop <= rows:
+                got = dequantize_rows(q[start:stop], s, start, (BLOCK, BLOCK))
+                assert torch.equal(got, expected[start:stop]), (rows, cols, start, stop)
+
+
+def test_quantization_is_within_half_an_e4m3_step_per_block():
+    from lora_merge.fp8 import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 200, generator=g) * torch.logspace(-3, 2, 200)  # blocks of very different ranges
+    q, s = quantize_rows(w, (BLOCK, BLOCK))
+    rq, rs = reference_quantize(w)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    back = dequantize_rows(q, s, 0, (BLOCK, BLOCK))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            sl = (slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK))
+            # e4m3 has 3 mantissa bits: a value rounds to within 2^-4 of itself, relative, above the
+            # subnormals (below 2^-6 the spacing is 2^-9, in units of the block's scale)
+            err = (back[sl] - w[sl]).abs()
+            bound = torch.maximum(w[sl].abs() * 2.0 ** -4, torch.full_like(w[sl], 2.0 ** -10 * s[i, j].item()))
+            assert bool((err <= bound * (1 + 1e-6)).all()), (i, j)
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+def test_an_fp8_base_merges_bit_for_bit_as_its_dequantized_values(tmp_path, family):
+    """FP8 base + the fixture's Megatron LoRA, merged to float32 and bfloat16, equals the same merge onto
+    the dequantized base (an ordinary float32 HF model), bit for bit; and converts to Megatron alike."""
+    fixture = FIXTURES[family]
+    fp8, dequantized = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path)
+    for dtype in ("float32", "bfloat16"):
+        for base, out in ((fp8, tmp_path / f"from-fp8-{dtype}"), (dequantized, tmp_path / f"from-deq-{dtype}")):
+            lora_merge.merge(base=base, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=out, dtype=dtype,
+                             warn=quiet)
+        a, b = (load_file(tmp_path / f"{d}-{dtype}/model.safetensors") for d in ("from-fp8", "from-deq"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), dtype
+        assert not any(k.endswith("_scale_inv") for k in a) and all(v.dtype != torch.float8_e4m3fn for v in a.values())
+    config = json.loads((tmp_path / "from-fp8-bfloat16/config.json").read_text())
+    assert "quantization_config" not in config  # the output is not quantized
+    for base, out in ((fp8, tmp_path / "mg-fp8"), (dequantized, tmp_path / "mg-deq")):
+        lora_merge.to_megatron(base=base, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=out, ep=2,
+                               dtype="bfloat16", warn=quiet)
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        assert filecmp.cmp(tmp_path / "mg-fp8/release" / rank / "model_optim_rng.pt",
+                           tmp_path / "mg-deq/release" / rank / "model_optim_rng.pt", shallow=False)
+
+
+def test_broken_fp8_releases_are_refused_in_one_line(tmp_path):
+    fixture = FIXTURES["qwen3_moe"]
+    fp8, _ = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path, scales_apart=False)
+    tensors = load_file(fp8 / "model.safetensors")
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    cases = {
+        "missing scale": ({k: v for k, v in tensors.items() if k != scale}, None,
+                          "an FP8 weight without its model.layers.0.self_attn.q_proj.weight_scale_inv"),
+        "wrong shape": ({**tensors, scale: torch.ones(3, 1)}, None, "scales of shape [3, 1]"),
+        "block size": (tensors, {**CONFIG, "weight_block_size": [64, 64]}, "in 64x64 blocks (the config's weight_block_size)"),
+        "per-tensor": (tensors, {"quant_method": "fp8", "activation_scheme": "dynamic"}, "no weight_block_size"),
+        "e5m2": ({**tensors, "model.layers.0.self_attn.o_proj.weight":
+                  tensors["model.layers.0.self_attn.o_proj.weight"].to(torch.float8_e5m2)}, None, "dtype F8_E5M2"),
+    }
+    for label, (weights, quantization, expected) in cases.items():
+        broken = tmp_path / label.replace(" ", "_")
+        shutil.copytree(fp8, broken)
+        save_file(weights, broken / "model.safetensors")
+        if quantization is not None:
+            config = json.loads((broken / "config.json").read_text())
+            config["quantization_config"] = quantization
+            (broken / "config.json").write_text(json.dumps(config))
+        with pytest.raises(MergeError, match=re.escape(expected)):
+            lora_merge.merge(base=broken, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "out",
+                             warn=quiet)
+        assert not (tmp_path / "out").exists(), label
