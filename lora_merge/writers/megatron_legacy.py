@@ -14,8 +14,8 @@ Vocabulary padding rows are zero. No optimizer or RNG state: load with `--finetu
 
 from __future__ import annotations
 
-import os
 import re
+from functools import partial
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +29,14 @@ from lora_merge.model_shape import ModelShape
 from lora_merge.parallel_layout import ParallelLayout, RankFile
 from lora_merge.readers.experts import is_expert_name
 from lora_merge.writers.row_scatter import Block, RowScatter, Target, target_shard_shapes, tensor_dtype
-from lora_merge.writers.torch_zip import TensorSlot, TorchArchive
+from lora_merge.writers.output_file import ALIGN, OutputFile
+from lora_merge.writers.torch_zip import ArchiveStream, TensorSlot, TorchArchive
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 FILE_NAME = "model_optim_rng.pt"
+STREAM_BUFFER_BYTES = 32 << 20  # write buffers of all rank files together (each file has 4 of its share)
 
 
 @dataclass
@@ -43,7 +45,7 @@ class _File:
     path: Path
     chunks: list  # per model chunk: OrderedDict local name -> TensorSlot
     archive: TorchArchive | None = None
-    fd: int | None = None
+    stream: ArchiveStream | None = None
 
 
 class MegatronLegacyWriter(RowScatter):
@@ -97,11 +99,79 @@ class MegatronLegacyWriter(RowScatter):
                 # them at start-up); it must be there for a strict load
                 self._place(rule, hf_prefix, name, "output_layer.weight", tp, dtypes, padded_vocab,
                             [f for f in self.files if f.rank.pp == last_stage], last_chunk)
+        for t in self.targets:
+            if not isinstance(t, Block):
+                t.padding = self._slots[id(t)][1].nbytes - t.due  # the vocabulary padding rows: zero
+        order = self._stream_order(list(dtypes))
         for f in self.files:
             f.chunks = [_with_extra_state(chunk, self.linears) for chunk in f.chunks]
             models = {"model": f.chunks[0]} if layout.vpp == 1 else {f"model{v}": c for v, c in enumerate(f.chunks)}
             f.archive = TorchArchive({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, **models},
-                                     name=FILE_NAME.removesuffix(".pt"))
+                                     name=FILE_NAME.removesuffix(".pt"), order=order[id(f)])
+
+    def _stream_order(self, plan_order: list[str]) -> dict[int, list[TensorSlot]]:
+        """Each file's tensors in the order their bytes will arrive, so that each file is written front to back.
+
+        HF tensors come in plan order, each in row order; a tensor's rows go to its shards' rows in order, but
+        for a few layouts (QKV: q rows of every group before any k row) not: those shards are gathered
+        (marked `gather`) and arrive whole once complete, as do GroupedMLP experts' blocks. Where two tensors
+        of one file would still interleave, the one interrupted is gathered too, until none does."""
+        for _ in range(len(self.targets) + 1):
+            events: dict[int, list] = {id(f): [] for f in self.files}  # file -> [(target, bytes)] in arrival order
+            next_row, held, changed = {}, {}, False
+            for name in plan_order:
+                for dest in self.hf[name].destinations:
+                    seg = dest.segment
+                    for t in (t for targets in dest.targets.values() for t in targets):
+                        if isinstance(t, Block):
+                            held[id(t)] = held.get(id(t), 0) + seg.rows * t.row_bytes
+                            if held[id(t)] == t.due:
+                                events[id(self._slots[id(t.grouped)][0])].append((t.grouped, t.due))
+                            continue
+                        if next_row.get(id(t), 0) != seg.shard_start and not t.gather:
+                            t.gather = changed = True  # its earlier rows were counted as streamed: again
+                        next_row[id(t)] = seg.shard_start + seg.rows
+                        nbytes = seg.rows * t.row_bytes
+                        if t.gather:
+                            held[id(t)] = held.get(id(t), 0) + nbytes
+                            if held[id(t)] == t.due:
+                                events[id(self._slots[id(t)][0])].append((t, t.due))
+                        else:
+                            events[id(self._slots[id(t)][0])].append((t, nbytes))
+            if changed:
+                continue
+            interrupted = None
+            for file_events in events.values():
+                left: dict[int, int] = {}
+                current = None
+                for t, nbytes in file_events:
+                    if t is not current:
+                        if current is not None and left[id(current)]:
+                            interrupted = current
+                            break
+                        current, left[id(t)] = t, t.due if id(t) not in left else left[id(t)]
+                    left[id(t)] -= nbytes
+                if interrupted is not None:
+                    break
+            if interrupted is None:
+                break
+            if interrupted.gather or id(interrupted) in {id(b.grouped) for b in self.targets if isinstance(b, Block)}:
+                raise MergeError("the target layout interleaves two tensors of one rank file (layout error)")
+            interrupted.gather = True
+        order = {id(f): [] for f in self.files}
+        seen = set()
+        for file_id, file_events in events.items():
+            for t, _ in file_events:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    order[file_id].append(self._slots[id(t)][1])
+        self._unreached = {id(f): [] for f in self.files}
+        for t in self.targets:  # tensors no byte reaches (all padding) come last, zero-filled at finish
+            if not isinstance(t, Block) and id(t) not in seen:
+                seen.add(id(t))
+                order[id(self._slots[id(t)][0])].append(self._slots[id(t)][1])
+                self._unreached[id(self._slots[id(t)][0])].append(t)
+        return order
 
     def _place(self, rule, hf_prefix, name, local_name, tp, dtypes, padded_vocab, files, chunk, block=None) -> None:
         if not files:
@@ -141,7 +211,7 @@ class MegatronLegacyWriter(RowScatter):
             grouped = self._grouped[key] = self._tensor(f, chunk, name, whole, dtype)
             self.targets.append(grouped)
         nbytes = rows * cols * dtype.itemsize
-        return Block(grouped, k * nbytes, nbytes)
+        return Block(grouped, k * nbytes, nbytes, cols * dtype.itemsize)
 
     # --- writing ------------------------------------------------------------------------------------
 
@@ -150,39 +220,33 @@ class MegatronLegacyWriter(RowScatter):
         return sum(f.archive.size for f in self.files)
 
     def start(self, out: Path) -> None:
-        """Create every rank file in `out` at its final size with its frame; data spans are zero until written."""
+        """Open every rank file for writing front to back (O_DIRECT where the file system allows)."""
         self.out = Path(out)
         (self.out / RELEASE).mkdir()
+        buffer = max(1 << 20, STREAM_BUFFER_BYTES // len(self.files)) // ALIGN * ALIGN
         for f in self.files:
             (self.out / f.path).parent.mkdir()
-            f.fd = os.open(self.out / f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-            os.ftruncate(f.fd, f.archive.size)
-            f.archive.write_frame(f.fd, 0)
+            f.stream = ArchiveStream(f.archive, OutputFile(self.out / f.path, buffer))
         for t in self.targets:
-            if isinstance(t, Block):
-                continue
-            f, slot = self._slots[id(t)]
-            t.fd, t.offset = f.fd, f.archive.data_offset(slot)
-            t.done = lambda f=f, slot=slot: f.archive.finish_member(f.fd, 0, slot)
-            if t.due == 0:
-                t.done()
+            if not isinstance(t, Block):
+                f, slot = self._slots[id(t)]
+                t.append = partial(f.stream.append, slot)
 
     def finish(self) -> list[str]:
         self.check_complete(self.out)
         for f in self.files:
-            f.archive.finish(f.fd, 0)
-            os.fsync(f.fd)
-            os.close(f.fd)
-            f.fd = None
+            for t in self._unreached[id(f)]:
+                self._complete(t)
+            f.stream.close()
         with open(self.out / TRACKER, "x") as tracker:
             tracker.write(RELEASE)
         return [TRACKER] + [str(f.path) for f in self.files]
 
     def abort(self) -> None:
         for f in self.files:
-            if f.fd is not None:
-                os.close(f.fd)
-                f.fd = None
+            if f.stream is not None:
+                f.stream.out.abort()
+                f.stream = None
 
 
 # The order in which Megatron-Core's modules register their parameters (and so state_dict's order), within

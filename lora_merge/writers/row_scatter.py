@@ -20,16 +20,25 @@ from lora_merge.layout import DUPLICATED_OR_COLUMN, VocabParallel, expected_shar
 from lora_merge.placement import Segment, hf_segments
 from lora_merge.writers.torch_zip import pwrite_all
 
+ZEROS = memoryview(bytes(8 << 20))
+
 
 @dataclass(eq=False)
 class Target:
-    """One Megatron tensor (a TP shard of a parameter) in a file: C order, `row_bytes` per row."""
+    """One Megatron tensor (a TP shard of a parameter) in a file: C order, `row_bytes` per row. Its bytes are
+    either pwritten at `fd`/`offset` (in any order), or handed to `append` in order (a streamed file), then
+    followed by `padding` zero bytes; `gather`: its rows do not arrive in order, so they are collected and
+    appended whole."""
 
     row_bytes: int
     due: int  # bytes still to be written
     done: Callable[[], None] | None = None  # called once every byte is written
     fd: int | None = None  # set when the file is open
     offset: int = 0  # absolute file offset of its first byte
+    append: Callable | None = None
+    gather: bool = False
+    padding: int = 0
+    buffer: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -40,6 +49,7 @@ class Block:
     grouped: Target  # the whole weight1/weight2 of that file
     start: int  # byte offset of this expert's block in it
     due: int
+    row_bytes: int  # of the expert's shard as the rule sees it (before transposing)
     buffer: torch.Tensor | None = None
 
 
@@ -119,7 +129,14 @@ class RowScatter:
                         continue
                     if data is None:
                         data = piece.contiguous().view(torch.uint8).numpy()
-                    pwrite_all(t.fd, data, t.offset + row * t.row_bytes)
+                    if t.append is None:
+                        pwrite_all(t.fd, data, t.offset + row * t.row_bytes)
+                    elif t.gather:
+                        if t.buffer is None:
+                            t.buffer = torch.empty(t.due, dtype=torch.uint8)
+                        t.buffer[row * t.row_bytes: row * t.row_bytes + data.nbytes] = torch.from_numpy(data).view(-1)
+                    else:
+                        t.append(data)
                     self._written(t, data.nbytes, name)
         entry.next_row = stop
         if then is not None:
@@ -128,10 +145,20 @@ class RowScatter:
     def _written(self, t: Target, nbytes: int, name: str) -> None:
         t.due -= nbytes
         if t.due == 0:
-            if t.done is not None:
-                t.done()
+            self._complete(t)
         elif t.due < 0:
             raise MergeError(f"{name}: rows written twice (plan error)")
+
+    @staticmethod
+    def _complete(t: Target) -> None:
+        if t.append is not None:
+            if t.buffer is not None:
+                t.append(t.buffer.numpy())
+                t.buffer = None
+            for start in range(0, t.padding, ZEROS.nbytes):  # e.g. the vocabulary padding rows
+                t.append(ZEROS[:min(ZEROS.nbytes, t.padding - start)])
+        if t.done is not None:
+            t.done()
 
     def _gather(self, block: Block, piece: torch.Tensor, row: int) -> None:
         if block.buffer is None:
@@ -142,7 +169,10 @@ class RowScatter:
         if block.due == 0:
             data = block.buffer.t().contiguous().view(torch.uint8).numpy()
             block.buffer = None
-            pwrite_all(block.grouped.fd, data, block.grouped.offset + block.start)
+            if block.grouped.append is not None:  # blocks complete in expert order
+                block.grouped.append(data)
+            else:
+                pwrite_all(block.grouped.fd, data, block.grouped.offset + block.start)
             self._written(block.grouped, data.nbytes, "a GroupedMLP expert")
 
     def check_complete(self, where) -> None:

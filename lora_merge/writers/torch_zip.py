@@ -138,7 +138,9 @@ class TorchArchive:
     writes each slot's bytes (C order, its dtype) at `base + data_offset(slot)`; `finish(fd, base)` fills
     in the CRC32s. `size` is the archive's length."""
 
-    def __init__(self, obj, name: str = "archive"):
+    def __init__(self, obj, name: str = "archive", order: list[TensorSlot] | None = None):
+        """`order`: the tensor members' order in the file (default: the pickle's, as torch.save has it), e.g.
+        the order their bytes will arrive in, so that the archive can be streamed front to back."""
         self.name = name
         slots: list[TensorSlot] = []
         buffer = io.BytesIO()
@@ -149,7 +151,10 @@ class TorchArchive:
         serial = str(int.from_bytes(digest[:17], "little")).rjust(40, "0")[-40:].encode()
         members = [(f"{name}/data.pkl", pickled), (f"{name}/.format_version", b"1"),
                    (f"{name}/.storage_alignment", str(ALIGNMENT).encode()), (f"{name}/byteorder", b"little")]
-        members += [(f"{name}/data/{i}", slot) for i, slot in enumerate(slots)]
+        keys = {id(slot): i for i, slot in enumerate(slots)}
+        if order is not None and sorted(map(id, order)) != sorted(keys):
+            raise ValueError("order must list every tensor of the archive once")
+        members += [(f"{name}/data/{keys[id(slot)]}", slot) for slot in (order if order is not None else slots)]
         members += [(f"{name}/version", b"3\n"), (f"{name}/.data/serialization_id", serial)]
         self.members: list[_Member] = []
         self._slot_member: dict[int, _Member] = {}
@@ -256,3 +261,53 @@ def pwrite_all(fd: int, data, offset: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+class ArchiveStream:
+    """A planned TorchArchive written front to back through a sequential file (`write(bytes)`, `close()`):
+    each tensor's bytes are appended in member order, its CRC32 computed as they pass, so the file can go
+    out with O_DIRECT at disk speed and nothing is read back."""
+
+    def __init__(self, archive: TorchArchive, out):
+        self.archive, self.out = archive, out
+        self._index = 0  # the member being written
+        self._crc = 0
+        self._left = 0  # bytes still due of the current tensor member
+        self._advance()
+
+    def _advance(self) -> None:
+        """Write the members that need no data from the caller, up to the next tensor member's header."""
+        members = self.archive.members
+        while self._index < len(members):
+            m = members[self._index]
+            self.out.write(self.archive._local(m))
+            if m.content is None and m.size:
+                self._crc, self._left = 0, m.size
+                return
+            if m.content is None:  # an empty tensor
+                m.crc = 0
+            self.out.write((m.content or b"") + self.archive._descriptor(m))
+            self._index += 1
+
+    def append(self, slot: TensorSlot, data) -> None:
+        m = self.archive.members[self._index] if self._index < len(self.archive.members) else None
+        if m is None or self.archive._slot_member.get(id(slot)) is not m:
+            raise ValueError(f"{self.archive.name}: bytes for a tensor out of its turn")
+        view = memoryview(data).cast("B")
+        if view.nbytes > self._left:
+            raise ValueError(f"{self.archive.name}: more bytes than the tensor holds")
+        self._crc = crc32(view, self._crc)
+        self.out.write(view)
+        self._left -= view.nbytes
+        if not self._left:
+            m.crc = self._crc
+            self.out.write(self.archive._descriptor(m))
+            self._index += 1
+            self._advance()
+
+    def close(self) -> None:
+        if self._index < len(self.archive.members):
+            raise ValueError(f"{self.archive.name}: closed with tensors not written")
+        self.archive.directory = b"".join(self.archive._central(m) for m in self.archive.members)
+        self.out.write(self.archive._tail())
+        self.out.close()
