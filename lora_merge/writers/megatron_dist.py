@@ -68,6 +68,7 @@ import pickle
 import re
 import threading
 import uuid
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
 from lora_merge.errors import MergeError
-from lora_merge.writers.torch_zip import TensorSlot, TorchArchive, pwrite_all
+from lora_merge.writers.output_file import ALIGN as ALIGN_DIRECT, OutputFile
+from lora_merge.writers.torch_zip import ArchiveStream, TensorSlot, TorchArchive, pwrite_all
 from lora_merge.writers.row_scatter import RowScatter, Target, target_shard_shapes, tensor_dtype
 
 try:
@@ -215,7 +217,11 @@ class DistCheckpointWriter:
     (`args`, `iteration`, …); `checkpoint_version` 3.0 and the content metadata are added when missing."""
 
     def __init__(self, iter_dir: Path, tensors: list[DistTensor], common: dict, model: DistModelFacts,
-                 file_bytes: int = FILE_BYTES):
+                 file_bytes: int = FILE_BYTES, streamed: bool = False):
+        """`streamed`: the files are written front to back (O_DIRECT where allowed) by `append(name, bytes)`,
+        the tensors' bytes in the order `tensors` lists them, instead of pwritten into `region`s."""
+        self.streamed = streamed
+        self._sequences: list[_Sequence] = []
         self.iter_dir = Path(iter_dir)
         self.model = model
         self.common = self._common(common)
@@ -416,6 +422,17 @@ class DistCheckpointWriter:
         for name in (METADATA, METADATA_JSON, COMMON):
             if os.path.lexists(self.iter_dir / name):
                 raise FileExistsError(17, "already exists", str(self.iter_dir / name))
+        if self.streamed:
+            template = _render(self._extra_frame.archive) if self.extra else b""
+            chunks = sorted(list(self.extra.values()) + list(self._by_name.values()), key=lambda c: (c.file, c.base))
+            buffer = max(1 << 20, (32 << 20) // len(self.files)) // ALIGN_DIRECT * ALIGN_DIRECT
+            for i, name in enumerate(self.files):
+                path = self.iter_dir / name
+                if os.path.lexists(path):
+                    raise FileExistsError(17, "already exists", str(path))
+                self._created.append(path)
+                self._sequences.append(_Sequence(OutputFile(path, buffer), [c for c in chunks if c.file == i], template))
+            return
         for name in self.files:
             path = self.iter_dir / name
             fd = os.open(path, flags, 0o666)
@@ -431,6 +448,11 @@ class DistCheckpointWriter:
             ends[chunk.file] = max(ends[chunk.file], chunk.base + chunk.size)
         for fd, end in zip(self._fds, ends):
             os.ftruncate(fd, end)  # the data spans are holes until written
+
+    def append(self, name: str, data) -> None:
+        """Streamed: the next bytes of tensor `name`, which must be the tensor whose turn it is."""
+        chunk = self._by_name[name]
+        self._sequences[chunk.file].append(chunk, data)
 
     def region(self, name: str) -> tuple[int, int]:
         """(fd, absolute file offset) where tensor `name`'s bytes go: C-contiguous, its shape, its dtype."""
@@ -450,8 +472,13 @@ class DistCheckpointWriter:
 
     def finish(self) -> None:
         """After every tensor byte is written: CRC32s, then common.pt, .metadata and metadata.json, all flushed."""
+        if self.streamed:
+            for sequence in self._sequences:
+                sequence.close()
+            self._sequences = []
         for name in self._by_name:
-            self.done(name)
+            if not self.streamed:
+                self.done(name)
         self._write_small(COMMON, self._common_bytes())
         for fd in self._fds:
             os.fsync(fd)
@@ -468,6 +495,9 @@ class DistCheckpointWriter:
         successful `finish` the checkpoint is complete and stays."""
         if self._finished:
             return
+        for sequence in self._sequences:
+            sequence.out.abort()
+        self._sequences = []
         for fd in self._fds:
             try:
                 os.close(fd)
@@ -540,6 +570,46 @@ def _check_cover(entry: _Key) -> None:
                          f"tensors given (first-axis indices present: {lead[:12]})")
 
 
+class _Sequence:
+    """One .distcp file written front to back: its archives in file order (each _extra_state's bytes as they
+    are, each chunk's tensor streamed through its archive, alignment gaps zero)."""
+
+    def __init__(self, out: OutputFile, chunks: list, template: bytes):
+        self.out, self.chunks, self.template = out, chunks, template
+        self.pos, self.index, self.stream = 0, 0, None
+        self._open_next()
+
+    def _open_next(self) -> None:
+        while self.index < len(self.chunks):
+            chunk = self.chunks[self.index]
+            self.out.write(bytes(chunk.base - self.pos))
+            self.pos = chunk.base
+            if chunk.name is None:  # an _extra_state entry: the same bytes every time
+                self.out.write(self.template)
+                self.pos += len(self.template)
+                self.index += 1
+                continue
+            self.stream = ArchiveStream(chunk.frame.archive, self.out, close_file=False)
+            return
+
+    def append(self, chunk, data) -> None:
+        if self.index >= len(self.chunks) or self.chunks[self.index] is not chunk:
+            raise ValueError(f"{chunk.key}: bytes out of their turn")
+        self.stream.append(chunk.frame.slot, data)
+        if self.stream.finished:
+            self.stream.close()
+            chunk.done = True
+            self.pos += chunk.size
+            self.index += 1
+            self.stream = None
+            self._open_next()
+
+    def close(self) -> None:
+        if self.index < len(self.chunks):
+            raise MergeError(f"{self.out.path}: closed with tensors not written (plan error)")
+        self.out.close()
+
+
 def _render(archive: TorchArchive) -> bytes:
     """The bytes of an archive without tensors (framed in an in-memory file)."""
     fd = os.memfd_create("torch-archive", getattr(os, "MFD_CLOEXEC", 0)) if hasattr(os, "memfd_create") else None
@@ -588,22 +658,29 @@ class MegatronDistOutput(RowScatter):
             target = Target(nbytes // size[0] if size and size[0] else 0, nbytes)
             self.tensors.append(DistTensor(name, tuple(size), dtype))
             self._named.append((name, target))
+            target.padding = nbytes  # less the rows routed to it (route sets `due` to those)
             self.route(rule, hf_prefix, name, shard_shapes, {0: [target]})
+            target.padding -= target.due
         self.facts = DistModelFacts.from_args(args)
-        self.total_bytes = sum(t.due for _, t in self._named)  # data; the frame adds little
+        self.total_bytes = sum(t.due + t.padding for _, t in self._named)  # data; the frames add little
+        # the files are written front to back: the tensors in the order their bytes arrive
+        order, unreached = self.stream_order(list(dtypes), lambda t: 0)
+        self._unreached = unreached.get(0, [])
+        position = {id(t): i for i, t in enumerate(order.get(0, []) + self._unreached)}
+        by_target = {id(t): spec for spec, (_, t) in zip(self.tensors, self._named)}
+        self.tensors = [by_target[id(t)] for t in sorted((t for _, t in self._named), key=lambda t: position[id(t)])]
 
     def start(self, out: Path) -> None:
         self.out = Path(out)
         common = {"args": self.args, "checkpoint_version": 3.0, "iteration": 0}
-        self.writer = DistCheckpointWriter(self.out / "release", self.tensors, common, self.facts)
+        self.writer = DistCheckpointWriter(self.out / "release", self.tensors, common, self.facts, streamed=True)
         for name, target in self._named:
-            target.fd, target.offset = self.writer.region(name)
-            target.done = lambda name=name: self.writer.done(name)
-            if target.due == 0:
-                target.done()
+            target.append = partial(self.writer.append, name)
 
     def finish(self) -> list[str]:
         self.check_complete(self.out)
+        for target in self._unreached:  # all padding
+            self._complete(target)
         self.writer.finish()
         with open(self.out / "latest_checkpointed_iteration.txt", "x") as tracker:
             tracker.write("release")

@@ -110,68 +110,11 @@ class MegatronLegacyWriter(RowScatter):
                                      name=FILE_NAME.removesuffix(".pt"), order=order[id(f)])
 
     def _stream_order(self, plan_order: list[str]) -> dict[int, list[TensorSlot]]:
-        """Each file's tensors in the order their bytes will arrive, so that each file is written front to back.
-
-        HF tensors come in plan order, each in row order; a tensor's rows go to its shards' rows in order, but
-        for a few layouts (QKV: q rows of every group before any k row) not: those shards are gathered
-        (marked `gather`) and arrive whole once complete, as do GroupedMLP experts' blocks. Where two tensors
-        of one file would still interleave, the one interrupted is gathered too, until none does."""
-        for _ in range(len(self.targets) + 1):
-            events: dict[int, list] = {id(f): [] for f in self.files}  # file -> [(target, bytes)] in arrival order
-            next_row, held, changed = {}, {}, False
-            for name in plan_order:
-                for dest in self.hf[name].destinations:
-                    seg = dest.segment
-                    for t in (t for targets in dest.targets.values() for t in targets):
-                        if isinstance(t, Block):
-                            held[id(t)] = held.get(id(t), 0) + seg.rows * t.row_bytes
-                            if held[id(t)] == t.due:
-                                events[id(self._slots[id(t.grouped)][0])].append((t.grouped, t.due))
-                            continue
-                        if next_row.get(id(t), 0) != seg.shard_start and not t.gather:
-                            t.gather = changed = True  # its earlier rows were counted as streamed: again
-                        next_row[id(t)] = seg.shard_start + seg.rows
-                        nbytes = seg.rows * t.row_bytes
-                        if t.gather:
-                            held[id(t)] = held.get(id(t), 0) + nbytes
-                            if held[id(t)] == t.due:
-                                events[id(self._slots[id(t)][0])].append((t, t.due))
-                        else:
-                            events[id(self._slots[id(t)][0])].append((t, nbytes))
-            if changed:
-                continue
-            interrupted = None
-            for file_events in events.values():
-                left: dict[int, int] = {}
-                current = None
-                for t, nbytes in file_events:
-                    if t is not current:
-                        if current is not None and left[id(current)]:
-                            interrupted = current
-                            break
-                        current, left[id(t)] = t, t.due if id(t) not in left else left[id(t)]
-                    left[id(t)] -= nbytes
-                if interrupted is not None:
-                    break
-            if interrupted is None:
-                break
-            if interrupted.gather or id(interrupted) in {id(b.grouped) for b in self.targets if isinstance(b, Block)}:
-                raise MergeError("the target layout interleaves two tensors of one rank file (layout error)")
-            interrupted.gather = True
-        order = {id(f): [] for f in self.files}
-        seen = set()
-        for file_id, file_events in events.items():
-            for t, _ in file_events:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    order[file_id].append(self._slots[id(t)][1])
-        self._unreached = {id(f): [] for f in self.files}
-        for t in self.targets:  # tensors no byte reaches (all padding) come last, zero-filled at finish
-            if not isinstance(t, Block) and id(t) not in seen:
-                seen.add(id(t))
-                order[id(self._slots[id(t)][0])].append(self._slots[id(t)][1])
-                self._unreached[id(self._slots[id(t)][0])].append(t)
-        return order
+        """Each file's tensors in the order their bytes arrive, so that it is written front to back."""
+        order, unreached = self.stream_order(plan_order, lambda t: id(self._slots[id(t)][0]))
+        self._unreached = {id(f): unreached.get(id(f), []) for f in self.files}
+        return {id(f): [self._slots[id(t)][1] for t in order.get(id(f), []) + unreached.get(id(f), [])]
+                for f in self.files}
 
     def _place(self, rule, hf_prefix, name, local_name, tp, dtypes, padded_vocab, files, chunk, block=None) -> None:
         if not files:

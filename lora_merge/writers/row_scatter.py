@@ -107,6 +107,71 @@ class RowScatter:
                 for t in targets:
                     t.due = real * t.row_bytes
 
+    def stream_order(self, plan_order: list[str], file_of) -> tuple[dict, dict]:
+        """For files written front to back: each file's targets (`file_of(target)` names the file) in the order
+        their bytes will arrive, and those no byte reaches (all padding: appended as zeros at the end).
+
+        HF tensors come in plan order, each in row order; a tensor's rows go to its shards' rows in order, but
+        for a few layouts (QKV: q rows of every group before any k row) not: those shards are gathered
+        (`gather`) and arrive whole once complete, as do GroupedMLP experts' blocks. Where two tensors of one
+        file would still interleave, the one interrupted is gathered too, until none does."""
+        groupeds = {id(b.grouped) for b in self.targets if isinstance(b, Block)}
+        for _ in range(2 * len(self.targets) + 2):
+            events: dict = {}  # file -> [(target, bytes)] in arrival order
+            next_row, held, changed = {}, {}, False
+            for name in plan_order:
+                for dest in self.hf[name].destinations:
+                    seg = dest.segment
+                    for t in (t for targets in dest.targets.values() for t in targets):
+                        if isinstance(t, Block):
+                            held[id(t)] = held.get(id(t), 0) + seg.rows * t.row_bytes
+                            if held[id(t)] == t.due:
+                                events.setdefault(file_of(t.grouped), []).append((t.grouped, t.due))
+                            continue
+                        if next_row.get(id(t), 0) != seg.shard_start and not t.gather:
+                            t.gather = changed = True  # its earlier rows were counted as streamed: again
+                        next_row[id(t)] = seg.shard_start + seg.rows
+                        nbytes = seg.rows * t.row_bytes
+                        if t.gather:
+                            held[id(t)] = held.get(id(t), 0) + nbytes
+                            if held[id(t)] == t.due:
+                                events.setdefault(file_of(t), []).append((t, t.due))
+                        else:
+                            events.setdefault(file_of(t), []).append((t, nbytes))
+            if changed:
+                continue
+            interrupted = None
+            for file_events in events.values():
+                left, current = {}, None
+                for t, nbytes in file_events:
+                    if t is not current:
+                        if current is not None and left[id(current)]:
+                            interrupted = current
+                            break
+                        current = t
+                        left.setdefault(id(t), t.due)
+                    left[id(t)] -= nbytes
+                if interrupted is not None:
+                    break
+            if interrupted is None:
+                break
+            if interrupted.gather or id(interrupted) in groupeds:
+                raise MergeError("the target layout interleaves two tensors of one file (layout error)")
+            interrupted.gather = True
+        else:
+            raise MergeError("the target layout's write order did not settle (layout error)")
+        order, unreached, seen = {}, {}, set()
+        for key, file_events in events.items():
+            for t, _ in file_events:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    order.setdefault(key, []).append(t)
+        for t in self.targets:
+            if not isinstance(t, Block) and id(t) not in seen:
+                seen.add(id(t))
+                unreached.setdefault(file_of(t), []).append(t)
+        return order, unreached
+
     def write(self, name: str, rows: torch.Tensor, then=None) -> None:
         entry = self.hf.get(name)
         if entry is None:

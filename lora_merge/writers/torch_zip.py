@@ -268,8 +268,8 @@ class ArchiveStream:
     each tensor's bytes are appended in member order, its CRC32 computed as they pass, so the file can go
     out with O_DIRECT at disk speed and nothing is read back."""
 
-    def __init__(self, archive: TorchArchive, out):
-        self.archive, self.out = archive, out
+    def __init__(self, archive: TorchArchive, out, close_file: bool = True):
+        self.archive, self.out, self.close_file = archive, out, close_file
         self._index = 0  # the member being written
         self._crc = 0
         self._left = 0  # bytes still due of the current tensor member
@@ -305,9 +305,15 @@ class ArchiveStream:
             self._index += 1
             self._advance()
 
+    @property
+    def finished(self) -> bool:
+        return self._index >= len(self.archive.members)
+
     def close(self) -> None:
-        if self._index < len(self.archive.members):
+        """The directory and end records (then the file is closed, unless it goes on after this archive)."""
+        if not self.finished:
             raise ValueError(f"{self.archive.name}: closed with tensors not written")
         self.archive.directory = b"".join(self.archive._central(m) for m in self.archive.members)
         self.out.write(self.archive._tail())
-        self.out.close()
+        if self.close_file:
+            self.out.close()
