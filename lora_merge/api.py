@@ -29,7 +29,7 @@ from lora_merge.errors import MergeError
 from lora_merge.peft_adapter import EXPERT_FORMATS, adapter_config, build_adapter, write_adapter
 from lora_merge.lora import LoraSettings, resolve_settings
 from lora_merge.merge_pipeline import execute
-from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets
+from lora_merge.merge_plan import MergePlan, build_plan, check_lora_targets, plan_fp8_output
 from lora_merge.hf_config import check_same_model, read_hf_config
 from lora_merge.megatron_args import check_against_args
 from lora_merge.model_shape import DTYPES, ModelShape
@@ -192,9 +192,14 @@ def _warn_default(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _dtype_choice(value: str) -> str:
+FP8 = "fp8"  # --dtype fp8 (or float8_e4m3fn): block-FP8 linear weights, as DeepSeek's and Qwen's releases
+
+
+def _dtype_choice(value: str, fp8: bool = False) -> str:
+    if fp8 and value in (FP8, "float8_e4m3fn"):
+        return FP8
     if value != "auto" and value not in DTYPES:
-        raise MergeError(f"dtype {value!r}: expected auto, {', '.join(DTYPES)}")
+        raise MergeError(f"dtype {value!r}: expected auto, {', '.join(DTYPES)}" + (", fp8" if fp8 else ""))
     return value
 
 
@@ -210,7 +215,7 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
         raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
     opts = SimpleNamespace(base=_path(base, "base", BASE), lora=_path(lora, "lora", LORA),
                            hf_ref=_required(hf_ref, "hf_ref", HF_REF), out=_abs(_required(out, "out", OUT)),
-                           dtype=_dtype_choice(dtype), max_shard_size=shard_size(max_shard_size),
+                           dtype=_dtype_choice(dtype, fp8=True), max_shard_size=shard_size(max_shard_size),
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                            allow_partial_lora=allow_partial_lora, force=force, verify=verify,
                            report=_path(report, "report", "a file"), dry_run=dry_run, sha256=bool(sha256),
@@ -461,14 +466,23 @@ def run_merge(opts) -> MergeResult:
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
-    dtype = output_dtype(opts.dtype, inp.shape, getattr(inp.base, "args", None) or getattr(inp.lora, "args", None))
+    fp8 = opts.dtype == FP8
+    if fp8 and opts.verify:
+        raise MergeError("--verify with --dtype fp8: verify does not read FP8 outputs yet; verify a bf16 merge of the "
+                         "same inputs, or run without --verify")
+    dtype = torch.bfloat16 if fp8 else output_dtype(opts.dtype, inp.shape, getattr(inp.base, "args", None)
+                                                    or getattr(inp.lora, "args", None))
     if opts.dtype == "auto" and inp.shape.dtype is None and isinstance(inp.base, HfModel):
         dtype = inp.base.dtype  # the HF weights' own
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+    quantization = plan_fp8_output(plan, inp.base) if fp8 else None  # what the rest keep: bf16, as the releases
     for note in plan.notes:
         opts.warn(note)
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
     hf_config = {**inp.hf_config, **plan.config_changes}
+    hf_config.pop("quantization_config", None)  # an FP8 base's: the output is FP8 only where it says so
+    if quantization is not None:
+        hf_config["quantization_config"] = quantization
     writer_plan = plan.tensors
     tensor_bytes = sum(t.nbytes for t in writer_plan)
     if opts.dry_run:

@@ -106,3 +106,48 @@ class Fp8Weight:
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         return dequantize_rows(self.q[start:stop], self.scale_inv, start, self.block)
+
+
+# The linear weights DeepSeek's and Qwen's FP8 releases quantize (attention and MLP, experts and shared
+# experts); never embeddings, norms, the router or lm_head.
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                     "kv_b_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                  "activation_scheme": "dynamic"}
+
+
+def quantized_by_default(name: str, shape) -> bool:
+    return len(shape) == 2 and name.endswith(".weight") and name.split(".")[-2] in QUANTIZED_LINEARS
+
+
+class BlockQuantizer:
+    """Rows of one weight arriving in order, in float32, quantized a whole block of rows at a time: `add`
+    gives the fp8 rows ready to write (a multiple of the block's rows, until the last), `scales` the
+    weight_scale_inv once every row has come. Memory: less than one block of rows."""
+
+    def __init__(self, shape: tuple[int, int], block: tuple[int, int]):
+        self.shape, self.block = shape, block
+        self.rows_done = 0
+        self._pending: list[torch.Tensor] = []
+        self._pending_rows = 0
+        self._scales: list[torch.Tensor] = []
+
+    def add(self, rows: torch.Tensor) -> torch.Tensor | None:
+        self._pending.append(rows.float())
+        self._pending_rows += rows.shape[0]
+        last = self.rows_done + self._pending_rows == self.shape[0]
+        ready = self._pending_rows if last else self._pending_rows // self.block[0] * self.block[0]
+        if not ready:
+            return None
+        pending = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        q, scale = quantize_rows(pending[:ready], self.block)
+        self._scales.append(scale)
+        self._pending = [pending[ready:]] if ready < pending.shape[0] else []
+        self._pending_rows -= ready
+        self.rows_done += ready
+        return q
+
+    def scales(self) -> torch.Tensor:
+        if self.rows_done != self.shape[0]:
+            raise MergeError(f"{self.rows_done} of {self.shape[0]} rows quantized (plan error)")
+        return torch.cat(self._scales)

@@ -67,6 +67,9 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
         raise MergeError(f"--ckpt-format {target.ckpt_format!r}: expected one of {', '.join(CKPT_FORMATS)}")
     if target.expert_layout not in EXPERT_LAYOUTS:
         raise MergeError(f"--expert-layout {target.expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    if opts.dtype in ("fp8", "float8_e4m3fn"):
+        raise MergeError("--dtype fp8 with --to megatron: a Megatron checkpoint is written in bfloat16, float16 or "
+                         "float32 (FP8 bases are read dequantized)")
     _check_input_dirs(opts)
     if opts.out.exists() or opts.out.is_symlink():
         raise MergeError(f"{opts.out}: already exists; a Megatron checkpoint is written to a new directory")

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
+from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer
 from lora_merge.layout import QuantizedRowBlock
 from lora_merge.lora import hf_factors, merge_block_rows, merge_weight
 from lora_merge.merge_plan import MergePlan, Task
@@ -157,18 +159,31 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
         checker = RecordChecker(list(_crc_jobs(plan)))
         pool = OrderedPool(workers)
 
+        quantizers: dict[str, BlockQuantizer] = {}  # FP8 output: a weight's rows quantized as they come, in order
+
         def deliver(name: str, result) -> None:
             piece, then = result
-            write(name, piece, then)
+            quantizer = quantizers.get(name)
+            if quantizer is not None and piece.dtype != torch.float8_e4m3fn:
+                q = quantizer.add(piece)
+                if then is not None:
+                    then()
+                if q is not None:
+                    write(name, q, None)
+            else:
+                write(name, piece, then)
             if progress is not None:
-                progress(piece.nbytes)
+                progress(piece.numel() if quantizer is not None else piece.nbytes)  # FP8: its bytes as written
 
         due = 0
         for task in plan.tasks:
             checker.advance(due)  # the CRC32 checker may run ahead of the pieces being computed
             due += sum(ref.nbytes for ref in task.pieces)
-            for name, job in _task_jobs(plan, task, chunk_bytes(workers)):
-                pool.submit(job, partial(deliver, name))
+            for name, job in _task_jobs(plan, task, chunk_bytes(workers), quantizers, write):
+                if name is None:  # a call in order: an FP8 weight's scales, once its rows are written
+                    pool.submit_in_order(job)
+                else:
+                    pool.submit(job, partial(deliver, name))
             pool.submit_in_order(partial(_release_task, task))
         pool.drain()
         checker.finish()
@@ -223,8 +238,10 @@ def chunk_bytes(workers: int) -> int:
     return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, IN_FLIGHT_BYTES // (WINDOW_PER_WORKER * workers)))
 
 
-def _task_jobs(plan: MergePlan, task: Task, chunk: int):
-    """(HF name, job) for every piece of the task's outputs; a job returns (rows, then)."""
+def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None = None, write=None):
+    """(HF name, job) for every piece of the task's outputs; a job returns (rows, then). For an FP8 output
+    (plan.quantized), a weight is computed in float32 and quantized in order (`quantizers`), or, read from an
+    FP8 base with the same blocks and no LoRA, copied as stored; then (None, call) writes its scales."""
     shape = plan.shape
     where = f"{task.megatron} ({task.pieces[0].where})"
     blocks = task.rule.hf_blocks([ref.load() for ref in task.pieces], shape, where, task.pieces.is_global)
@@ -233,10 +250,32 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int):
                    for name, (b, a) in hf_factors(task.rule, task.lora, shape, task.lora_module).items()}
     else:
         factors = {name: (f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
+    scales = {planned.name + SCALE_SUFFIX for planned in task.outputs if planned.name in plan.quantized}
     for planned in task.outputs:
+        if planned.name in scales:
+            continue
         name = planned.name[len(task.hf_prefix):]
-        for job in _piece_jobs(blocks[name], factors.get(name), planned, task.pieces.mapped, chunk):
+        block = plan.quantized.get(planned.name)
+        if block is None:
+            for job in _piece_jobs(blocks[name], factors.get(name), planned, task.pieces.mapped, chunk):
+                yield planned.name, job
+            continue
+        source = blocks[name][0] if len(blocks[name]) == 1 else None
+        stored = (isinstance(source, QuantizedRowBlock) and source.weight.block == block
+                  and factors.get(name) is None)  # q and its scales as the base has them
+        compute = replace(planned, dtype=torch.float8_e4m3fn if stored else torch.float32)
+        if not stored:
+            quantizers[planned.name] = BlockQuantizer(tuple(planned.shape), block)
+        for job in _piece_jobs(blocks[name], factors.get(name), compute, task.pieces.mapped, chunk):
             yield planned.name, job
+        if stored:
+            yield None, partial(write, planned.name + SCALE_SUFFIX, source.weight.scale_inv, None)
+        else:
+            yield None, partial(_write_scales, write, planned.name, quantizers)
+
+
+def _write_scales(write, name: str, quantizers: dict) -> None:
+    write(name + SCALE_SUFFIX, quantizers.pop(name).scales(), None)
 
 
 def _release_task(task: Task) -> None:
@@ -278,6 +317,10 @@ def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: 
     sources = [part[start:stop] for part in block.parts]
     damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
                "the checkpoint is damaged or training diverged")
+    if isinstance(block, QuantizedRowBlock) and factors is None and dtype == torch.float8_e4m3fn:
+        # an FP8 output keeps an untouched weight as stored: checked dequantized, written as it is
+        check_finite(block.take(start, stop), name, damaged)
+        return sources[0], (partial(_release_all, sources) if mapped else None)
     if isinstance(block, QuantizedRowBlock):  # block-FP8: checked once dequantized (the fp8 bytes are not floats torch checks)
         sources = [block.take(start, stop)]
         if factors is None:

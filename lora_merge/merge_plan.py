@@ -14,11 +14,12 @@ import torch
 
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
+from lora_merge.fp8 import DEFAULT_CONFIG, SCALE_SUFFIX, quantized_by_default, scale_shape
 from lora_merge.layout import AsStored, Rule, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
-from lora_merge.readers.hf_model import HfModel
+from lora_merge.readers.hf_model import Fp8Ref, HfModel
 from lora_merge.value_checks import shown_value
 from lora_merge.readers.peft import PeftAdapter
 from lora_merge.writers.safetensors_stream import PlannedTensor
@@ -52,6 +53,7 @@ class MergePlan:
     replicas: list = field(default_factory=list)  # (first, other) copies to compare while merging
     config_changes: dict = field(default_factory=dict)  # config.json values the output must say differently
     notes: list = field(default_factory=list)  # what the user should know about the output (warnings)
+    quantized: dict = field(default_factory=dict)  # HF name -> FP8 block size, for an FP8 output (--dtype fp8)
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -341,3 +343,30 @@ def _module_label(module: str) -> str:
 
 
 LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def plan_fp8_output(plan: MergePlan, base) -> dict:
+    """Turn the plan into an FP8 release's layout: the weights the FP8 base had quantized (from an unquantized
+    base: the attention and MLP/expert linears, as DeepSeek's and Qwen's releases quantize) become
+    float8_e4m3fn, each followed by its weight_scale_inv; everything else keeps the plan's dtype. Returns the
+    quantization_config the output's config.json carries."""
+    fp8 = getattr(base, "fp8", None)
+    config = dict(fp8.config) if fp8 is not None else dict(DEFAULT_CONFIG)
+    block = tuple(config["weight_block_size"])
+    skip = tuple(config.get("modules_to_not_convert") or ())
+    if fp8 is not None:
+        chosen = {name for name, ref in base.tensors.items() if isinstance(ref, Fp8Ref)}
+    else:
+        chosen = {t.name for t in plan.tensors if quantized_by_default(t.name, t.shape)
+                  and not any(t.name.startswith(m + ".") or t.name == m + ".weight" for m in skip)}
+    for task in plan.tasks:
+        outputs = []
+        for t in task.outputs:
+            if t.name in chosen:
+                outputs.append(PlannedTensor(t.name, t.shape, torch.float8_e4m3fn))
+                outputs.append(PlannedTensor(t.name + SCALE_SUFFIX, scale_shape(t.shape, block), torch.float32))
+                plan.quantized[t.name] = block
+            else:
+                outputs.append(t)
+        task.outputs = outputs
+    return config

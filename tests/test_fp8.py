@@ -179,3 +179,80 @@ def test_broken_fp8_releases_are_refused_in_one_line(tmp_path):
             lora_merge.merge(base=broken, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "out",
                              warn=quiet)
         assert not (tmp_path / "out").exists(), label
+
+
+def within_half_step(deq: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> bool:
+    """|dequantized - exact| within half an e4m3 step of each block (relative 2^-4, or 2^-10 of the block's
+    scale among the subnormals)."""
+    s = scale.repeat_interleave(BLOCK, 0)[:exact.shape[0]].repeat_interleave(BLOCK, 1)[:, :exact.shape[1]]
+    bound = torch.maximum(exact.abs() * 2.0 ** -4, 2.0 ** -10 * s) * (1 + 1e-6)
+    return bool(((deq - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+def test_an_fp8_output_is_the_release_format_transformers_loads(tmp_path, family):
+    """--dtype fp8 from an unquantized base: the attention and MLP/expert weights block-FP8 with their scales,
+    every one within half an e4m3 step of the float32 merge; embeddings, norms, router and lm_head bfloat16;
+    quantization_config in config.json. transformers (FineGrainedFP8Config(dequantize=True), on CPU) loads it
+    and computes exactly what the dequantized weights compute."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    fixture = FIXTURES[family]
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "fp8",
+                     dtype="fp8", warn=quiet)
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "fp32",
+                     dtype="float32", warn=quiet)
+    fp8, exact = load_file(tmp_path / "fp8/model.safetensors"), load_file(tmp_path / "fp32/model.safetensors")
+    assert set(fp8) == set(exact) | {k + "_scale_inv" for k in exact if is_quantized(k, exact[k])}
+    dequantized = {}
+    for name, value in exact.items():
+        got = fp8[name]
+        if is_quantized(name, value):
+            assert got.dtype == torch.float8_e4m3fn and fp8[name + "_scale_inv"].dtype == torch.float32
+            dequantized[name] = reference_dequantize(got, fp8[name + "_scale_inv"])
+            assert within_half_step(dequantized[name], value, fp8[name + "_scale_inv"]), name
+        else:
+            assert got.dtype == (torch.float32 if "e_score_correction_bias" in name else torch.bfloat16), name
+            dequantized[name] = got
+    config = json.loads((tmp_path / "fp8/config.json").read_text())
+    assert config["quantization_config"] == CONFIG and config["dtype"] == "bfloat16"
+    shutil.copytree(tmp_path / "fp8", tmp_path / "dequantized", ignore=shutil.ignore_patterns("*.safetensors"))
+    config.pop("quantization_config")
+    (tmp_path / "dequantized/config.json").write_text(json.dumps(config))
+    save_file(dequantized, tmp_path / "dequantized/model.safetensors")
+    input_ids = torch.load(fixture / "logits.pt")["input_ids"]
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32,
+                                                      quantization_config=FineGrainedFP8Config(dequantize=True))
+        reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", dtype=torch.float32)
+        got, expected = loaded(input_ids).logits, reference(input_ids).logits
+        exact_model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32)
+        unquantized = exact_model(input_ids).logits
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5)
+    # against the unquantized merge: FP8 noise, which in these tiny random MoE models also flips some routing
+    assert (got - unquantized).abs().mean() < 0.05 * unquantized.abs().max()
+
+
+def test_an_fp8_base_to_fp8_keeps_what_the_lora_did_not_touch_as_stored(tmp_path):
+    """FP8 base + a LoRA on q/k/v and down_proj only (the llama fixture's): the untouched o_proj, gate and up
+    weights and their scales are the base's bytes; the touched ones re-quantized from the float32 merge; the
+    output's quantization_config is the base's."""
+    fixture = TESTS / "fixtures/tp2_llama_fp32_partial"
+    fp8, dequantized = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path)
+    lora_merge.merge(base=fp8, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "out", dtype="fp8",
+                     warn=quiet)
+    lora_merge.merge(base=dequantized, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "exact",
+                     dtype="float32", warn=quiet)
+    base = {}
+    for shard in fp8.glob("*.safetensors"):
+        base.update(load_file(shard))
+    out, exact = load_file(tmp_path / "out/model.safetensors"), load_file(tmp_path / "exact/model.safetensors")
+    for name in (n for n in base if base[n].dtype == torch.float8_e4m3fn):
+        touched = name.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "down_proj")
+        same = torch.equal(out[name].view(torch.uint8), base[name].view(torch.uint8)) and \
+            torch.equal(out[name + "_scale_inv"], base[name + "_scale_inv"])
+        assert same != touched, name
+        if touched:
+            assert within_half_step(reference_dequantize(out[name], out[name + "_scale_inv"]), exact[name],
+                                    out[name + "_scale_inv"]), name
+    assert json.loads((tmp_path / "out/config.json").read_text())["quantization_config"] == CONFIG
