@@ -30,7 +30,10 @@ the HF model, and beside it the in-memory route other converters take: every HF 
 each rank file built and torch.save'd (the same layout, computed from the same plan; legacy EP=8 rank files
 for DeepSeek, whose lora-merge run writes torch_dist).
 
-    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft | --to-megatron]
+--fp8: a block-FP8 DeepSeek-V3-shaped HF base (128x128 scales) + the Megatron LoRA, merged into bf16 and into
+FP8, against a copy of the same inputs.
+
+    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft | --to-megatron | --fp8]
 """
 
 from __future__ import annotations
@@ -364,6 +367,41 @@ def bench_to_megatron(layers: int, work: Path, repeat: int, deepseek: bool, deep
     return result
 
 
+def bench_fp8(work: Path, repeat: int, deepseek_shape: list[str]) -> dict:
+    """A block-FP8 DeepSeek-V3-shaped HF base (made by lora-merge --dtype fp8 from the synthetic Megatron base)
+    + the synthetic Megatron LoRA, merged into bf16 and into FP8 (--no-sha256), alternating with a copy of the
+    same inputs."""
+    root = work / "fp8_deepseek"
+    drop(root)
+    generate_start = time.monotonic()
+    subprocess.run([sys.executable, str(HERE / "synthetic_deepseek_checkpoint.py"), str(root), "--ep", "8",
+                    *(["--shape", *deepseek_shape] if deepseek_shape else [])], check=True)
+    subprocess.run(LORA_MERGE + ["--base", str(root / "base"), "--hf-ref", str(root / "hf_ref"), "--out",
+                                 str(root / "fp8_base"), "--dtype", "fp8", "--no-progress", "--no-sha256"],
+                   check=True, stdout=subprocess.DEVNULL)
+    drop(root / "base")
+    generate_seconds = time.monotonic() - generate_start
+    inputs = [root / "fp8_base", root / "lora"]
+    in_bytes = sum(dir_bytes(p) for p in inputs)
+    check_free(root, in_bytes * 2)
+    cmd = LORA_MERGE + ["--base", str(root / "fp8_base"), "--lora", str(root / "lora"), "--hf-ref",
+                        str(root / "fp8_base"), "--out", str(root / "merged"), "--no-progress", "--no-sha256"]
+    variants = [("FP8 base -> bf16", cmd + ["--dtype", "bfloat16"]), ("FP8 base -> fp8", cmd + ["--dtype", "fp8"])]
+    copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
+    result = {"layers": 2, "layout": "DeepSeek-V3 shapes, block-FP8 HF base + Megatron LoRA",
+              "generate_seconds": generate_seconds, "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9,
+              "copy": copy, "runs": {}}
+    for (label, _), ours in zip(variants, merges):
+        ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (in_bytes / 1e9)
+        ours["stage_cpu_s_per_gb"] = {k: v / (in_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
+        result["runs"][label] = ours
+    result["ours"] = merges[0]
+    result["ratio_to_copy"] = merges[0]["ratio_to_copy"]
+    drop(root)
+    return result
+
+
 def print_targets(title: str, r: dict) -> None:
     print(f"generated in {r['generate_seconds']:.0f} s")
     for label, ours in r["runs"].items():
@@ -417,6 +455,8 @@ def main() -> None:
                    "each --layers, or DeepSeek-V3 shapes at EP=8 with --deepseek), beside the in-memory route")
     p.add_argument("--skip-in-memory", action="store_true", help="--to-megatron without the in-memory route (it needs "
                    "the whole model in RAM)")
+    p.add_argument("--fp8", action="store_true", help="a block-FP8 DeepSeek-V3-shaped HF base + LoRA merged into bf16 "
+                   "and into FP8 (--deepseek-shape applies)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers
@@ -425,6 +465,14 @@ def main() -> None:
         results = scaling(args)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
+        return
+    if args.fp8:
+        r = bench_fp8(args.workdir, args.repeat, args.deepseek_shape)
+        title = "DeepSeek-V3 shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "") + ", FP8"
+        print_runs(title, r)
+        print_targets(title, r)
+        if args.json:
+            args.json.write_text(json.dumps([r], indent=2))
         return
     if args.to_megatron:
         runs = [bench_to_megatron(2, args.workdir, args.repeat, True, args.deepseek_shape,
