@@ -64,6 +64,16 @@ def _reference_weights(reference: Path) -> SafetensorsDir:
 
 
 
+def within_fp8_step(got: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor, start: int, block) -> bool:
+    """Dequantized FP8 rows within half an e4m3 step of the exact values: 2^-4 relative (3 mantissa bits),
+    or 2^-10 of the block's scale among the subnormals; the float32 sums leave a little more."""
+    first = start // block[0]
+    s = scales[first:].repeat_interleave(block[0], 0)[start - first * block[0]: start - first * block[0] + got.shape[0]]
+    s = s.repeat_interleave(block[1], 1)[:, :got.shape[1]]
+    bound = torch.maximum(exact.abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-5) + exact.abs() * 2.0 ** -20
+    return bool(((got.float() - exact).abs() <= bound).all())
+
+
 def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, noise: torch.Tensor) -> bool:
     """`out` is `expected` (float32) rounded once to out's dtype, allowing float32 summation noise."""
     eps = torch.finfo(out.dtype).eps
@@ -135,6 +145,15 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 continue
             got_shape, got_dtype = out.meta(full)
             wanted = SAFETENSORS_DTYPES[rule.keep_dtype] if rule.keep_dtype else want_dtype
+            quantized = out.scales_of(full)  # a block-FP8 weight: read dequantized, checked within FP8's step
+            if quantized is not None:
+                expected_names.add(quantized)
+                wanted = "F8_E4M3"
+                try:
+                    out.fp8_block(full)
+                except MergeError as exc:
+                    report.problems.append(str(exc))
+                    continue
             if got_shape != dims or got_dtype != wanted:
                 report.problems.append(f"{full}: shape {list(got_shape)} {got_dtype}, the config implies "
                                        f"{list(dims)} {wanted}")
@@ -155,7 +174,8 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 tensor_factors, scale = (f.b.load(), f.a.load()), f.scale
             if peft and full in lora.biases:  # the trained bias replaces the base's
                 source = lambda a, b, t=lora.biases[full].load(): t[a:b]  # noqa: E731
-            report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report)
+            report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report,
+                                                  quantized is not None)
 
     for extra in sorted(set(out.file_of) - expected_names):
         if extra.startswith(shape.mtp_prefixes) and out.readable(extra):  # kept from an HF base as stored
@@ -175,8 +195,9 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
     return report
 
 
-def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, report) -> str:
-    """Compare one output tensor with its baseline, a chunk of rows at a time."""
+def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, report, fp8: bool = False) -> str:
+    """Compare one output tensor with its baseline, a chunk of rows at a time (a block-FP8 one dequantized,
+    within half an e4m3 step of its block, as one quantization of the exact value leaves it)."""
     row_numel = math.prod(dims[1:]) if len(dims) > 1 else 1
     step = max(1, CHUNK_BYTES // (4 * row_numel))
     worst = 0.0
@@ -193,6 +214,12 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
         if baseline is None:
             continue
         base = baseline(start, stop)
+        if fp8:
+            exact = base.float() if factors is None else torch.addmm(base.float(), factors[0][start:stop].float(),
+                                                                     factors[1].float(), alpha=scale)
+            if not within_fp8_step(tensor, exact, out.scales(name), start, out.fp8_block(name)):
+                worst = max(worst, (tensor - exact).abs().max().item() or 1e-30)
+            continue
         if factors is None:
             if not torch.equal(tensor, base.to(tensor.dtype)):
                 diff = (tensor.float() - base.float()).abs().max().item()
@@ -208,6 +235,12 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
             worst = max(worst, (tensor.float() - expected).abs().max().item())
     if baseline is None:
         return "merged (no baseline to compare)" if factors is not None else "present (no baseline to compare)"
+    if fp8:
+        if worst:
+            report.problems.append(f"{name}: its FP8 values differ from the {'merged ' if factors else ''}baseline by "
+                                   f"up to {worst:.3g}, more than half an e4m3 step of their block")
+            return "FP8 value wrong"
+        return "FP8: within half an e4m3 step of " + ("baseline + (alpha/r)·B·A" if factors else "the baseline")
     if factors is None:
         return "identical to baseline"
     if worst:

@@ -256,3 +256,24 @@ def test_an_fp8_base_to_fp8_keeps_what_the_lora_did_not_touch_as_stored(tmp_path
             assert within_half_step(reference_dequantize(out[name], out[name + "_scale_inv"]), exact[name],
                                     out[name + "_scale_inv"]), name
     assert json.loads((tmp_path / "out/config.json").read_text())["quantization_config"] == CONFIG
+
+
+def test_verify_reads_fp8_outputs_and_fp8_references(tmp_path):
+    """verify checks an FP8 output's dequantized values (within half an e4m3 step of baseline + LoRA) and takes
+    an FP8 release as its baseline; a changed byte of an FP8 weight is found."""
+    fixture = FIXTURES["deepseek_v3"]
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "out",
+                     dtype="fp8", verify=True, warn=quiet)
+    report = lora_merge.verify(tmp_path / "out", lora=fixture / "lora", base=fixture / "base", warn=quiet)
+    assert report.ok and sum(s.startswith("FP8: within half an e4m3 step") for s in report.statuses.values()) > 50
+    fp8, _ = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path)
+    lora_merge.merge(base=fp8, lora=fixture / "lora", hf_ref=fp8, out=tmp_path / "bf16", dtype="bfloat16",
+                     verify=True, warn=quiet)  # the FP8 release itself is the baseline
+    tensors = load_file(tmp_path / "out/model.safetensors")
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    flipped = tensors[name].view(torch.uint8).clone()
+    flipped[3, 5] ^= 0x40
+    tensors[name] = flipped.view(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "out/model.safetensors")
+    report = lora_merge.verify(tmp_path / "out", lora=fixture / "lora", base=fixture / "base", warn=quiet)
+    assert any(p.startswith(f"{name}: its FP8 values differ") for p in report.problems)

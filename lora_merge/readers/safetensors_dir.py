@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.errors import MergeError
+from lora_merge.fp8 import SCALE_SUFFIX, dequantize_rows, scale_shape
 from lora_merge.readers import safetensors_file
-from lora_merge.readers.safetensors_file import Damaged
+from lora_merge.readers.safetensors_file import Damaged, shown_name
 
 INDEX = "model.safetensors.index.json"
 # The index of a 671B model is well under 10 MB; a bigger file is not one, and is not read whole.
@@ -26,6 +28,8 @@ class SafetensorsDir:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self._scales: dict[str, torch.Tensor] = {}
+        self._block: tuple[int, int] | None = None
         self.problems: list[str] = []
         self.file_of: dict[str, str] = {}  # every tensor listed (by the index, or found in a shard's header)
         self.headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}  # file -> its sound header
@@ -94,9 +98,44 @@ class SafetensorsDir:
         return self.headers[self.file_of[name]][name]
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows of a tensor as stored; of a block-FP8 weight (float8 with a weight_scale_inv beside it),
+        dequantized to float32."""
         # Read with the offsets of the header checked when the directory was opened (a read per call:
         # no mapping is kept, so pages read so far do not stay resident).
-        return safetensors_file.read_rows(self.checked[self.file_of[name]], name, start, stop)
+        rows = safetensors_file.read_rows(self.checked[self.file_of[name]], name, start, stop)
+        if self.scales_of(name) is None:
+            return rows
+        return dequantize_rows(rows, self.scales(name), start, self.fp8_block(name))
+
+    def scales_of(self, name: str) -> str | None:
+        """The weight_scale_inv of a float8 weight, if it is one."""
+        scales = name + SCALE_SUFFIX
+        if self.readable(name) and self.meta(name)[1] == "F8_E4M3" and self.readable(scales):
+            return scales
+        return None
+
+    def scales(self, name: str) -> torch.Tensor:
+        scales = self.scales_of(name)
+        if scales not in self._scales:
+            self._scales[scales] = safetensors_file.read_rows(self.checked[self.file_of[scales]], scales, 0,
+                                                              self.meta(scales)[0][0]).float()
+        return self._scales[scales]
+
+    def fp8_block(self, name: str) -> tuple[int, int]:
+        """The block size the directory's config.json gives (DeepSeek's 128x128 where it gives none); the
+        scales' shape must fit it."""
+        if self._block is None:
+            from lora_merge.fp8 import read_fp8_config
+            from lora_merge.small_files import read_json
+
+            config = read_json(self.directory / "config.json") if (self.directory / "config.json").is_file() else {}
+            q = config.get("quantization_config") if isinstance(config, dict) else None
+            self._block = read_fp8_config(q, self.directory / "config.json").block if q is not None else (128, 128)
+        shape, scale = self.meta(name)[0], self.meta(name + SCALE_SUFFIX)[0]
+        if len(shape) != 2 or tuple(scale) != scale_shape(shape, self._block):
+            raise MergeError(f"{self.directory}: {shown_name(name)}: scales of shape {list(scale)} for a weight {list(shape)} in "
+                          f"{self._block[0]}x{self._block[1]} blocks")
+        return self._block
 
 
 
