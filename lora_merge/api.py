@@ -472,7 +472,8 @@ def run_merge(opts) -> MergeResult:
     if opts.dtype == "auto" and inp.shape.dtype is None and isinstance(inp.base, HfModel):
         dtype = inp.base.dtype  # the HF weights' own
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
-    quantization = plan_fp8_output(plan, inp.base) if fp8 else None  # what the rest keep: bf16, as the releases
+    # what the rest keep: bf16, as the releases (an FP8 reference's config is read when it was checked)
+    quantization = plan_fp8_output(plan, inp.base, inp.hf_config.get("quantization_config")) if fp8 else None
     for note in plan.notes:
         opts.warn(note)
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)

@@ -345,13 +345,14 @@ def _module_label(module: str) -> str:
 LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def plan_fp8_output(plan: MergePlan, base) -> dict:
+def plan_fp8_output(plan: MergePlan, base, reference_config: dict | None = None) -> dict:
     """Turn the plan into an FP8 release's layout: the weights the FP8 base had quantized (from an unquantized
-    base: the attention and MLP/expert linears, as DeepSeek's and Qwen's releases quantize) become
-    float8_e4m3fn, each followed by its weight_scale_inv; everything else keeps the plan's dtype. Returns the
-    quantization_config the output's config.json carries."""
+    base: the attention and MLP/expert linears, as DeepSeek's and Qwen's releases quantize, less the reference's
+    modules_to_not_convert) become float8_e4m3fn, each followed by its weight_scale_inv; everything else keeps
+    the plan's dtype. Returns the quantization_config the output's config.json carries (the base's, else the
+    reference's, else DeepSeek's)."""
     fp8 = getattr(base, "fp8", None)
-    config = dict(fp8.config) if fp8 is not None else dict(DEFAULT_CONFIG)
+    config = dict(fp8.config) if fp8 is not None else dict(reference_config or DEFAULT_CONFIG)
     block = tuple(config["weight_block_size"])
     skip = tuple(config.get("modules_to_not_convert") or ())
     if fp8 is not None:
