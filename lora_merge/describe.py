@@ -99,8 +99,11 @@ def describe_hf_model(model, verbose: bool = False) -> list[str]:
     arch = [f"{k}={config[k]}" for k in HF_ARCH_KEYS if config.get(k) is not None]
     lines.append(f"  architecture (config.json): {', '.join(arch) or 'none of the usual keys'}")
     lines.append(f"  dtype (config.json): {config.get('dtype') or config.get('torch_dtype')}")
-    lines.append(f"  tensors: {len(model.tensors)} ({_dtypes(model.tensors.values())}), in layers "
-                 f"{_layers(model.tensors)}")
+    fp8 = [ref for ref in model.tensors.values() if hasattr(ref, "quantized_nbytes")]
+    plain = [ref for ref in model.tensors.values() if not hasattr(ref, "quantized_nbytes")]
+    kinds = ", ".join(filter(None, [_dtypes(plain) if plain else "", f"{len(fp8)} block-FP8 e4m3 with "
+                                    f"{model.fp8.block[0]}x{model.fp8.block[1]} scales" if fp8 else ""]))
+    lines.append(f"  tensors: {len(model.tensors)} ({kinds}), in layers {_layers(model.tensors)}")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(model.skipped.items()))
     if skipped:
         lines.append(f"  not weights (skipped by a merge): {skipped}")

@@ -267,6 +267,7 @@ def test_verify_reads_fp8_outputs_and_fp8_references(tmp_path):
     report = lora_merge.verify(tmp_path / "out", lora=fixture / "lora", base=fixture / "base", warn=quiet)
     assert report.ok and sum(s.startswith("FP8: within half an e4m3 step") for s in report.statuses.values()) > 50
     fp8, _ = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path)
+    assert "120 block-FP8 e4m3 with 128x128 scales" in lora_merge.inspect(fp8)
     lora_merge.merge(base=fp8, lora=fixture / "lora", hf_ref=fp8, out=tmp_path / "bf16", dtype="bfloat16",
                      verify=True, warn=quiet)  # the FP8 release itself is the baseline
     tensors = load_file(tmp_path / "out/model.safetensors")
