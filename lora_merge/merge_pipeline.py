@@ -27,7 +27,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
-from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer
+from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
 from lora_merge.layout import QuantizedRowBlock
 from lora_merge.lora import hf_factors, merge_block_rows, merge_weight
 from lora_merge.merge_plan import MergePlan, Task
@@ -164,7 +164,11 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
         def deliver(name: str, result) -> None:
             piece, then = result
             quantizer = quantizers.get(name)
-            if quantizer is not None and piece.dtype != torch.float8_e4m3fn:
+            if isinstance(piece, tuple):  # quantized on a worker: its fp8 rows, and the scales of its block rows
+                piece, scales = piece
+                quantizer.append(scales)
+                write(name, piece, then)
+            elif quantizer is not None and piece.dtype != torch.float8_e4m3fn:
                 q = quantizer.add(piece)
                 if then is not None:
                     then()
@@ -264,18 +268,39 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
         stored = (isinstance(source, QuantizedRowBlock) and source.weight.block == block
                   and factors.get(name) is None)  # q and its scales as the base has them
         compute = replace(planned, dtype=torch.float8_e4m3fn if stored else torch.float32)
-        if not stored:
-            quantizers[planned.name] = BlockQuantizer(tuple(planned.shape), block)
-        for job in _piece_jobs(blocks[name], factors.get(name), compute, task.pieces.mapped, chunk):
-            yield planned.name, job
+        starts, row = [], 0
+        for b in blocks[name]:
+            starts.append(row)
+            row += b.rows
+        on_workers = not stored and all(start % block[0] == 0 for start in starts)
+        if on_workers:  # every piece starts on a block row: quantized where it is computed
+            quantizers[planned.name] = []
+            for job in _piece_jobs(blocks[name], factors.get(name), compute, task.pieces.mapped, chunk, block[0]):
+                yield planned.name, partial(_quantized, job, block)
+        else:
+            if not stored:  # rows from sources not aligned to blocks: quantized in order as they come
+                quantizers[planned.name] = BlockQuantizer(tuple(planned.shape), block)
+            for job in _piece_jobs(blocks[name], factors.get(name), compute, task.pieces.mapped, chunk):
+                yield planned.name, job
         if stored:
             yield None, partial(write, planned.name + SCALE_SUFFIX, source.weight.scale_inv, None)
         else:
             yield None, partial(_write_scales, write, planned.name, quantizers)
 
 
+def _quantized(job, block):
+    started = time.thread_time()
+    piece, then = job()
+    try:
+        return quantize_rows(piece, block), then
+    finally:
+        charge("merge", time.thread_time() - started)
+
+
 def _write_scales(write, name: str, quantizers: dict) -> None:
-    write(name + SCALE_SUFFIX, quantizers.pop(name).scales(), None)
+    quantizer = quantizers.pop(name)
+    scales = torch.cat(quantizer) if isinstance(quantizer, list) else quantizer.scales()
+    write(name + SCALE_SUFFIX, scales, None)
 
 
 def _release_task(task: Task) -> None:
@@ -289,15 +314,17 @@ def _release_all(views) -> None:
         release_pages(view)
 
 
-def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool, chunk: int):
+def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool, chunk: int, align: int = 1):
     """Jobs computing the (rows, then) pieces of one HF tensor in output dtype, merged with its LoRA
-    factors if it has them; the checkpoint pages a piece came from are released once it is written."""
+    factors if it has them; the checkpoint pages a piece came from are released once it is written.
+    `align`: pieces start at multiples of this many rows (FP8 blocks)."""
     offset = 0
     for block in blocks:
         step = max(1, chunk // (4 * block.row_numel))
+        unit = align
         if factors is not None:  # whole addmm_ blocks, so that the bits do not depend on the piece size
-            unit = merge_block_rows(block.row_numel)
-            step = max(unit, step // unit * unit)
+            unit = math.lcm(unit, merge_block_rows(block.row_numel))
+        step = max(unit, step // unit * unit)
         for start in range(0, block.rows, step):
             stop = min(start + step, block.rows)
             yield partial(_piece, block, start, stop, offset, factors, planned, mapped)

@@ -278,3 +278,11 @@ def test_verify_reads_fp8_outputs_and_fp8_references(tmp_path):
     save_file(tensors, tmp_path / "out/model.safetensors")
     report = lora_merge.verify(tmp_path / "out", lora=fixture / "lora", base=fixture / "base", warn=quiet)
     assert any(p.startswith(f"{name}: its FP8 values differ") for p in report.problems)
+
+
+def test_an_fp8_output_is_the_same_bytes_for_any_worker_count(tmp_path):
+    fixture = FIXTURES["qwen3_moe"]  # its QKV comes in per-group rows: quantized in order; the rest on workers
+    for workers in (1, 3):
+        lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref",
+                         out=tmp_path / str(workers), dtype="fp8", workers=workers, sha256=False, warn=quiet)
+    assert filecmp.cmp(tmp_path / "1/model.safetensors", tmp_path / "3/model.safetensors", shallow=False)
