@@ -105,7 +105,9 @@ MERGE_BLOCK_BYTES = 1 << 20
 def merge_block_rows(cols: int) -> int:
     """Rows per addmm_ block. Its result bits depend on how many rows one call covers (MKL), so pieces are
     cut at multiples of this (merge_pipeline) and every row is merged in the same block for any piece size."""
-    return max(1, MERGE_BLOCK_BYTES // (4 * max(cols, 1)))
+    rows = max(1, MERGE_BLOCK_BYTES // (4 * max(cols, 1)))
+    # a power of two: pieces that must also start on FP8 block rows (128) then need no larger common multiple
+    return 1 << (rows.bit_length() - 1)
 
 
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,
