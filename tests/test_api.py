@@ -50,9 +50,11 @@ def test_bad_input_raises_one_exception_type(tmp_path):
     with pytest.raises(lora_merge.MergeError, match="below 1MB"):
         lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
                          max_shard_size="100KB")
-    with pytest.raises(lora_merge.MergeError, match="dtype 'fp8'"):
+    with pytest.raises(lora_merge.MergeError, match="dtype 'int8'"):
         lora_merge.merge(base=ROOT / "base", lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o",
-                         dtype="fp8")
+                         dtype="int8")
+    with pytest.raises(lora_merge.MergeError, match="dtype 'fp8'"):  # an adapter is not written in FP8
+        lora_merge.export_adapter(lora=ROOT / "lora", hf_ref=ROOT / "hf_ref", out=tmp_path / "o", dtype="fp8")
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
 
 
