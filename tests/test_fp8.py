@@ -286,3 +286,13 @@ def test_an_fp8_output_is_the_same_bytes_for_any_worker_count(tmp_path):
         lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref",
                          out=tmp_path / str(workers), dtype="fp8", workers=workers, sha256=False, warn=quiet)
     assert filecmp.cmp(tmp_path / "1/model.safetensors", tmp_path / "3/model.safetensors", shallow=False)
+
+
+def test_a_peft_adapter_on_an_fp8_base_merges_as_on_its_dequantized_values(tmp_path):
+    fixture = TESTS / "fixtures/tp2_fp32_filtered"
+    fp8, dequantized = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path)
+    lora_merge.export_adapter(lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "adapter", warn=quiet)
+    for base, out in ((fp8, tmp_path / "a"), (dequantized, tmp_path / "b")):
+        lora_merge.merge(base=base, lora=tmp_path / "adapter", hf_ref=base, out=out, dtype="float32", warn=quiet)
+    a, b = load_file(tmp_path / "a/model.safetensors"), load_file(tmp_path / "b/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
