@@ -47,7 +47,23 @@ def write_tokenizer(hf_dir: Path) -> None:
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}, indent=2))
 
 
+# A SIGINT is remembered as well as raised: a library that swallows the KeyboardInterrupt (the tokenizer trainer
+# consumes a Python iterator in native code) must not make an interrupted demo run on to the end.
+RECEIVED: list[int] = []
+
+
+def _on_sigint(signum, frame):
+    RECEIVED.append(signum)
+    raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    if RECEIVED:
+        raise KeyboardInterrupt
+
+
 def lora_merge(*args: str) -> None:
+    stop_if_interrupted()
     print("$ lora-merge", " ".join(args), flush=True)
     subprocess.run([sys.executable, "-m", "lora_merge", *args], check=True)
 
@@ -69,6 +85,7 @@ def run(work: Path) -> int:
     hf_ref = work / "hf_ref"
     shutil.copytree(FIXTURE / "hf_ref", hf_ref)
     write_tokenizer(hf_ref)
+    stop_if_interrupted()
     inputs = ["--base", str(FIXTURE / "base"), "--lora", str(FIXTURE / "lora"), "--hf-ref", str(hf_ref)]
     merged, base = work / "merged", work / "base"
     lora_merge(*inputs, "--out", str(merged))
@@ -76,6 +93,7 @@ def run(work: Path) -> int:
     # rounds away in every weight), quietly.
     lora_merge(*inputs, "--out", str(base), "--lora-alpha", "1e-30", "-q")
 
+    stop_if_interrupted()
     ref = torch.load(FIXTURE / "logits.pt", weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
@@ -86,10 +104,12 @@ def run(work: Path) -> int:
     print(f"max |logits - Megatron forward with LoRA|    = {with_lora:.2e}   (should be ~1e-6)")
     print(f"max |logits - Megatron forward without LoRA| = {without:.2f}       (the LoRA changed the model)")
 
+    stop_if_interrupted()
     tokenizer = AutoTokenizer.from_pretrained(merged)
     unused = list(range(len(tokenizer), model.config.vocab_size))  # rows the toy tokenizer has no text for
     merged_ids, merged_text = answer(model, tokenizer, unused)
     base_ids, base_text = answer(AutoModelForCausalLM.from_pretrained(base).eval(), tokenizer, unused)
+    stop_if_interrupted()
     print(f"\nprompt: {PROMPT!r} -> token ids {tokenizer(PROMPT)['input_ids']}")
     print(f"  base model:   {base_text!r}")
     print(f"  merged model: {merged_text!r}")
@@ -101,6 +121,7 @@ def run(work: Path) -> int:
 def main() -> int:
     # SIGTERM unwinds like Ctrl-C, so the temporary directory is removed either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, _on_sigint)
     with tempfile.TemporaryDirectory(prefix="lora-merge-demo-") as work:
         # torch's compiler cache (which generate() may create) goes there too, for this process and lora-merge's
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(work) / "torch-cache")
