@@ -5,7 +5,7 @@ the logits it should:
   fixture's logits.pt, recorded by the generator with Megatron + PEFT 0.7.1);
 - a conversion of an HF model: transformers' logits on that HF model.
 Dense (TP, PP, VPP, tied embeddings), MoE (EP with ETP 1 and TP, a gated shared expert, GroupedMLP) and
-DeepSeek MLA (column-parallel down-projections at TP 2), legacy and torch_dist."""
+DeepSeek MLA (column-parallel down-projections at TP 2, an uneven PP split), legacy and torch_dist."""
 
 import json
 from pathlib import Path
@@ -60,6 +60,9 @@ MERGED = {
     "qwen2moe_shared_gate_to_tp2_ep2_etp1": ("fixtures_moe/qwen2moe_tp2ep2", dict(tp=2, ep=2, etp=1), "sequential"),
     "qwen3moe_to_ep2_grouped": ("fixtures_moe/qwen3moe_ep2", dict(ep=2), "grouped"),
     "deepseek_v3_mla_to_tp2_ep2_etp1": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2, ep=2, etp=1), "sequential"),
+    "qwen2moe_to_tp2_ep2_etp2": ("fixtures_moe/qwen2moe_tp2ep2", dict(tp=2, ep=2, etp=2), "sequential"),
+    "deepseek_v3_mla_to_uneven_pp2_ep2": ("fixtures_deepseek/deepseek_v3_ep2",
+                                          dict(pp=2, decoder_first_pipeline_num_layers=1, ep=2), "sequential"),
 }
 
 
