@@ -45,17 +45,6 @@ from lora_merge.writers.staged_dir import output_file_mode
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 EXPERT_FORMATS = ("per-expert", "fused")
-# Model types PEFT (0.21) converts onto transformers 5's fused experts by its "qwen2_moe" rule: every
-# target named gate_proj/up_proj/down_proj becomes a routed-expert parameter (gate_up at rank 2r), so the
-# same names on dense MLPs and shared experts stop being adapted and their factors are dropped unloaded.
-PEFT_REMAPS_EVERY_MLP_TARGET = ("deepseek_v2", "deepseek_v3")
-# Model types whose target_modules PEFT (0.21) rewrites on transformers 5 (peft/utils/
-# transformers_weight_conversion.py: transformers' conversion pattern is mixtral or qwen2_moe; qwen2_moe
-# itself has none): a fused adapter gives their non-expert modules named like an expert projection as
-# LoRA on those modules' weights instead (see the module docstring).
-PEFT_CONVERTS_EXPERT_TARGETS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
-
-
 @dataclass
 class Adapter:
     tensors: dict[str, torch.Tensor]
@@ -75,11 +64,12 @@ def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
         adapter = fuse_experts(tensors, experts, arch, shape, str(lora.path))
         adapter.warnings[:0] = warnings
         return adapter
-    if arch.name == "qwen2_moe":
-        warnings.append("PEFT (0.20 and later) does not convert per-expert qwen2_moe adapters onto transformers 5's fused "
+    peft = arch.config.peft  # what PEFT does with this model type's adapters (its architecture module says)
+    if peft.drops_per_expert:
+        warnings.append(f"PEFT (0.20 and later) does not convert per-expert {arch.name} adapters onto transformers 5's fused "
                         "experts and drops them without an error; load this adapter with vLLM, or export with "
                         "--expert-format fused for PEFT")
-    if arch.name in PEFT_REMAPS_EVERY_MLP_TARGET:
+    if peft.remaps_every_mlp_target:
         warnings += unconverted_mlp_warning(tensors, experts, arch)
     return Adapter(tensors, target_modules(tensors), warnings=warnings)
 
@@ -175,7 +165,7 @@ def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architec
     others = {k: v for k, v in tensors.items() if k not in experts}
     parameters = [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present]
     modules = target_modules(others)
-    if arch.name in PEFT_CONVERTS_EXPERT_TARGETS:
+    if arch.config.peft.converts_expert_targets:
         leaves = {name.removesuffix(".weight").rsplit(".", 1)[-1] for rule in arch.layer_rules if rule.per_expert
                   for name in rule.hf_names()}
         parameters += [f"{leaf}.weight" for leaf in modules if leaf in leaves]  # dense MLPs, shared experts

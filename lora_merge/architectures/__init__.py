@@ -1,11 +1,13 @@
-"""Architectures, each a short module owning how its HF config reads and its table of layout rules
-(see `base.Architecture`)."""
+"""Architectures, each a short module owning how its HF config reads, its table of layout rules and what PEFT
+does with its adapters (see `base.Architecture`). A module of this package that defines `ARCHITECTURE` for an
+HF model type is that type's support: adding a model type is adding a module."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import TYPE_CHECKING
 
-from lora_merge.architectures import deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from lora_merge.architectures.base import Architecture, HfConfig, iter_rules, pick_name  # noqa: F401
 from lora_merge.errors import MergeError
 from lora_merge.shown import shown
@@ -13,8 +15,18 @@ from lora_merge.shown import shown
 if TYPE_CHECKING:
     from lora_merge.model_shape import ModelShape
 
-ARCHITECTURES = {module.ARCHITECTURE.name: module.ARCHITECTURE
-                 for module in (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, deepseek_v2, deepseek_v3)}
+def _registered() -> dict[str, Architecture]:
+    found: dict[str, Architecture] = {}
+    for info in pkgutil.iter_modules(__path__):
+        arch = getattr(importlib.import_module(f"{__name__}.{info.name}"), "ARCHITECTURE", None)
+        if isinstance(arch, Architecture) and arch.config is not None:
+            if arch.name in found:
+                raise RuntimeError(f"two architecture modules claim model_type {arch.name!r}")
+            found[arch.name] = arch
+    return found
+
+
+ARCHITECTURES = _registered()
 
 
 def architecture_for(shape: ModelShape) -> Architecture:

@@ -17,6 +17,21 @@ HF_LAYER = "model.layers.{i}."
 
 
 @dataclass(frozen=True)
+class PeftQuirks:
+    """What PEFT (0.21) on transformers 5 does with a model type's per-expert adapters (see peft_adapter.py).
+
+    converts_expert_targets: its target_modules are rewritten onto the fused experts (transformers' conversion
+    pattern is mixtral's or qwen2_moe's), so non-expert modules named like an expert projection get LoRA on their
+    weights instead; remaps_every_mlp_target: every gate/up/down_proj target becomes a routed-expert parameter,
+    so the dense layers' and shared experts' MLP LoRA is dropped unloaded; drops_per_expert: a per-expert
+    adapter is not converted at all and dropped without an error."""
+
+    converts_expert_targets: bool = False
+    remaps_every_mlp_target: bool = False
+    drops_per_expert: bool = False
+
+
+@dataclass(frozen=True)
 class HfConfig:
     """How one HF model type's config.json describes the model. `hf_config` reads it through transformers'
     own config class (its defaults, its validation) and refuses values this type cannot have trained."""
@@ -31,6 +46,10 @@ class HfConfig:
     read_moe: Callable | None = None
     read_mla: Callable | None = None  # (config fields) -> mla_shape.MlaShape, for multi-latent attention
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
+    peft: PeftQuirks = PeftQuirks()  # what PEFT (0.21, on transformers 5) does with this type's adapters
+
+
+
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ experts with shared experts; softmax over all experts, top-k without renormalisa
 class never renormalises, whatever norm_topk_prob says), scaled weights; group-limited choice scores a
 group by its best expert."""
 
-from lora_merge.architectures.base import HfConfig
+from lora_merge.architectures.base import HfConfig, PeftQuirks
 from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
                                           expected_values, read_mla, shared_experts_count)
 from lora_merge.errors import MergeError
@@ -37,6 +37,7 @@ CONFIG = HfConfig(
     "deepseek_v2", causal_lm="DeepseekV2ForCausalLM", family="llama",
     examined_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS, read_moe=read_moe, read_mla=read_mla,
     fused_experts="mlp.experts",
+    peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
 )
 
 ARCHITECTURE = deepseek_decoder(CONFIG)

@@ -8,7 +8,7 @@ stays fp32, as in the released checkpoints.
 
 import torch
 
-from lora_merge.architectures.base import HfConfig
+from lora_merge.architectures.base import HfConfig, PeftQuirks
 from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
                                           expected_values, read_mla, shared_experts_count)
 from lora_merge.errors import MergeError
@@ -39,6 +39,7 @@ CONFIG = HfConfig(
     "deepseek_v3", causal_lm="DeepseekV3ForCausalLM", family="llama",
     examined_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS | {"rope_interleave"}, read_moe=read_moe,
     read_mla=read_mla_v3, fused_experts="mlp.experts",
+    peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
 )
 
 ARCHITECTURE = deepseek_decoder(
