@@ -305,18 +305,20 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
                                + (" + LoRA" if merged else ""))
 
 
-def print_summary(console: Console, s: MergeResult) -> None:
-    out = console.result
+def _print_inputs(out, s, merged: str) -> None:
+    """The lines both summaries start with: the inputs, the LoRA merged (or none), what was skipped."""
     out(f"base:   {s.base}")
     if s.lora is not None and s.lora != s.base:
         out(f"lora:   {s.lora}")
-    if s.lora is None:
-        out("no LoRA: the checkpoint converted as it is")
-    else:
-        out(f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
-            f"(scale {s.scale:g}, from {s.settings_source})")
+    out(merged if s.lora is not None else "no LoRA: converted as it is")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(s.skipped.items())) or "nothing"
     out(f"skipped on purpose: {skipped}")
+
+
+def print_summary(console: Console, s: MergeResult) -> None:
+    out = console.result
+    _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
+                          f"(scale {s.scale:g}, from {s.settings_source})")
     out(f"wrote {s.tensors} tensors, {s.bytes / 1e9:.3f} GB as {s.dtype} in "
         f"{sum(f.endswith('.safetensors') for f in s.files)} shard(s) to {s.out} in {s.seconds:.1f} s"
         + (" (verified)" if s.verified else ""))
@@ -396,12 +398,7 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         if bar is not None:
             bar.close()
     out = console.result
-    out(f"base:   {s.base}")
-    if s.lora is not None and s.lora != s.base:
-        out(f"lora:   {s.lora}")
-    out(f"merged {s.lora_modules} LoRA modules" if s.lora is not None else "no LoRA: converted as it is")
-    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(s.skipped.items())) or "nothing"
-    out(f"skipped on purpose: {skipped}")
+    _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules")
     verb = "would write" if s.dry_run else "wrote"
     out(f"{verb} a Megatron {s.ckpt_format} checkpoint, {s.layout}, padded vocab {s.padded_vocab_size}: "
         f"{s.tensors} tensor shards, {s.bytes / 1e9:.3f} GB as {s.dtype}"

@@ -90,6 +90,7 @@ def _per_file(tensors: dict[str, TensorRef], verbose: bool) -> list[str]:
 
 
 def describe_hf_model(model, verbose: bool = False) -> list[str]:
+    from lora_merge.readers.hf_model import Fp8Ref
     config = read_json(Path(model.path) / "config.json")
     if not isinstance(config, dict):
         raise MergeError(f"{Path(model.path) / 'config.json'}: the top level is a JSON {json_kind(config)}; expected "
@@ -99,8 +100,8 @@ def describe_hf_model(model, verbose: bool = False) -> list[str]:
     arch = [f"{k}={config[k]}" for k in HF_ARCH_KEYS if config.get(k) is not None]
     lines.append(f"  architecture (config.json): {', '.join(arch) or 'none of the usual keys'}")
     lines.append(f"  dtype (config.json): {config.get('dtype') or config.get('torch_dtype')}")
-    fp8 = [ref for ref in model.tensors.values() if hasattr(ref, "quantized_nbytes")]
-    plain = [ref for ref in model.tensors.values() if not hasattr(ref, "quantized_nbytes")]
+    fp8 = [ref for ref in model.tensors.values() if isinstance(ref, Fp8Ref)]
+    plain = [ref for ref in model.tensors.values() if not isinstance(ref, Fp8Ref)]
     kinds = ", ".join(filter(None, [_dtypes(plain) if plain else "", f"{len(fp8)} block-FP8 e4m3 with "
                                     f"{model.fp8.block[0]}x{model.fp8.block[1]} scales" if fp8 else ""]))
     lines.append(f"  tensors: {len(model.tensors)} ({kinds}), in layers {_layers(model.tensors)}")

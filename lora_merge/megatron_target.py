@@ -18,6 +18,7 @@ from lora_merge.readers.hf_model import HfModel
 from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.megatron_args import padded_vocab_size, target_args
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
+from lora_merge.writers.row_scatter import Block
 from lora_merge.writers.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
 
 CKPT_FORMATS = ("torch", "torch_dist")
@@ -100,8 +101,7 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     for note in plan.notes:
         if "num_nextn_predict_layers" not in note:
             opts.warn(note)
-    mtp = [task for task in plan.tasks if isinstance(task.rule.rule if hasattr(task.rule, "rule") else task.rule,
-                                                       AsStored)]
+    mtp = [task for task in plan.tasks if isinstance(getattr(task.rule, "rule", task.rule), AsStored)]
     if mtp:  # Megatron's own MTP layers (mtp.*) are another module tree; not written, and said so
         plan.tasks = [task for task in plan.tasks if task not in mtp]
         plan.skipped["multi-token-prediction layer tensors of the HF base (Megatron's MTP layers are not written)"] \
@@ -127,7 +127,7 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
                          "nothing written")
     describe = dict(base=inp.base.describe(), lora=inp.lora.describe() if inp.lora is not None else None,
                     layout=str(layout), ckpt_format=target.ckpt_format, dtype=str(dtype).removeprefix("torch."),
-                    tensors=len(writer.targets), bytes=writer.total_bytes, padded_vocab_size=padded,
+                    tensors=sum(not isinstance(t, Block) for t in writer.targets), bytes=writer.total_bytes, padded_vocab_size=padded,
                     lora_modules=plan.merged_modules, skipped=dict(plan.skipped))
     if opts.dry_run:
         check_free_space(opts.out, writer.total_bytes, 0)

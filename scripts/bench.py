@@ -224,15 +224,22 @@ def copy_vs_merge(root: Path, base: Path, lora: Path, hf_ref: Path, repeat: int,
                                                  str(root / "merged"), w]) for w in WORKER_SETTINGS]
     copy, merges, out_bytes = copy_and_merge(root, [base, lora], [cmd for _, cmd in variants], repeat)
     result |= {"input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
-    for (label, _), ours in zip(variants, merges):
+    add_runs(result, variants, merges, copy, out_bytes)
+    for ours in merges:
         ours["gb_per_s"] = (in_bytes + out_bytes) / 1e9 / ours["seconds"]
-        ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
-        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (out_bytes / 1e9)
-        ours["stage_cpu_s_per_gb"] = {k: v / (out_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
-        result["runs"][label] = ours
-    result["ours"] = result["runs"].get("workers default", merges[0])  # the run with the tool's defaults
-    result["ratio_to_copy"] = result["ours"]["ratio_to_copy"]
     return result
+
+
+def add_runs(result: dict, variants, merges: list[dict], copy: dict, per_bytes: int) -> None:
+    """Each run under its label with its ratio to the copy and CPU seconds per GB (of `per_bytes`), overall and
+    per stage; `ours` is the run with the tool's defaults."""
+    for (label, _), ours in zip(variants, merges):
+        ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
+        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (per_bytes / 1e9)
+        ours["stage_cpu_s_per_gb"] = {k: v / (per_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
+        result["runs"][label] = ours
+    result["ours"] = result["runs"].get("workers default", merges[0])
+    result["ratio_to_copy"] = result["ours"]["ratio_to_copy"]
 
 
 def print_runs(title: str, r: dict) -> None:
@@ -355,13 +362,7 @@ def bench_to_megatron(layers: int, work: Path, repeat: int, deepseek: bool, deep
     result = {"layers": layers, "layout": ("DeepSeek-V3 shapes, HF -> torch_dist (EP=8 args)" if deepseek else
                                            "32B layer shapes, HF -> TP=4"), "generate_seconds": generate_seconds,
               "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
-    for (label, _), ours in zip(variants, merges):
-        ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
-        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (out_bytes / 1e9)
-        ours["stage_cpu_s_per_gb"] = {k: v / (out_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
-        result["runs"][label] = ours
-    result["ours"] = result["runs"].get("workers default", merges[0])
-    result["ratio_to_copy"] = result["ours"]["ratio_to_copy"]
+    add_runs(result, variants, merges, copy, out_bytes)
     if in_memory:
         tp, ep = ("1", "8") if deepseek else ("4", "1")
         # it needs the whole model in memory, twice over: where the host has less, the OOM killer ends it
@@ -391,18 +392,13 @@ def bench_fp8(work: Path, repeat: int, deepseek_shape: list[str]) -> dict:
     check_free(root, in_bytes * 2)
     cmd = LORA_MERGE + ["--base", str(root / "fp8_base"), "--lora", str(root / "lora"), "--hf-ref",
                         str(root / "fp8_base"), "--out", str(root / "merged"), "--no-progress", "--no-sha256"]
-    variants = [("FP8 base -> bf16", cmd + ["--dtype", "bfloat16"]), ("FP8 base -> fp8", cmd + ["--dtype", "fp8"])]
+    variants = [(f"{label}, {wlabel}", c) for target, label in (("bfloat16", "FP8 base -> bf16"), ("fp8", "FP8 base -> fp8"))
+                for wlabel, c in merge_variants(cmd + ["--dtype", target])]
     copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
     result = {"layers": 2, "layout": "DeepSeek-V3 shapes, block-FP8 HF base + Megatron LoRA",
               "generate_seconds": generate_seconds, "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9,
               "copy": copy, "runs": {}}
-    for (label, _), ours in zip(variants, merges):
-        ours["ratio_to_copy"] = ours["seconds"] / copy["seconds"]
-        ours["cpu_s_per_gb"] = ours["cpu_seconds"] / (in_bytes / 1e9)
-        ours["stage_cpu_s_per_gb"] = {k: v / (in_bytes / 1e9) for k, v in ours.get("stages", {}).items()}
-        result["runs"][label] = ours
-    result["ours"] = merges[0]
-    result["ratio_to_copy"] = merges[0]["ratio_to_copy"]
+    add_runs(result, variants, merges, copy, in_bytes)
     drop(root)
     return result
 

@@ -88,11 +88,7 @@ class Fp8Ref(TensorRef):
     block: tuple[int, int] = (128, 128)
 
     @property
-    def nbytes(self) -> int:
-        return self.quantized_nbytes
-
-    @property
-    def quantized_nbytes(self) -> int:
+    def nbytes(self) -> int:  # as stored: one byte per element, and the scales
         return math.prod(self.shape) + self.scale.nbytes
 
     def load(self) -> Fp8Weight:

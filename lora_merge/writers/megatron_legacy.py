@@ -154,7 +154,7 @@ class MegatronLegacyWriter(RowScatter):
             grouped = self._grouped[key] = self._tensor(f, chunk, name, whole, dtype)
             self.targets.append(grouped)
         nbytes = rows * cols * dtype.itemsize
-        return Block(grouped, k * nbytes, nbytes, cols * dtype.itemsize)
+        return Block(grouped, k, nbytes, cols * dtype.itemsize)
 
     # --- writing ------------------------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """HF row pieces scattered into Megatron tensors on disk, in constant memory.
 
-A Megatron writer plans its files first (every tensor's bytes get a span in some file) and registers each
-span here as a `Target`; `route` then asks the layout rule, run backwards (`placement`), which rows of which
-HF tensor go where. As row pieces stream in, each is cut into the segments it covers and written with
-pwrite, straight into every file holding that shard. A target reports `done` once its last byte is written,
-so its CRC32 is taken while the bytes are still in the page cache. GroupedMLP experts, stored transposed,
-gather one expert's rows (`Block`) and are written when complete.
+A Megatron writer plans its files first and registers each tensor shard here as a `Target` that appends to
+its file; `route` then asks the layout rule, run backwards (`placement`), which rows of which HF tensor go where,
+and `stream_order` in which order each file's tensors will receive their bytes (the writer lays the file out in
+that order, so it is written front to back). As row pieces stream in, each is cut into the segments it covers
+and appended to every file holding that shard. Shards whose rows arrive out of order (QKV), and GroupedMLP
+experts (stored transposed, `Block`), are gathered and appended whole.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.layout import DUPLICATED_OR_COLUMN, VocabParallel, expected_shard_shape
 from lora_merge.placement import Segment, hf_segments
-from lora_merge.writers.torch_zip import pwrite_all
 
 ZEROS = memoryview(bytes(8 << 20))
 
@@ -26,19 +25,16 @@ ZEROS = memoryview(bytes(8 << 20))
 @dataclass(eq=False)
 class Target:
     """One Megatron tensor (a TP shard of a parameter) in a file: C order, `row_bytes` per row. Its bytes are
-    either pwritten at `fd`/`offset` (in any order), or handed to `append` in order (a streamed file), then
-    followed by `padding` zero bytes; `gather`: its rows do not arrive in order, so they are collected and
-    appended whole."""
+    handed to `append` (set once its file is open) in order, then `padding` zero bytes; `gather`: its rows do
+    not arrive in order, so they are collected and appended whole."""
 
     row_bytes: int
     due: int  # bytes still to be written
-    done: Callable[[], None] | None = None  # called once every byte is written
-    fd: int | None = None  # set when the file is open
-    offset: int = 0  # absolute file offset of its first byte
     append: Callable | None = None
     gather: bool = False
     padding: int = 0
     buffer: torch.Tensor | None = None
+    blocks_done: int = 0  # of a GroupedMLP tensor: its expert blocks appended so far
 
 
 @dataclass(eq=False)
@@ -47,7 +43,7 @@ class Block:
     each expert's block its shard transposed, in→out): its rows are gathered, then written transposed."""
 
     grouped: Target  # the whole weight1/weight2 of that file
-    start: int  # byte offset of this expert's block in it
+    index: int  # its place there (the local expert number): blocks must complete in this order
     due: int
     row_bytes: int  # of the expert's shard as the rule sees it (before transposing)
     buffer: torch.Tensor | None = None
@@ -194,9 +190,7 @@ class RowScatter:
                         continue
                     if data is None:
                         data = piece.contiguous().view(torch.uint8).numpy()
-                    if t.append is None:
-                        pwrite_all(t.fd, data, t.offset + row * t.row_bytes)
-                    elif t.gather:
+                    if t.gather:
                         if t.buffer is None:
                             t.buffer = torch.empty(t.due, dtype=torch.uint8)
                         t.buffer[row * t.row_bytes: row * t.row_bytes + data.nbytes] = torch.from_numpy(data).view(-1)
@@ -216,14 +210,11 @@ class RowScatter:
 
     @staticmethod
     def _complete(t: Target) -> None:
-        if t.append is not None:
-            if t.buffer is not None:
-                t.append(t.buffer.numpy())
-                t.buffer = None
-            for start in range(0, t.padding, ZEROS.nbytes):  # e.g. the vocabulary padding rows
-                t.append(ZEROS[:min(ZEROS.nbytes, t.padding - start)])
-        if t.done is not None:
-            t.done()
+        if t.buffer is not None:
+            t.append(t.buffer.numpy())
+            t.buffer = None
+        for start in range(0, t.padding, ZEROS.nbytes):  # e.g. the vocabulary padding rows
+            t.append(ZEROS[:min(ZEROS.nbytes, t.padding - start)])
 
     def _gather(self, block: Block, piece: torch.Tensor, row: int) -> None:
         if block.buffer is None:
@@ -234,10 +225,11 @@ class RowScatter:
         if block.due == 0:
             data = block.buffer.t().contiguous().view(torch.uint8).numpy()
             block.buffer = None
-            if block.grouped.append is not None:  # blocks complete in expert order
-                block.grouped.append(data)
-            else:
-                pwrite_all(block.grouped.fd, data, block.grouped.offset + block.start)
+            if block.index != block.grouped.blocks_done:
+                raise MergeError(f"GroupedMLP expert {block.index} complete before expert {block.grouped.blocks_done} "
+                                 "(plan error)")
+            block.grouped.blocks_done += 1
+            block.grouped.append(data)
             self._written(block.grouped, data.nbytes, "a GroupedMLP expert")
 
     def check_complete(self, where) -> None:
