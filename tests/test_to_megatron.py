@@ -38,6 +38,30 @@ def to_hf(source: Path, fixture: Path, out: Path, lora=None):
     return lora_merge.merge(base=source, lora=lora, hf_ref=fixture / "hf_ref", out=out, warn=quiet)
 
 
+def same_as_megatrons_save(ours_dir: Path, theirs_dir: Path) -> None:
+    """Each rank file of `ours_dir` against Megatron's own save in `theirs_dir`: the same files, model chunks and
+    keys in the same order, the same tensors bit for bit, but the vocabulary padding rows (random in the
+    fixtures, zero in ours; the vocabulary is 250)."""
+    assert sorted(os.listdir(ours_dir)) == sorted(os.listdir(theirs_dir))
+    for rank in os.listdir(theirs_dir):
+        ours = torch.load(ours_dir / rank / "model_optim_rng.pt", weights_only=False, mmap=True)
+        theirs = torch.load(theirs_dir / rank / "model_optim_rng.pt", weights_only=False, mmap=True)
+        chunks = [k for k in theirs if k.startswith("model")]
+        assert [k for k in ours if k.startswith("model")] == chunks
+        for chunk in chunks:
+            assert list(ours[chunk]) == list(theirs[chunk]), (rank, chunk)
+            for name, value in theirs[chunk].items():
+                if value is None:
+                    assert ours[chunk][name] is None
+                elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    tp_rank = int(rank.split("_")[2])
+                    keep = max(0, min(value.shape[0], 250 - tp_rank * value.shape[0]))
+                    assert torch.equal(ours[chunk][name][:keep], value[:keep]), (rank, name)
+                    assert not ours[chunk][name][keep:].any()
+                else:
+                    assert ours[chunk][name].dtype == value.dtype and torch.equal(ours[chunk][name], value), (rank, name)
+
+
 def test_megatron_to_megatron_reshards_round_trip_byte_identical(tmp_path):
     """TP2×PP2 + LoRA → TP4 → TP1×PP2×VPP2 → TP4: the two TP4 checkpoints are the same bytes, and every
     layout converts to the HF model the direct merge writes."""
@@ -130,16 +154,7 @@ def test_grouped_experts_are_megatrons_groupedmlp_layout(tmp_path):
     fixture, grouped = TESTS / "fixtures_moe/qwen3moe_ep2", TESTS / "fixtures_moe/qwen3moe_grouped_ep2"
     to_hf(fixture / "base", fixture, tmp_path / "hf")
     lora_merge.to_megatron(base=tmp_path / "hf", out=tmp_path / "mg", ep=2, expert_layout="grouped", warn=quiet)
-    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
-        ours = torch.load(tmp_path / "mg/release" / rank / "model_optim_rng.pt", weights_only=False, mmap=True)["model"]
-        theirs = torch.load(grouped / "base/iter_0000001" / rank / "model_optim_rng.pt", weights_only=False,
-                            mmap=True)["model"]
-        assert list(ours) == list(theirs)
-        for name, value in theirs.items():
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # their padding rows are random
-                assert torch.equal(ours[name][:250], value[:250]) and not ours[name][250:].any()
-            elif value is not None:
-                assert torch.equal(ours[name], value), name
+    same_as_megatrons_save(tmp_path / "mg/release", grouped / "base/iter_0000001")
     to_hf(tmp_path / "mg", fixture, tmp_path / "back")
     assert filecmp.cmp(tmp_path / "hf/model.safetensors", tmp_path / "back/model.safetensors", shallow=False)
 
@@ -156,25 +171,7 @@ def test_a_base_written_at_its_own_layout_is_what_megatron_saved(tmp_path, fixtu
     the fixtures, zero in ours)."""
     lora_merge.to_megatron(base=fixture / "base", hf_ref=fixture / "hf_ref", out=tmp_path / "mg", warn=quiet, **layout)
     iteration = (fixture / "base/latest_checkpointed_iteration.txt").read_text().strip()
-    theirs_dir = fixture / "base" / f"iter_{int(iteration):07d}"
-    assert sorted(os.listdir(tmp_path / "mg/release")) == sorted(os.listdir(theirs_dir))
-    for rank in os.listdir(theirs_dir):
-        ours = torch.load(tmp_path / "mg/release" / rank / "model_optim_rng.pt", weights_only=False, mmap=True)
-        theirs = torch.load(theirs_dir / rank / "model_optim_rng.pt", weights_only=False, mmap=True)
-        chunks = [k for k in theirs if k.startswith("model")]
-        assert [k for k in ours if k.startswith("model")] == chunks
-        for chunk in chunks:
-            assert list(ours[chunk]) == list(theirs[chunk]), (rank, chunk)
-            for name, value in theirs[chunk].items():
-                if value is None:
-                    assert ours[chunk][name] is None
-                elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    tp_rank = int(rank.split("_")[2])
-                    keep = max(0, min(value.shape[0], 250 - tp_rank * value.shape[0]))
-                    assert torch.equal(ours[chunk][name][:keep], value[:keep]), (rank, name)
-                    assert not ours[chunk][name][keep:].any()
-                else:
-                    assert ours[chunk][name].dtype == value.dtype and torch.equal(ours[chunk][name], value), (rank, name)
+    same_as_megatrons_save(tmp_path / "mg/release", fixture / "base" / f"iter_{int(iteration):07d}")
 
 
 @pytest.mark.parametrize("fixture", [DENSE, MOE, MLA])
@@ -226,14 +223,7 @@ def test_mindspeed_mla_naming_is_the_fused_linear_qkv_mindspeed_loads(tmp_path):
         assert "decoder.layers.0.self_attention.linear_qkv._extra_state" in rank
     lora_merge.to_megatron(base=fixture / "base", hf_ref=fixture / "hf_ref", out=tmp_path / "same", ep=2,
                            mla_naming="mindspeed", warn=quiet)
-    for name in ("mp_rank_00_000", "mp_rank_00_001"):
-        ours = torch.load(tmp_path / "same/release" / name / "model_optim_rng.pt", weights_only=False, mmap=True)["model"]
-        theirs = torch.load(fixture / "base/iter_0000001" / name / "model_optim_rng.pt", weights_only=False,
-                            mmap=True)["model"]
-        assert list(ours) == list(theirs)
-        for key, value in theirs.items():
-            if value is not None and "word_embeddings" not in key and "output_layer" not in key:
-                assert torch.equal(ours[key], value), key
+    same_as_megatrons_save(tmp_path / "same/release", fixture / "base/iter_0000001")
     to_hf(MLA / "base", MLA, tmp_path / "hf")  # and it reads back (at TP2) as the model it came from
     to_hf(tmp_path / MLA.name, MLA, tmp_path / "back")
     direct, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
