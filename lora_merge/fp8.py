@@ -30,10 +30,6 @@ class Fp8Format:
     block: tuple[int, int]
     config: dict  # as published, written back into an FP8 output's config.json
 
-    @property
-    def not_converted(self) -> tuple[str, ...]:
-        return tuple(self.config.get("modules_to_not_convert") or ())
-
 
 def read_fp8_config(q, path) -> Fp8Format:
     """The quantization_config of an FP8 release, or a MergeError naming the format found."""
