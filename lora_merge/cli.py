@@ -305,8 +305,9 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
                                + (" + LoRA" if merged else ""))
 
 
-def _print_inputs(out, s, merged: str) -> None:
-    """The lines both summaries start with: the inputs, the LoRA merged (or none), what was skipped."""
+def _print_inputs(out, s, merged: str | bool) -> None:
+    """The lines both summaries start with: the inputs, the LoRA merged (`merged`, when there is one; no
+    line about settings a conversion has none of), what was skipped."""
     out(f"base:   {s.base}")
     if s.lora is not None and s.lora != s.base:
         out(f"lora:   {s.lora}")
@@ -317,8 +318,8 @@ def _print_inputs(out, s, merged: str) -> None:
 
 def print_summary(console: Console, s: MergeResult) -> None:
     out = console.result
-    _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules with r={s.r} alpha={s.alpha:g} "
-                          f"(scale {s.scale:g}, from {s.settings_source})")
+    _print_inputs(out, s, s.lora is not None and f"merged {s.lora_modules} LoRA modules with r={s.r} "
+                          f"alpha={s.alpha:g} (scale {s.scale:g}, from {s.settings_source})")
     out(f"wrote {s.tensors} tensors, {s.bytes / 1e9:.3f} GB as {s.dtype} in "
         f"{sum(f.endswith('.safetensors') for f in s.files)} shard(s) to {s.out} in {s.seconds:.1f} s"
         + (" (verified)" if s.verified else ""))

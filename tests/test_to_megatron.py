@@ -292,3 +292,16 @@ def test_every_published_config_is_recorded_in_args_our_readers_accept(tmp_path,
     args = target_args(shape, ParallelLayout(tp=8), torch.bfloat16, padded, 128, False)
     assert (args.num_layers, args.hidden_size, args.padded_vocab_size) == (shape.num_layers, shape.hidden, padded)
     assert args.bf16 and args.tensor_model_parallel_size == 8
+
+
+def test_a_conversion_without_a_lora_on_the_command_line(tmp_path, capsys):
+    """Megatron → HF and HF → Megatron with no --lora: the dry run's plan and the summary say so (no LoRA
+    settings to print), exit 0."""
+    from lora_merge.cli import main
+
+    for argv in (["--base", str(DENSE / "base"), "--hf-ref", str(DENSE / "hf_ref"), "--out", str(tmp_path / "hf")],
+                 ["--to", "megatron", "--base", str(tmp_path / "hf"), "--out", str(tmp_path / "mg"), "--tp", "2"]):
+        assert main(argv + ["--no-progress", "--dry-run"]) == 0, capsys.readouterr().err
+        assert main(argv + ["--no-progress"]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "no LoRA: converted as it is" in out and "r=" not in out, out
