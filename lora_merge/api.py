@@ -182,6 +182,12 @@ def _workers(value) -> int | None:
     return value
 
 
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise MergeError(f"{name}={shown_value(value)}: expected True or False")
+    return value
+
+
 def _callable(value, name: str, optional: bool = False):
     if not (callable(value) or (optional and value is None)):
         raise MergeError(f"{name}={value!r}: expected a function" + (" or None" if optional else ""))
@@ -196,6 +202,8 @@ FP8 = "fp8"  # --dtype fp8 (or float8_e4m3fn): block-FP8 linear weights, as Deep
 
 
 def _dtype_choice(value: str, fp8: bool = False) -> str:
+    if not isinstance(value, str):
+        raise MergeError(f"dtype {shown_value(value)}: expected auto, {', '.join(DTYPES)}" + (", fp8" if fp8 else ""))
     if fp8 and value in (FP8, "float8_e4m3fn"):
         return FP8
     if value != "auto" and value not in DTYPES:
@@ -217,8 +225,10 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
                            hf_ref=_required(hf_ref, "hf_ref", HF_REF), out=_abs(_required(out, "out", OUT)),
                            dtype=_dtype_choice(dtype, fp8=True), max_shard_size=shard_size(max_shard_size),
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
-                           allow_partial_lora=allow_partial_lora, force=force, verify=verify,
-                           report=_path(report, "report", "a file"), dry_run=dry_run, sha256=bool(sha256),
+                           allow_partial_lora=_flag(allow_partial_lora, "allow_partial_lora"),
+                           force=_flag(force, "force"), verify=_flag(verify, "verify"),
+                           report=_path(report, "report", "a file"), dry_run=_flag(dry_run, "dry_run"),
+                           sha256=_flag(sha256, "sha256"),
                            workers=_workers(workers), base_model_id=checked_base_model_id(base_model_id),
                            progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
     return run_merge(opts)
@@ -227,7 +237,7 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
 def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                 etp: int | None = None, decoder_first_pipeline_num_layers: int | None = None,
                 decoder_last_pipeline_num_layers: int | None = None, ckpt_format: str = "torch",
-                expert_layout: str = "sequential", make_vocab_size_divisible_by: int = 128,
+                expert_layout: str = "sequential", make_vocab_size_divisible_by: int | None = None,
                 padded_vocab_size: int | None = None, mla_naming: str = "megatron-core", dtype: str = "auto",
                 lora_r: int | None = None,
                 lora_alpha: float | None = None, allow_partial_lora: bool = False, dry_run: bool = False,
@@ -247,8 +257,10 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                             padded_vocab_size=padded_vocab_size, mla_naming=mla_naming)
     opts = SimpleNamespace(base=base_path, lora=_path(lora, "lora", LORA), hf_ref=_required(hf_ref, "hf_ref", HF_REF),
                            out=_abs(_required(out, "out", OUT)), dtype=_dtype_choice(dtype), lora_r=_lora_r(lora_r),
-                           lora_alpha=_lora_alpha(lora_alpha), allow_partial_lora=allow_partial_lora,
-                           dry_run=dry_run, workers=_workers(workers), warn=_callable(warn, "warn"), force=False,
+                           lora_alpha=_lora_alpha(lora_alpha),
+                           allow_partial_lora=_flag(allow_partial_lora, "allow_partial_lora"),
+                           dry_run=_flag(dry_run, "dry_run"), workers=_workers(workers), warn=_callable(warn, "warn"),
+                           force=False,
                            progress=_callable(progress, "progress", optional=True))
     return run_to_megatron(opts, target)
 
@@ -258,14 +270,15 @@ def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_
                    force: bool = False, report=None, base_model_id: str | None = None,
                    warn: Callable[[str], None] = _warn_default) -> ExportResult:
     """Write the LoRA as an unmerged PEFT adapter at `out` (see `lora-merge export-adapter --help`)."""
-    if expert_format not in EXPERT_FORMATS:
-        raise MergeError(f"expert_format {expert_format!r}: expected one of {', '.join(EXPERT_FORMATS)}")
+    if not isinstance(expert_format, str) or expert_format not in EXPERT_FORMATS:
+        raise MergeError(f"expert_format {shown_value(expert_format)}: expected one of {', '.join(EXPERT_FORMATS)}")
     opts = SimpleNamespace(base=_path(base, "base", BASE),
                            lora=_required(lora, "lora", "the Megatron LoRA checkpoint dir"),
                            hf_ref=_required(hf_ref, "hf_ref", HF_REF),
                            out=_abs(_required(out, "out", "the adapter dir")),
                            dtype=_dtype_choice(dtype), expert_format=expert_format, lora_r=_lora_r(lora_r),
-                           lora_alpha=_lora_alpha(lora_alpha), allow_partial_lora=allow_partial_lora, force=force,
+                           lora_alpha=_lora_alpha(lora_alpha),
+                           allow_partial_lora=_flag(allow_partial_lora, "allow_partial_lora"), force=_flag(force, "force"),
                            report=_path(report, "report", "a file"), base_model_id=checked_base_model_id(base_model_id),
                            warn=_callable(warn, "warn"))
     return run_export(opts)
@@ -278,7 +291,8 @@ def verify(out, *, lora=None, base=None, hf_ref=None, lora_r: int | None = None,
     opts = SimpleNamespace(out=_required(out, "out", "the merged HF model dir"), lora=_path(lora, "lora", LORA),
                            base=_path(base, "base", BASE), hf_ref=_path(hf_ref, "hf_ref", HF_REF),
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
-                           report=_path(report, "report", "a file"), force=force, warn=_callable(warn, "warn"))
+                           report=_path(report, "report", "a file"), force=_flag(force, "force"),
+                           warn=_callable(warn, "warn"))
     return run_verify(opts)
 
 
@@ -288,7 +302,7 @@ def inspect(checkpoint, verbose: bool = False) -> str:
     adapted modules); `verbose` lists every tensor."""
     path = _required(checkpoint, "checkpoint", "a Megatron checkpoint, HF model or PEFT adapter dir")
     check_input_dir(path, "a Megatron checkpoint, HF model or PEFT adapter dir")
-    return "\n".join(describe_dir(path, verbose=verbose))
+    return "\n".join(describe_dir(path, verbose=_flag(verbose, "verbose")))
 
 
 # --- the runs, on an options namespace (the CLI's parsed arguments or the functions' keywords) ---
@@ -405,8 +419,8 @@ def _inside(path: Path | None, directory: Path) -> bool:
 
 def _base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | None]:
     """The Hub id for the card's base_model (and the adapter's base_model_name_or_path), and the warning to
-    give once the output is published when only local paths are known (it is about the published card, and
-    would only clutter a failure)."""
+    give when only local paths are known. Given before anything is written, as every warning is: a `warn`
+    that raises (or `warnings.simplefilter("error")`) then stops the run with nothing published."""
     explicit = checked_base_model_id(getattr(opts, "base_model_id", None))
     hf_base = inp.base.path if isinstance(inp.base, HfModel) else None
     return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
@@ -477,6 +491,8 @@ def run_merge(opts) -> MergeResult:
     for note in plan.notes:
         opts.warn(note)
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
+    if base_model_warning:
+        opts.warn(base_model_warning)
     hf_config = {**inp.hf_config, **plan.config_changes}
     hf_config.pop("quantization_config", None)  # an FP8 base's: the output is FP8 only where it says so
     if quantization is not None:
@@ -536,8 +552,6 @@ def run_merge(opts) -> MergeResult:
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
                                                      ref_files))
-    if base_model_warning:
-        opts.warn(base_model_warning)
     return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
                        dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
                        lora_modules=plan.merged_modules, **_settings_fields(inp.settings), skipped=dict(plan.skipped),
@@ -567,6 +581,8 @@ def run_export(opts) -> ExportResult:
     for warning in adapter.warnings:
         opts.warn(warning)
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
+    if base_model_warning:
+        opts.warn(base_model_warning)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     with StagedOutput(opts.out, opts.force, inputs, kind=PEFT_ADAPTER) as stage:
@@ -579,8 +595,6 @@ def run_export(opts) -> ExportResult:
         files.append("README.md")
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hashes, None))
-    if base_model_warning:
-        opts.warn(base_model_warning)
     return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
                         bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
                         target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,

@@ -47,8 +47,35 @@ def shard_size(text: str) -> int:
     return size
 
 
+class _StoreOnce(argparse._StoreAction):
+    """An option that takes one value, refused when given twice: argparse would keep the last, and a user who
+    typed `--lora A --lora B` meaning both would get a model without A, silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault(_GIVEN, set())
+        if self.dest in given:
+            why = ("; one run merges one adapter" if self.dest == "lora" else "")
+            parser.error(f"{'/'.join(self.option_strings) or self.dest} given twice{why}; give it once")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+_GIVEN = "_single_value_options_given"
+
+
 class Parser(argparse.ArgumentParser):
-    """Usage errors in one line, like every other error of the tool."""
+    """Usage errors in one line, like every other error of the tool; every option that takes one value
+    taken once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        namespace.__dict__.pop(_GIVEN, None)
+        return namespace, extras
 
     def error(self, message: str):
         self.exit(2, f"lora-merge: error: {message} (see `{self.prog} --help`)\n")
@@ -168,9 +195,10 @@ def _megatron_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-layout", choices=["sequential", "grouped"], default=None,
                    help="routed experts as SequentialMLP (default) or GroupedMLP (--moe-grouped-gemm)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
-                   help="pad the vocabulary to a multiple of N x TP (default: 128, Megatron's)")
+                   help="pad the vocabulary to a multiple of N x TP (default: 128, Megatron's; at most 2^20)")
     g.add_argument("--padded-vocab-size", type=int, default=None, metavar="N", help="the padded vocabulary size "
-                   "itself (at least the model's vocab_size, divisible by --tp)")
+                   "itself (at least the model's vocab_size, divisible by --tp; padding rows zero; the args then "
+                   "record --make-vocab-size-divisible-by N/TP, which Megatron's rule turns back into N)")
     g.add_argument("--mla-naming", choices=["megatron-core", "mindspeed"], default=None,
                    help="DeepSeek MLA: Megatron-Core's linear_q_down_proj/linear_kv_down_proj (default), or "
                         "MindSpeed-LLM's fused linear_qkv (what MindSpeed's MLA loads)")
@@ -372,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_to_megatron(api, opts, console: Console) -> int:
     from lora_merge.parallel_layout import ParallelLayout
     from lora_merge.readers import HF_DIR, input_kind
+    from lora_merge.megatron_args import DEFAULT_VOCAB_DIVISOR
     from lora_merge.megatron_target import MegatronTarget, run_to_megatron
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
@@ -381,16 +410,18 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         opts.hf_ref = opts.base
     if opts.hf_ref is None:
         raise MergeError("--hf-ref: required unless --base is an HF model dir (its config.json describes the model)")
-    tp = opts.tp or 1
-    layout = ParallelLayout(tp=tp, pp=opts.pp or 1, vpp=opts.vpp or 1, ep=opts.ep or 1,
-                            etp=tp if opts.etp is None else opts.etp,
-                            first_stage_layers=opts.decoder_first_pipeline_num_layers,
+    def given(value, default):  # a value typed, even 0, reaches the checks shared with the API
+        return default if value is None else value
+
+    tp = given(opts.tp, 1)
+    layout = ParallelLayout(tp=tp, pp=given(opts.pp, 1), vpp=given(opts.vpp, 1), ep=given(opts.ep, 1),
+                            etp=given(opts.etp, tp), first_stage_layers=opts.decoder_first_pipeline_num_layers,
                             last_stage_layers=opts.decoder_last_pipeline_num_layers)
-    target = MegatronTarget(layout=layout, ckpt_format=opts.ckpt_format or "torch",
-                            expert_layout=opts.expert_layout or "sequential",
-                            make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by or 128,
+    target = MegatronTarget(layout=layout, ckpt_format=given(opts.ckpt_format, "torch"),
+                            expert_layout=given(opts.expert_layout, "sequential"),
+                            make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by,
                             padded_vocab_size=opts.padded_vocab_size,
-                            mla_naming=opts.mla_naming or "megatron-core")
+                            mla_naming=given(opts.mla_naming, "megatron-core"))
     bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
     opts.progress = bar
     try:
@@ -406,7 +437,9 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         + ("" if s.dry_run else f" to {s.out} in {s.seconds:.1f} s"))
     if not s.dry_run:
         out(f"load it with: --load {s.out} --ckpt-format {s.ckpt_format} --transformer-impl local --finetune "
-            "--no-load-optim --no-load-rng" + (", at any layout (the torch_dist loader reshards)"
+            "--no-load-optim --no-load-rng"
+            + (f" --make-vocab-size-divisible-by {s.make_vocab_size_divisible_by}"
+               if s.make_vocab_size_divisible_by != DEFAULT_VOCAB_DIVISOR else "") + (", at any layout (the torch_dist loader reshards)"
                                               if s.ckpt_format == "torch_dist" else ", at this layout"))
     for name in s.files:
         console.detail(f"  {name}")

@@ -74,10 +74,15 @@ def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
             raise MergeError(f"args: num_layer_list {shown_value(layer_list)} does not split {num_layers} layers over "
                              f"PP={pp}")
     elif first is not None or last is not None:
+        # megatron-core's TransformerConfig: the stages between (or after) the uneven ones exist exactly when
+        # layers are left for them, and split those layers evenly
         middle_stages = pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
-        if middle_stages < 0 or rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
-            raise MergeError(f"args: first/last stage layer counts ({first}/{last}) do not fit {num_layers} layers over PP={pp}")
+        if middle_stages < 0 or rest < 0 or (middle_stages == 0) != (rest == 0) or (middle_stages and rest % middle_stages):
+            left = (f"{rest} layer(s) left for {middle_stages} other stage(s)" if rest >= 0 and middle_stages >= 0
+                    else "more layers than the model has")
+            raise MergeError(f"args: first/last stage layer counts ({first}/{last}) do not fit {num_layers} layers over "
+                             f"PP={pp}: {left}; every stage needs at least one layer, the others an even share")
         per_middle = rest // middle_stages if middle_stages else 0
         per_stage = [per_middle] * pp
         if first is not None:

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.value_checks import shown_value
 from lora_merge.layout import AsStored
 from lora_merge.merge_pipeline import execute
 from lora_merge.merge_plan import build_plan
 from lora_merge.parallel_layout import ParallelLayout
 from lora_merge.readers.hf_model import HfModel
 from lora_merge.writers.background import BackgroundWriter
-from lora_merge.writers.megatron_args import padded_vocab_size, target_args
+from lora_merge.writers.megatron_args import target_args, vocab_padding
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
 from lora_merge.writers.row_scatter import Block
 from lora_merge.writers.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
@@ -25,6 +26,8 @@ CKPT_FORMATS = ("torch", "torch_dist")
 EXPERT_LAYOUTS = ("sequential", "grouped")
 MLA_NAMINGS = ("megatron-core", "mindspeed")
 MEGATRON_CHECKPOINT = "Megatron checkpoint"
+# What the space check's margin covers beyond the counted bytes (the legacy rank files are counted exactly)
+CHECKPOINT_EXTRAS = "the tracker file and torch_dist's framing and metadata"
 
 
 @dataclass
@@ -34,9 +37,32 @@ class MegatronTarget:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     ckpt_format: str = "torch"
     expert_layout: str = "sequential"
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int | None = None  # None: Megatron's 128, or --padded-vocab-size's own
     padded_vocab_size: int | None = None
     mla_naming: str = "megatron-core"  # or "mindspeed": MLA's down-projections fused into linear_qkv
+
+    def check_values(self) -> None:
+        """Every choice of the right type and range, whatever the model: before any input is opened. One rule
+        for the command line and the API (the command line passes what was typed, defaults left None)."""
+        for option, value, choices in (("--ckpt-format", self.ckpt_format, CKPT_FORMATS),
+                                       ("--expert-layout", self.expert_layout, EXPERT_LAYOUTS),
+                                       ("--mla-naming", self.mla_naming, MLA_NAMINGS)):
+            if not isinstance(value, str) or value not in choices:
+                raise MergeError(f"{option} {shown_value(value)}: expected one of {', '.join(choices)}")
+        self.layout.check_values()
+        vocab_padding(1, 1, self.make_vocab_size_divisible_by, None)  # the divisor's type and range
+        if self.padded_vocab_size is not None:
+            vocab_padding(1, 1, None, self.padded_vocab_size)  # the size's type and range
+
+    def check_model(self, shape) -> int:
+        """The layout against the model; returns the padded vocabulary."""
+        self.layout.check(shape)
+        if self.mla_naming == "mindspeed" and (shape.mla is None or self.ckpt_format != "torch"):
+            raise MergeError("--mla-naming mindspeed: MindSpeed-LLM's fused MLA naming is written for multi-latent "
+                             "attention models in --ckpt-format torch only")
+        if self.expert_layout == "grouped" and shape.moe is None:
+            raise MergeError("--expert-layout grouped: the model has no routed experts")
+        return vocab_padding(shape.vocab, self.layout.tp, self.make_vocab_size_divisible_by, self.padded_vocab_size)
 
 
 @dataclass
@@ -51,6 +77,7 @@ class ConvertResult:
     tensors: int
     bytes: int
     padded_vocab_size: int
+    make_vocab_size_divisible_by: int  # as the args record it: Megatron loads with this value
     lora_modules: int
     skipped: dict
     seconds: float = 0.0
@@ -64,10 +91,7 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     from lora_merge.api import _check_input_dirs, _Progress, given_paths, input_paths, open_inputs, output_dtype
 
     started = time.monotonic()
-    if target.ckpt_format not in CKPT_FORMATS:
-        raise MergeError(f"--ckpt-format {target.ckpt_format!r}: expected one of {', '.join(CKPT_FORMATS)}")
-    if target.expert_layout not in EXPERT_LAYOUTS:
-        raise MergeError(f"--expert-layout {target.expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    target.check_values()
     if opts.dtype in ("fp8", "float8_e4m3fn"):
         raise MergeError("--dtype fp8 with --to megatron: a Megatron checkpoint is written in bfloat16, float16 or "
                          "float32 (FP8 bases are read dequantized)")
@@ -82,14 +106,7 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
         raise MergeError(f"{opts.lora}: holds only LoRA weights; pass --base with the base model")
     shape = inp.shape
     layout = target.layout
-    layout.check(shape)
-    if target.mla_naming not in MLA_NAMINGS:
-        raise MergeError(f"--mla-naming {target.mla_naming!r}: expected one of {', '.join(MLA_NAMINGS)}")
-    if target.mla_naming == "mindspeed" and (shape.mla is None or target.ckpt_format != "torch"):
-        raise MergeError("--mla-naming mindspeed: MindSpeed-LLM's fused MLA naming is written for multi-latent "
-                         "attention models in --ckpt-format torch only")
-    if target.expert_layout == "grouped" and shape.moe is None:
-        raise MergeError("--expert-layout grouped: the model has no routed experts")
+    padded, vocab_divisor = target.check_model(shape)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT)
     megatron_source = getattr(inp.base, "args", None) if not isinstance(inp.base, HfModel) else None
@@ -108,8 +125,7 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
             += len(mtp)
         opts.warn(f"the base's {len(mtp)} multi-token-prediction tensors are not written: the Megatron checkpoint has "
                   "no MTP layers (train or serve it without --mtp-num-layers)")
-    padded = padded_vocab_size(shape.vocab, layout.tp, target.make_vocab_size_divisible_by, target.padded_vocab_size)
-    args = target_args(shape, layout, dtype, padded, target.make_vocab_size_divisible_by,
+    args = target_args(shape, layout, dtype, padded, vocab_divisor,
                        target.expert_layout == "grouped", source=source_args, ckpt_format=target.ckpt_format)
     dtypes = {t.name: t.dtype for t in plan.tensors}
     if target.ckpt_format == "torch_dist":
@@ -128,12 +144,13 @@ def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
     describe = dict(base=inp.base.describe(), lora=inp.lora.describe() if inp.lora is not None else None,
                     layout=str(layout), ckpt_format=target.ckpt_format, dtype=str(dtype).removeprefix("torch."),
                     tensors=sum(not isinstance(t, Block) for t in writer.targets), bytes=writer.total_bytes, padded_vocab_size=padded,
+                    make_vocab_size_divisible_by=vocab_divisor,
                     lora_modules=plan.merged_modules, skipped=dict(plan.skipped))
     if opts.dry_run:
-        check_free_space(opts.out, writer.total_bytes, 0)
+        check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
         return ConvertResult(out=opts.out, files=[], dry_run=True, plan=plan, writer=writer, **describe)
     remove_abandoned_staging(opts.out, inputs)
-    check_free_space(opts.out, writer.total_bytes, 0)
+    check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
     with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:
         background = None
         try:

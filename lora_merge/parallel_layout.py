@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 from lora_merge.errors import MergeError
 from lora_merge.layer_numbering import LayerNumbering, numbering_from_args
+from lora_merge.value_checks import MAX_SIZE, is_int, shown_value
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,30 @@ class ParallelLayout:
                     files.append(RankFile(tp, pp, ep, etp))
         return files
 
+    def check_values(self, where: str = "target layout") -> None:
+        """Refuse sizes Megatron would refuse whatever the model: each a whole number of at least 1, and stage
+        layer counts, when given, at least 1 (megatron-core's TransformerConfig: "num_layers_in_first_pipeline_stage
+        must be larger than 0"; a stage with no layers is not a stage)."""
+        for name, value in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
+                            ("--etp", self.etp)):
+            if not is_int(value) or not 1 <= value <= MAX_SIZE:
+                raise MergeError(f"{where}: {name} {shown_value(value)}; expected a whole number of at least 1")
+        for name, value in (("--decoder-first-pipeline-num-layers", self.first_stage_layers),
+                            ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
+            if value is not None and (not is_int(value) or not 1 <= value <= MAX_SIZE):
+                raise MergeError(f"{where}: {name} {shown_value(value)}; expected a whole number of at least 1 (a "
+                                 "pipeline stage holds at least one layer), or none for an even split")
+        if self.vpp > 1 and self.pp == 1:
+            raise MergeError(f"{where}: --vpp {self.vpp} needs --pp of 2 or more (virtual chunks interleave stages)")
+        if (self.first_stage_layers is not None or self.last_stage_layers is not None) and self.pp == 1:
+            raise MergeError(f"{where}: first/last pipeline stage layer counts need --pp of 2 or more")
+
     def check(self, shape, where: str = "target layout") -> None:
         """Refuse a layout the model cannot be split into (before anything is written). Every tensor's split
         is checked again when the writer plans its shards."""
+        self.check_values(where)
         num_layers, heads, groups = shape.num_layers, shape.heads, shape.groups
         num_experts = shape.moe.num_experts if shape.moe is not None else None
-        for name, value in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
-                            ("--etp", self.etp)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MergeError(f"{where}: {name}={value!r}; expected a whole number of at least 1")
         if heads % self.tp:
             raise MergeError(f"{where}: {heads} attention heads do not split over --tp {self.tp}")
         if shape.mla is None and groups % self.tp:
@@ -114,14 +130,15 @@ class ParallelLayout:
             raise MergeError(f"{where}: the MLP's intermediate size {shape.ffn} does not split over --tp {self.tp}")
         if shape.moe is not None and shape.moe.ffn % self.etp:
             raise MergeError(f"{where}: the experts' intermediate size {shape.moe.ffn} does not split over --etp {self.etp}")
-        if self.vpp > 1 and self.pp == 1:
-            raise MergeError(f"{where}: --vpp {self.vpp} needs --pp of 2 or more (virtual chunks interleave stages)")
-        if (self.first_stage_layers is not None or self.last_stage_layers is not None) and self.pp == 1:
-            raise MergeError(f"{where}: first/last pipeline stage layer counts need --pp of 2 or more")
         self.numbering(num_layers)  # refuses layer counts that do not split (with the args' messages)
         if num_experts is None:
+            # expert parallel sizes other than the defaults mean nothing without experts: refused, not shown as
+            # a layout the checkpoint does not have
             if self.ep > 1:
                 raise MergeError(f"{where}: --ep {self.ep} but the model has no routed experts")
+            if self.etp != self.tp:
+                raise MergeError(f"{where}: --etp {self.etp} but the model has no routed experts (expert tensor "
+                                 "parallelism applies to experts only)")
             return
         if num_experts % self.ep:
             raise MergeError(f"{where}: {num_experts} experts do not split over --ep {self.ep}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lora_merge.errors import MergeError
@@ -31,11 +32,14 @@ class Segment:
 
 
 def index_shards(shard_shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Per rank, a tensor of the shard's shape whose rows are views of that rank's own row numbers (no data:
-    the trailing dimensions have stride 0)."""
+    """Per rank, a tensor of the shard's shape whose row r starts at element r of a storage of its own: a
+    view's storage_offset is then its first shard row, and the storage its rank (the trailing dimensions
+    have stride 0). The values are all zero, equal on every rank as a replicated rule checks; one byte a row,
+    from calloc, whose large blocks are the kernel's untouched zero pages: a vocabulary padded to 2^31 rows
+    costs no memory."""
     shards = []
     for shape in shard_shapes:
-        rows = torch.arange(shape[0], dtype=torch.int32)
+        rows = torch.from_numpy(np.zeros(shape[0], dtype=np.uint8))
         shards.append(rows.view(shape[0], *([1] * (len(shape) - 1))).expand(*shape))
     return shards
 

@@ -61,6 +61,8 @@ MERGED = {
     "qwen3moe_to_ep2_grouped": ("fixtures_moe/qwen3moe_ep2", dict(ep=2), "grouped"),
     "deepseek_v3_mla_to_tp2_ep2_etp1": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2, ep=2, etp=1), "sequential"),
     "qwen2moe_to_tp2_ep2_etp2": ("fixtures_moe/qwen2moe_tp2ep2", dict(tp=2, ep=2, etp=2), "sequential"),
+    # a padded vocabulary given by hand (250 rows padded to 264, not the rule's 256): loaded with the args' divisor
+    "dense_to_tp2_hand_padded_vocab": ("fixtures/tp2pp2_fp32_filtered", dict(tp=2, padded_vocab_size=264), "sequential"),
     "deepseek_v3_mla_to_uneven_pp2_ep2": ("fixtures_deepseek/deepseek_v3_ep2",
                                           dict(pp=2, decoder_first_pipeline_num_layers=1, ep=2), "sequential"),
 }

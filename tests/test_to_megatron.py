@@ -282,14 +282,14 @@ def test_every_published_config_is_recorded_in_args_our_readers_accept(tmp_path,
     readers would refuse fails here."""
     from lora_merge.hf_config import read_hf_config
     from lora_merge.parallel_layout import ParallelLayout
-    from lora_merge.writers.megatron_args import padded_vocab_size, target_args
+    from lora_merge.writers.megatron_args import target_args, vocab_padding
 
     config = json.loads((PUBLISHED / f"{name}.json").read_text())
     config.pop("quantization_config", None)  # the FP8 releases (read in another issue)
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape, _ = read_hf_config(tmp_path)
-    padded = padded_vocab_size(shape.vocab, 8, 128, None)
-    args = target_args(shape, ParallelLayout(tp=8), torch.bfloat16, padded, 128, False)
+    padded, divisor = vocab_padding(shape.vocab, 8, None, None)
+    args = target_args(shape, ParallelLayout(tp=8), torch.bfloat16, padded, divisor, False)
     assert (args.num_layers, args.hidden_size, args.padded_vocab_size) == (shape.num_layers, shape.hidden, padded)
     assert args.bf16 and args.tensor_model_parallel_size == 8
 

@@ -15,12 +15,13 @@ from argparse import Namespace
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.megatron_args import check_against_args
+from lora_merge.megatron_args import DEFAULT_VOCAB_DIVISOR, check_against_args
 from lora_merge.mla_shape import megatron_mla_args
 from lora_merge.model_shape import ModelShape
 from lora_merge.moe_shape import megatron_moe_args
 from lora_merge.rope import megatron_rope_args
 from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.value_checks import is_int, shown_value
 
 # Arguments that describe the source run's layout or its training state, not the model: replaced or dropped.
 _RUN_STATE = ("consumed_train_samples", "consumed_valid_samples", "iteration", "load", "save", "lora_load",
@@ -30,19 +31,40 @@ _RUN_STATE = ("consumed_train_samples", "consumed_valid_samples", "iteration", "
               "moe_grouped_gemm")
 
 
-def padded_vocab_size(vocab: int, tp: int, divisible_by: int, given: int | None) -> int:
-    """Megatron's rule: the vocabulary rounded up to a multiple of make_vocab_size_divisible_by × TP, or the
-    size given, which must cover the vocabulary and split over TP."""
-    if given is not None:
-        if given < vocab:
-            raise MergeError(f"--padded-vocab-size {given} is smaller than the model's vocab_size {vocab}")
-        if given % tp:
-            raise MergeError(f"--padded-vocab-size {given} does not split over --tp {tp}")
-        return given
-    if divisible_by < 1:
-        raise MergeError(f"--make-vocab-size-divisible-by {divisible_by}; expected a whole number of at least 1")
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
+# Bounds on the vocabulary padding asked for: far above any real divisor (64-1024) and any vocabulary (~260k),
+# and within int32 token ids; beyond them a typo would plan terabytes of zero rows.
+MAX_VOCAB_DIVISOR = 1 << 20
+MAX_PADDED_VOCAB = (1 << 31) - 1
+
+
+def vocab_padding(vocab: int, tp: int, divisible_by: int | None, given: int | None) -> tuple[int, int]:
+    """(padded vocabulary, the make_vocab_size_divisible_by the args record).
+
+    Megatron's rule rounds the vocabulary up to a multiple of make_vocab_size_divisible_by × TP. A padded size
+    given by hand (at least the vocabulary, divisible by TP) is recorded with divisor `given / TP`, under which
+    that same rule computes exactly `given` (⌈vocab / given⌉ · given = given): the args stay self-consistent,
+    so Megatron (`--make-vocab-size-divisible-by` that value) and every reader derive the size written."""
+    if divisible_by is not None and not (is_int(divisible_by) and 1 <= divisible_by <= MAX_VOCAB_DIVISOR):
+        raise MergeError(f"--make-vocab-size-divisible-by {shown_value(divisible_by)}; expected a whole number from 1 "
+                         f"to {MAX_VOCAB_DIVISOR}")
+    if given is None:
+        divisor = DEFAULT_VOCAB_DIVISOR if divisible_by is None else divisible_by
+        multiple = divisor * tp
+        return -(-vocab // multiple) * multiple, divisor
+    if not is_int(given) or not 1 <= given <= MAX_PADDED_VOCAB:
+        raise MergeError(f"--padded-vocab-size {shown_value(given)}; expected a whole number of at least the "
+                         f"model's vocab_size, divisible by --tp, at most {MAX_PADDED_VOCAB}")
+    if given < vocab:
+        raise MergeError(f"--padded-vocab-size {given} is smaller than the model's vocab_size {vocab}")
+    if given % tp:
+        raise MergeError(f"--padded-vocab-size {given} does not split over --tp {tp}")
+    if divisible_by is not None:
+        ruled = vocab_padding(vocab, tp, divisible_by, None)[0]
+        if ruled != given:
+            raise MergeError(f"--padded-vocab-size {given} with --make-vocab-size-divisible-by {divisible_by}: "
+                             f"Megatron's rule pads vocab_size {vocab} to {ruled} at --tp {tp}; give one of the two")
+        return given, divisible_by
+    return given, given // tp
 
 
 def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, padded_vocab: int, divisible_by: int,

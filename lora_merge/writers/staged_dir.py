@@ -154,17 +154,18 @@ def gigabytes(nbytes: int) -> str:
 SPACE_MARGIN = 64 * 10 ** 6  # config, model card, report: small files not counted one by one
 
 
-def space_needed(tensor_bytes: int, copied_bytes: int) -> tuple[int, str]:
+def space_needed(tensor_bytes: int, copied_bytes: int, small_files: str = "config, card and report") -> tuple[int, str]:
     """The bytes a run needs on the output's file system, and what they are, for a message."""
     total = tensor_bytes + copied_bytes + SPACE_MARGIN
     parts = f"{gigabytes(tensor_bytes)} of tensors"
     if copied_bytes:
         parts += f" + {gigabytes(copied_bytes)} of reference files"
-    return total, f"{gigabytes(total)} ({parts} + {gigabytes(SPACE_MARGIN)} margin for config, card and report)"
+    return total, f"{gigabytes(total)} ({parts} + {gigabytes(SPACE_MARGIN)} margin for {small_files})"
 
 
-def check_free_space(out: Path, tensor_bytes: int, copied_bytes: int = 0) -> None:
-    needed, what = space_needed(tensor_bytes, copied_bytes)
+def check_free_space(out: Path, tensor_bytes: int, copied_bytes: int = 0,
+                     small_files: str = "config, card and report") -> None:
+    needed, what = space_needed(tensor_bytes, copied_bytes, small_files)
     free = shutil.disk_usage(out.parent).free
     if needed > free:
         raise MergeError(f"{out.parent}: not enough disk space for {out.name}: the output needs {what}, "
