@@ -37,7 +37,7 @@ from lora_merge.options import MAX_WORKERS
 from lora_merge.options import DEFAULT_SHARD_BYTES, MIN_SHARD_BYTES, parse_size  # noqa: F401  (part of the API)
 from lora_merge.readers import open_checkpoint
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind
+from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind, is_megatron_checkpoint
 from lora_merge.readers.hf_model import HfModel, read_hf_model
 from lora_merge.readers.peft import read_peft_adapter
 from lora_merge.report import hash_files, report_text, write_report
@@ -495,8 +495,11 @@ def run_merge(opts) -> MergeResult:
         opts.warn(base_model_warning)
     hf_config = {**inp.hf_config, **plan.config_changes}
     hf_config.pop("quantization_config", None)  # an FP8 base's: the output is FP8 only where it says so
+    dtype_name = str(dtype).removeprefix("torch.")
     if quantization is not None:
         hf_config["quantization_config"] = quantization
+        rows, cols = quantization["weight_block_size"]
+        dtype_name = f"block-FP8 (float8_e4m3fn, {rows}x{cols} scales) and bfloat16"
     writer_plan = plan.tensors
     tensor_bytes = sum(t.nbytes for t in writer_plan)
     if opts.dry_run:
@@ -505,7 +508,7 @@ def run_merge(opts) -> MergeResult:
         # and removes nothing, so it counts them as taken).
         check_free_space(opts.out, tensor_bytes, ref_files.total_bytes)
         return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
-                           dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan),
+                           dtype=dtype_name, tensors=len(writer_plan),
                            bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
                            **_settings_fields(inp.settings), skipped=dict(plan.skipped), dry_run=True, plan=plan,
                            inputs=inp, copied_bytes=ref_files.total_bytes)
@@ -547,13 +550,13 @@ def run_merge(opts) -> MergeResult:
         later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
         with (staging / "README.md").open("x") as f:
             f.write(model_card(opts.out.name, inp.base, inp.lora, hf_config, inp.settings,
-                               str(dtype).removeprefix("torch."), plan.merged_modules, hashes, base_model, later))
+                               dtype_name, plan.merged_modules, hashes, base_model, later))
         files.append("README.md")
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
                                                      ref_files))
     return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
-                       dtype=str(dtype).removeprefix("torch."), tensors=len(writer_plan), bytes=writer.total_bytes,
+                       dtype=dtype_name, tensors=len(writer_plan), bytes=writer.total_bytes,
                        lora_modules=plan.merged_modules, **_settings_fields(inp.settings), skipped=dict(plan.skipped),
                        files=files, sha256={f: h for f, h in hashes.items() if h is not None},
                        seconds=time.monotonic() - started,
@@ -575,6 +578,10 @@ def run_export(opts) -> ExportResult:
     check_output_target(opts.out, opts.force, inputs, kind=PEFT_ADAPTER)
     check_report_path(opts.report, opts.force, inputs, opts.out)
     dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
+    if inp.base is not None and inp.base is not inp.lora and inp.lora.params:
+        # an unfiltered LoRA holds the base it was trained on: a --base with other weights is refused, as the
+        # merge refuses it (the plan's checks compare the two; nothing of the plan is run)
+        build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, torch.float32)
     adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
                             getattr(opts, "allow_partial_lora", False))
     tensors = adapter.tensors
@@ -608,6 +615,10 @@ def run_verify(opts) -> VerifyReport:
     roots = given_paths(out, opts.base, opts.lora, opts.hf_ref)
     check_report_path(opts.report, opts.force, roots, early=True)
     if not (out / "config.json").is_file():
+        if is_megatron_checkpoint(out):
+            raise MergeError(f"{out}: a Megatron checkpoint; verify checks HF outputs only (verifying a Megatron "
+                             "output is not supported: convert it to HF with `lora-merge --base OUT --hf-ref HF_DIR "
+                             "--out HF_OUT` and verify that)")
         raise MergeError(f"{out}: no config.json; not a merged model directory")
     base_dir = opts.base
     if base_dir is None and opts.lora is not None and input_kind(opts.lora) == PEFT_DIR and has_weights(opts.hf_ref):

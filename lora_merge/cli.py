@@ -318,7 +318,7 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
     else:
         out(f"  LoRA:   r={inp.settings.r} alpha={inp.settings.alpha:g} (scale {inp.settings.scale:g}, from "
         f"{inp.settings.source}) on {', '.join(lora_targets(plan)) or 'nothing'}: {plan.merged_modules} modules")
-    out(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {str(plan.dtype).removeprefix('torch.')} "
+    out(f"  output: {len(plan.tensors)} tensors, {total / 1e9:.3f} GB as {result.dtype} "
         f"in about {shards} shard(s) -> {opts.out}")
     needed = space_needed(total, result.copied_bytes)[1]
     out(f"  disk:   needs {needed}, {gigabytes(free)} free")

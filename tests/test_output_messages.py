@@ -124,3 +124,21 @@ def test_an_input_dir_that_is_a_device_or_a_file_says_so(option, tmp_path, capsy
             args[args.index(option) + 1] = str(path)
         run_failing(args, capsys, f"{path}: {what}, not a directory")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_output_is_described_as_fp8_in_the_plan_the_summary_and_the_card(tmp_path, capsys):
+    """`--dtype fp8` said "wrote 41 tensors … as bfloat16": the quantized weights are float8_e4m3fn with block
+    scales, the rest bfloat16, and every description says so."""
+    from lora_merge.cli import main
+
+    root = Path(__file__).parent / "fixtures_deepseek/deepseek_v3_ep2"
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(tmp_path / "fp8"), "--dtype", "fp8", "--no-progress"]
+    described = "block-FP8 (float8_e4m3fn, 128x128 scales) and bfloat16"
+    assert main(args + ["--dry-run"]) == 0
+    assert f"GB as {described} in about" in capsys.readouterr().out
+    assert main(args) == 0
+    summary = capsys.readouterr().out
+    assert f"GB as {described} in 1 shard(s)" in summary and "as bfloat16" not in summary, summary
+    card = (tmp_path / "fp8/README.md").read_text()
+    assert f"| output dtype | {described} |" in card

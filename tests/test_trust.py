@@ -506,6 +506,10 @@ def test_unfiltered_lora_with_a_base_of_other_weights_is_refused(tmp_path, capsy
     out = tmp_path / "out"
     run_failing(copied_args(root, out), capsys, "its own base weights differ from --base", key)
     assert_clean(out)
+    # export-adapter takes --base to say what the adapter goes onto: the same pair is refused alike
+    adapter = tmp_path / "adapter"
+    run_failing(["export-adapter"] + copied_args(root, adapter), capsys, "its own base weights differ from --base", key)
+    assert_clean(adapter)
     assert main(["--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out)]) == 0
 
 

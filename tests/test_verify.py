@@ -131,3 +131,17 @@ def test_no_sha256_writes_the_same_model_and_says_the_hashes_were_not_computed(t
     result = lora_merge.merge(base=FIXTURES / NAME / "base", lora=FIXTURES / NAME / "lora",
                               hf_ref=FIXTURES / NAME / "hf_ref", out=tmp_path / "api", sha256=False)
     assert result.sha256 == {} and "model.safetensors" in result.files
+
+
+def test_verify_on_a_megatron_output_says_plainly_that_it_is_not_supported(tmp_path, capsys):
+    """A Megatron checkpoint given to verify (what --to megatron writes, or any Megatron dir): one line saying
+    verify checks HF outputs only and how to check one, not "no config.json"."""
+    root = FIXTURES / "tp2_fp32_filtered"
+    assert main(["--to", "megatron", "--base", str(root / "base"), "--hf-ref", str(root / "hf_ref"), "--out",
+                 str(tmp_path / "mg"), "--no-progress"]) == 0
+    capsys.readouterr()
+    for directory in (tmp_path / "mg", root / "base", tmp_path / "mg/release"):
+        assert main(["verify", str(directory), "--lora", str(root / "lora")]) == 2
+        err = capsys.readouterr().err
+        assert "a Megatron checkpoint; verify checks HF outputs only (verifying a Megatron output is not supported" \
+            in err and err.count("\n") == 1, err

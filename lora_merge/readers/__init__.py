@@ -29,6 +29,16 @@ def input_kind(path: Path | None) -> str | None:
     return MEGATRON_DIR
 
 
+def is_megatron_checkpoint(path: Path) -> bool:
+    """Whether `path` leads to a Megatron iteration dir (legacy or torch_dist), for messages only: what is
+    not one is said by the reader that opens it."""
+    try:
+        it_dir = find_iteration_dir(Path(path))
+        return is_torch_dist_iteration(it_dir) or is_legacy_iteration(it_dir)
+    except (MergeError, OSError):
+        return False
+
+
 def open_checkpoint(path: Path) -> Checkpoint:
     """Detect the checkpoint format and open it (reading only pickles and metadata, no tensor data)."""
     path = Path(path)
