@@ -14,7 +14,8 @@ import torch
 
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
-from lora_merge.fp8 import DEFAULT_CONFIG, SCALE_SUFFIX, quantized_by_default, scale_shape
+from lora_merge.fp8 import (DEFAULT_CONFIG, SCALE_SUFFIX, not_converted_modules, partial_block_note,
+                            quantized_by_default_unless_excluded, scale_shape, skip_patterns)
 from lora_merge.layout import AsStored, Rule, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model_shape import ModelShape
@@ -347,19 +348,24 @@ LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def plan_fp8_output(plan: MergePlan, base, reference_config: dict | None = None) -> dict:
     """Turn the plan into an FP8 release's layout: the weights the FP8 base had quantized (from an unquantized
-    base: the attention and MLP/expert linears, as DeepSeek's and Qwen's releases quantize, less the reference's
-    modules_to_not_convert) become float8_e4m3fn, each followed by its weight_scale_inv; everything else keeps
-    the plan's dtype. Returns the quantization_config the output's config.json carries (the base's, else the
-    reference's, else DeepSeek's)."""
+    base: the attention and MLP/expert linears, as DeepSeek's and Qwen's releases quantize, less the modules the
+    reference's modules_to_not_convert excludes, matched as transformers matches it) become float8_e4m3fn, each
+    followed by its weight_scale_inv; everything else keeps the plan's dtype. Returns the quantization_config
+    the output's config.json carries: the base's, else the reference's, else DeepSeek's, with
+    modules_to_not_convert (and ignored_layers, where it had one) naming every module of the output whose 2-D
+    weight is not FP8, and lm_head, so that every loader makes FP8 exactly the modules that are. A note
+    (plan.notes) names the FP8 weights transformers' CPU loader would refuse or misread (partial blocks)."""
     fp8 = getattr(base, "fp8", None)
     config = dict(fp8.config) if fp8 is not None else dict(reference_config or DEFAULT_CONFIG)
     block = tuple(config["weight_block_size"])
-    skip = tuple(config.get("modules_to_not_convert") or ())
-    if fp8 is not None:
+    weights = [(t.name, tuple(t.shape)) for t in plan.tensors if len(t.shape) == 2 and t.name.endswith(".weight")]
+    if fp8 is not None:  # exactly what the base quantized
         chosen = {name for name, ref in base.tensors.items() if isinstance(ref, Fp8Ref)}
     else:
-        chosen = {t.name for t in plan.tensors if quantized_by_default(t.name, t.shape)
-                  and not any(t.name.startswith(m + ".") or t.name == m + ".weight" for m in skip)}
+        chosen = quantized_by_default_unless_excluded(weights, skip_patterns(config))
+    config["modules_to_not_convert"] = not_converted_modules(weights, chosen, base.path)
+    if "ignored_layers" in config:  # vLLM reads it before modules_to_not_convert
+        config["ignored_layers"] = list(config["modules_to_not_convert"])
     for task in plan.tasks:
         outputs = []
         for t in task.outputs:
@@ -370,4 +376,7 @@ def plan_fp8_output(plan: MergePlan, base, reference_config: dict | None = None)
             else:
                 outputs.append(t)
         task.outputs = outputs
+    note = partial_block_note([(name, shape) for name, shape in weights if name in chosen], block)
+    if note is not None:
+        plan.notes.append(note)
     return config

@@ -27,6 +27,8 @@ import torch
 
 from lora_merge.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
+from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
+                            skip_patterns)
 from lora_merge.layout import RowBlock, Skip
 from lora_merge.lora import LoraSettings, hf_factors
 from lora_merge.merge_plan import fitted_pieces
@@ -36,6 +38,7 @@ from lora_merge.readers.peft import PeftAdapter
 from lora_merge.readers.safetensors_dir import SafetensorsDir, plain_file_name, read_bounded
 from lora_merge.readers.safetensors_file import Damaged, shown_name
 from lora_merge.readers.safetensors_file import shown as shown_value
+from lora_merge.small_files import read_json
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
@@ -48,6 +51,7 @@ class VerifyReport:
     baseline: str
     statuses: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the user should know, not a failure (warnings)
 
     @property
     def ok(self) -> bool:
@@ -66,11 +70,13 @@ def _reference_weights(reference: Path) -> SafetensorsDir:
 
 def within_fp8_step(got: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor, start: int, block) -> bool:
     """Dequantized FP8 rows within half an e4m3 step of the exact values: 2^-4 relative (3 mantissa bits),
-    or 2^-10 of the block's scale among the subnormals; the float32 sums leave a little more."""
+    or 2^-10 of the block's scale among the subnormals; the float32 sums leave a little more, and float32
+    itself no less than 2^-149 (q·s of a tiny scale is a float32 subnormal)."""
     first = start // block[0]
     s = scales[first:].repeat_interleave(block[0], 0)[start - first * block[0]: start - first * block[0] + got.shape[0]]
     s = s.repeat_interleave(block[1], 1)[:, :got.shape[1]]
-    bound = torch.maximum(exact.abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-5) + exact.abs() * 2.0 ** -20
+    bound = (torch.maximum(exact.abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-5) + exact.abs() * 2.0 ** -20
+             + 2.0 ** -149)
     return bool(((got.float() - exact).abs() <= bound).all())
 
 
@@ -104,7 +110,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                   lora: Checkpoint | PeftAdapter | None, settings: LoraSettings | None,
                   reference: Path | None = None, base: Checkpoint | None = None) -> VerifyReport:
     ref = _reference_weights(reference) if reference is not None else None
-    out = SafetensorsDir(out_dir)
+    out = SafetensorsDir(out_dir, output=True)
     if ref:
         baseline = f"reference weights in {reference}"
     elif base is not None:
@@ -119,6 +125,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
         return report
 
     expected_names = set()
+    weights = {}  # every 2-D weight of the output: its shape, and whether it is block-FP8
     want_dtype = SAFETENSORS_DTYPES[dtype]
     peft = isinstance(lora, PeftAdapter)  # factors by HF name, each with its own scale; trained biases
     for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c)):
@@ -158,6 +165,8 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                 report.problems.append(f"{full}: shape {list(got_shape)} {got_dtype}, the config implies "
                                        f"{list(dims)} {wanted}")
                 continue
+            if len(dims) == 2 and full.endswith(".weight"):
+                weights[full] = (tuple(dims), quantized is not None)
             if ref and full in ref.file_of:
                 ref_shape, _ = ref.meta(full)
                 if ref_shape != dims:
@@ -192,7 +201,70 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             continue
         report.problems.append(f"{shown_name(extra)}: in the output but not part of a {shape.model_type} model "
                                "with this config")
+    _check_quantization_config(out_dir, out, weights, report)
     return report
+
+
+def _check_quantization_config(out_dir: Path, out: SafetensorsDir, weights: dict, report: VerifyReport) -> None:
+    """The output's quantization_config against its tensors, both ways, as a loader reads it: block-FP8 weights
+    need one (else transformers loads the e4m3 codes as the weights), one needs block-FP8 weights, and its
+    modules_to_not_convert (matched as transformers matches it) must exclude exactly the linear modules that
+    are not FP8. Also a note on the FP8 weights transformers' CPU loader would refuse or misread."""
+    path = out_dir / "config.json"
+    if not path.is_file():
+        return  # verify refuses an output without config.json before it gets here
+    raw = read_json(path)
+    q = raw.get("quantization_config") if isinstance(raw, dict) else None
+    fp8 = sorted(name for name, (_, quantized) in weights.items() if quantized)
+    if q is None:
+        if fp8:
+            report.problems.append(f"{path}: no quantization_config, but {_count(fp8, 'weight')} {_are(fp8)} "
+                                   f"block-FP8 ({_first(fp8)}): transformers would load their e4m3 codes as the "
+                                   "weights; expected the quantization_config of a block-FP8 model (quant_method fp8)")
+        return
+    try:
+        block = read_fp8_config(q, path).block
+    except MergeError as exc:
+        report.problems.append(str(exc))
+        return
+    if not fp8:
+        report.problems.append(f"{path}: quantization_config says block-FP8, but no weight is float8_e4m3fn with a "
+                               "weight_scale_inv: loaders would look for scales it does not have; expected no "
+                               "quantization_config")
+        return
+    patterns = skip_patterns(q)
+    patterns = ["lm_head"] if patterns is None else patterns  # transformers' own default: the output layer
+    excluded = {}
+    for name in weights:
+        module = loader_module(name)
+        if module not in excluded:
+            excluded[module] = not_converted(module, patterns)
+    skipped = [name for name in fp8 if excluded[loader_module(name)]]
+    if skipped:
+        report.problems.append(f"{path}: {_count(skipped, 'block-FP8 weight')} ({_first(skipped)}) {_are(skipped)} "
+                               "in modules the quantization_config's modules_to_not_convert excludes: transformers "
+                               "and vLLM would load their e4m3 codes as the weights")
+    converted = sorted(name for name, (dims, quantized) in weights.items()
+                       if not quantized and is_loader_linear(name, dims) and not excluded[loader_module(name)])
+    if converted:
+        report.problems.append(f"{path}: {_count(converted, 'weight')} not in block-FP8 ({_first(converted)}) "
+                               f"{_are(converted)} in linear modules the quantization_config's modules_to_not_convert "
+                               "does not exclude: transformers would load them as FP8 and look for scales they lack")
+    note = partial_block_note([(name, weights[name][0]) for name in fp8], block)
+    if note is not None:
+        report.notes.append(note)
+
+
+def _count(names, what: str) -> str:
+    return f"{len(names)} {what}{'s' if len(names) != 1 else ''}"
+
+
+def _are(names) -> str:
+    return "is" if len(names) == 1 else "are"
+
+
+def _first(names) -> str:
+    return ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
 
 
 def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, report, fp8: bool = False) -> str:

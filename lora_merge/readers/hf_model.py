@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.fp8 import SCALE_SUFFIX, Fp8Format, Fp8Weight, read_fp8_config, scale_shape
+from lora_merge.fp8 import SCALE_SUFFIX, Fp8Format, Fp8Weight, check_scales, read_fp8_config, scale_shape
 from lora_merge.pages import release_pages
 from lora_merge.readers.checkpoint import TensorRef
 from lora_merge.readers.safetensors_file import tensor_refs
@@ -107,7 +107,9 @@ def _fp8_format(path: Path) -> Fp8Format | None:
 
 def _pair_fp8_weights(model: HfModel) -> None:
     """Each float8 weight with its weight_scale_inv (which may sit in another shard), of the shape the block
-    size gives; a scale without its weight, or the other way round, is refused."""
+    size gives, every scale finite and within the range a quantizer writes for trained weights (read here,
+    before anything is written: scales are 1/16384 of the weights); a scale without its weight, or the other
+    way round, is refused."""
     block = model.fp8.block
     for name in [n for n, r in model.tensors.items() if r.dtype == torch.float8_e4m3fn]:
         ref = model.tensors[name]
@@ -120,6 +122,8 @@ def _pair_fp8_weights(model: HfModel) -> None:
             raise MergeError(f"{scale.where}: scales of shape {list(scale.shape)} ({str(scale.dtype).removeprefix('torch.')}) "
                              f"for the FP8 weight {list(ref.shape)} in {block[0]}x{block[1]} blocks (the config's "
                              f"weight_block_size); expected float32 {expected}")
+        check_scales(scale.load(), scale.where)
+        scale.release()
         model.tensors[name] = Fp8Ref(ref.where, ref.shape, torch.float32, ref.loader, ref.mapped, scale=scale,
                                      block=block)
     strays = [n for n in model.tensors if n.endswith(SCALE_SUFFIX)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.fp8 import SCALE_SUFFIX, dequantize_rows, scale_shape
+from lora_merge.fp8 import SCALE_SUFFIX, check_scales, dequantize_rows, scale_shape
 from lora_merge.readers import safetensors_file
 from lora_merge.readers.safetensors_file import Damaged, shown_name
 
@@ -23,11 +23,14 @@ class SafetensorsDir:
 
     Damage is collected in `problems`, not raised: in an output being verified it is a finding to report,
     in the reference an error in the user's input; the caller decides. Only the index and the shards'
-    headers are read here; tensor data is mapped later, a row range at a time.
+    headers are read here; tensor data is mapped later, a row range at a time. Block-FP8 scales are checked
+    when first read: finite and at least 2^-126 (what a quantizer writes), and for an input (`output`
+    False) at most fp8.SCALE_MAX too.
     """
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, output: bool = False):
         self.directory = directory
+        self.output = output
         self._scales: dict[str, torch.Tensor] = {}
         self._block: tuple[int, int] | None = None
         self.problems: list[str] = []
@@ -117,8 +120,10 @@ class SafetensorsDir:
     def scales(self, name: str) -> torch.Tensor:
         scales = self.scales_of(name)
         if scales not in self._scales:
-            self._scales[scales] = safetensors_file.read_rows(self.checked[self.file_of[scales]], scales, 0,
-                                                              self.meta(scales)[0][0]).float()
+            header = self.checked[self.file_of[scales]]
+            values = safetensors_file.read_rows(header, scales, 0, self.meta(scales)[0][0]).float()
+            check_scales(values, f"{header.path}[{shown_name(scales)}]", bounded=not self.output)
+            self._scales[scales] = values
         return self._scales[scales]
 
     def fp8_block(self, name: str) -> tuple[int, int]:
