@@ -97,10 +97,9 @@ def check_scales(scales: torch.Tensor, where: str, bounded: bool = True) -> None
         return
     index = [int(i) for i in bad.nonzero()[0]]
     value = float(s[tuple(index)])
-    what = ("not finite" if not math.isfinite(value) else "0: its block reads as zeros" if value == 0 else
-            "negative: its block reads negated" if value < 0 else
-            "subnormal: below the smallest normal float32" if value < SCALE_MIN else
-            f"above the bound: its block would reach {value * E4M3_MAX:.3g}")
+    what = ("not finite" if not math.isfinite(value) else "its block would read as zeros" if value == 0 else
+            "its block would read negated" if value < 0 else "subnormal" if value < SCALE_MIN else
+            f"its block would reach {value * E4M3_MAX:.3g}")
     raise MergeError(f"{where}: block {index} has scale {value:.4g} ({what}; {int(bad.sum())} bad block(s)); "
                      f"expected finite scales {SCALE_RANGE if bounded else 'of at least 2^-126'}")
 
