@@ -419,8 +419,9 @@ def _inside(path: Path | None, directory: Path) -> bool:
 
 def _base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | None]:
     """The Hub id for the card's base_model (and the adapter's base_model_name_or_path), and the warning to
-    give when only local paths are known. Given before anything is written, as every warning is: a `warn`
-    that raises (or `warnings.simplefilter("error")`) then stops the run with nothing published."""
+    give when only local paths are known: once the output is complete (it is about the published card, and
+    would only clutter a failure) but before it is published, as every warning is, so that a `warn` that
+    raises (or `warnings.simplefilter("error")`) stops the run with nothing published."""
     explicit = checked_base_model_id(getattr(opts, "base_model_id", None))
     hf_base = inp.base.path if isinstance(inp.base, HfModel) else None
     return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
@@ -491,8 +492,6 @@ def run_merge(opts) -> MergeResult:
     for note in plan.notes:
         opts.warn(note)
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
-    if base_model_warning:
-        opts.warn(base_model_warning)
     hf_config = {**inp.hf_config, **plan.config_changes}
     hf_config.pop("quantization_config", None)  # an FP8 base's: the output is FP8 only where it says so
     dtype_name = str(dtype).removeprefix("torch.")
@@ -555,6 +554,8 @@ def run_merge(opts) -> MergeResult:
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
                                                      ref_files))
+        if base_model_warning:  # once the output is complete (not cluttering a failure), before it is published
+            opts.warn(base_model_warning)
     return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
                        dtype=dtype_name, tensors=len(writer_plan), bytes=writer.total_bytes,
                        lora_modules=plan.merged_modules, **_settings_fields(inp.settings), skipped=dict(plan.skipped),
@@ -588,8 +589,6 @@ def run_export(opts) -> ExportResult:
     for warning in adapter.warnings:
         opts.warn(warning)
     base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
-    if base_model_warning:
-        opts.warn(base_model_warning)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     with StagedOutput(opts.out, opts.force, inputs, kind=PEFT_ADAPTER) as stage:
@@ -602,6 +601,8 @@ def run_export(opts) -> ExportResult:
         files.append("README.md")
         if opts.report:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hashes, None))
+        if base_model_warning:  # once the adapter is complete, before it is published
+            opts.warn(base_model_warning)
     return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
                         bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
                         target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,
@@ -632,6 +633,8 @@ def run_verify(opts) -> VerifyReport:
     reference = None if hf_base and inp.base.path == out else baseline_dir(inp, opts.hf_ref)
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,
                            base=None if hf_base else inp.base)
+    for note in report.notes:  # what is right but will be misread by some loader (a merge warns of it in its plan)
+        opts.warn(note)
     # The reference's files as the merge copied them (the merge copies from --hf-ref only, never from --base).
     report.problems += check_output_files(out, reference_files(opts.hf_ref) if opts.hf_ref else None, card=True,
                                           known=report.problems)

@@ -63,7 +63,7 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
             "directory": str(reference_files.directory), "copied": sorted(reference_files.copied),
             "left_out": dict(sorted(reference_files.left_out.items()))},
         "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
-                                               "problems": verify.problems},
+                                               "problems": verify.problems, "notes": verify.notes},
     }
     return json.dumps(report, indent=2) + "\n"
 
