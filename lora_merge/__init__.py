@@ -8,17 +8,17 @@ They are imported on first use, so that `import lora_merge` stays light (the com
 before torch is imported).
 """
 
-__version__ = "0.1.0"  # the only place the version is written: pyproject.toml reads it from here
+from lora_merge.version import __version__  # noqa: F401  (written in lora_merge/version.py only)
 
 _API = {"merge", "to_megatron", "ConvertResult", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
-__all__ = sorted(_API | {"MergeError", "__version__"})
+__all__ = sorted(_API | {"MergeError", "UsageError", "__version__"})
 
 
 def __getattr__(name: str):
     if name in _API:
         from lora_merge import api
         return getattr(api, name)
-    if name == "MergeError":
-        from lora_merge.errors import MergeError
-        return MergeError
+    if name in ("MergeError", "UsageError"):
+        from lora_merge import errors
+        return getattr(errors, name)
     raise AttributeError(f"module 'lora_merge' has no attribute {name!r}")

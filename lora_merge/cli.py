@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING
 
 # Only light modules here: `--help`, `--version` and usage errors answer before torch, transformers and
 # safetensors are imported (seconds); the runs import what they need in `_run`.
-from lora_merge import __version__
+from lora_merge.version import __version__
 from lora_merge.console import NORMAL, QUIET, VERBOSE, Console
 from lora_merge.errors import MergeError
+from lora_merge import interrupts
 from lora_merge.interrupts import Interrupted, raise_if_received, signals_raise
+from lora_merge import options
 from lora_merge.options import MAX_WORKERS
-from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS, MIN_SHARD_BYTES,
+from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS,
                                 VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
 from lora_merge.writers.staged_dir import PUBLISHED
 
@@ -42,7 +44,7 @@ def _size(text: str) -> int:
 
 def shard_size(text: str) -> int:
     size = _size(text)
-    if size < MIN_SHARD_BYTES:
+    if size < options.MIN_SHARD_BYTES:
         raise argparse.ArgumentTypeError(f"{text!r} is below 1MB; a shard that small only multiplies files")
     return size
 
@@ -356,6 +358,14 @@ def print_summary(console: Console, s: MergeResult) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    caller = options.CALLER.set("cli")  # the API's checks name arguments as options (--lora-r, not lora_r)
+    try:
+        return _main(argv)
+    finally:
+        options.CALLER.reset(caller)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
     opts = PARSERS[command]().parse_args(argv)
@@ -363,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(opts, "out", None) is not None and command != "verify":
         opts.out = Path(os.path.abspath(opts.out))  # `--out .` or `--out ..` name a directory, not a link
     PUBLISHED.clear()
-    opts.warn, opts.progress = console.warn, None
     with signals_raise():
         try:
             return _run(command, opts, console)
@@ -389,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
             console.interrupted(f"interrupted; {what_was_written()}")
             return 130
         except Exception as exc:  # a bug: still one line, and the truth about the output
+            if interrupts.RECEIVED:  # a signal that a library's import turned into another error
+                interrupted = Interrupted(interrupts.RECEIVED[0])
+                console.interrupted(f"interrupted by {interrupted.name}; {what_was_written()}")
+                return interrupted.exit_code
             if opts.debug:
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -398,34 +411,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_to_megatron(api, opts, console: Console) -> int:
-    from lora_merge.parallel_layout import ParallelLayout
-    from lora_merge.readers import HF_DIR, input_kind
     from lora_merge.megatron_args import DEFAULT_VOCAB_DIVISOR
-    from lora_merge.megatron_target import MegatronTarget, run_to_megatron
+    from lora_merge.readers import HF_DIR, input_kind
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
             raise MergeError(f"--{name.replace('_', '-')}: an option of an HF output, not of --to megatron")
-    if opts.hf_ref is None and opts.base is not None and input_kind(opts.base) == HF_DIR:
-        opts.hf_ref = opts.base
-    if opts.hf_ref is None:
+    if opts.hf_ref is None and (opts.base is None or input_kind(opts.base) != HF_DIR):
         raise MergeError("--hf-ref: required unless --base is an HF model dir (its config.json describes the model)")
-    def given(value, default):  # a value typed, even 0, reaches the checks shared with the API
+
+    def given(value, default):  # a value typed, even 0, reaches the API's checks
         return default if value is None else value
 
-    tp = given(opts.tp, 1)
-    layout = ParallelLayout(tp=tp, pp=given(opts.pp, 1), vpp=given(opts.vpp, 1), ep=given(opts.ep, 1),
-                            etp=given(opts.etp, tp), first_stage_layers=opts.decoder_first_pipeline_num_layers,
-                            last_stage_layers=opts.decoder_last_pipeline_num_layers)
-    target = MegatronTarget(layout=layout, ckpt_format=given(opts.ckpt_format, "torch"),
-                            expert_layout=given(opts.expert_layout, "sequential"),
-                            make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by,
-                            padded_vocab_size=opts.padded_vocab_size,
-                            mla_naming=given(opts.mla_naming, "megatron-core"))
     bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
-    opts.progress = bar
     try:
-        s = run_to_megatron(opts, target)
+        s = api.to_megatron(
+            base=opts.base, lora=opts.lora, hf_ref=opts.hf_ref, out=opts.out, tp=given(opts.tp, 1),
+            pp=given(opts.pp, 1), vpp=given(opts.vpp, 1), ep=given(opts.ep, 1), etp=opts.etp,
+            decoder_first_pipeline_num_layers=opts.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=opts.decoder_last_pipeline_num_layers,
+            ckpt_format=given(opts.ckpt_format, "torch"), expert_layout=given(opts.expert_layout, "sequential"),
+            make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, padded_vocab_size=opts.padded_vocab_size,
+            mla_naming=given(opts.mla_naming, "megatron-core"), dtype=opts.dtype, lora_r=opts.lora_r,
+            lora_alpha=opts.lora_alpha, allow_partial_lora=opts.allow_partial_lora, dry_run=opts.dry_run,
+            workers=opts.workers, progress=bar, warn=console.warn)
     finally:
         if bar is not None:
             bar.close()
@@ -458,7 +467,10 @@ def _run(command: str, opts, console: Console) -> int:
     raise_if_received()  # a signal an import swallowed still stops the run
 
     if command == "export-adapter":
-        s = api.run_export(opts)
+        s = api.export_adapter(lora=opts.lora, hf_ref=opts.hf_ref, out=opts.out, base=opts.base, dtype=opts.dtype,
+                               expert_format=opts.expert_format, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
+                               allow_partial_lora=opts.allow_partial_lora, force=opts.force, report=opts.report,
+                               base_model_id=opts.base_model_id, warn=console.warn)
         console.result(f"lora:   {s.lora}")
         console.result(f"wrote a PEFT adapter to {opts.out}: {s.tensors} tensors ({s.bytes / 1e6:.1f} MB), "
                        f"r={s.r} alpha={s.alpha:g}, target_modules={s.target_modules + s.target_parameters}")
@@ -474,7 +486,8 @@ def _run(command: str, opts, console: Console) -> int:
             console.result(line)
         return 0
     if command == "verify":
-        report = api.run_verify(opts)
+        report = api.verify(opts.out, lora=opts.lora, base=opts.base, hf_ref=opts.hf_ref, lora_r=opts.lora_r,
+                            lora_alpha=opts.lora_alpha, report=opts.report, force=opts.force, warn=console.warn)
         counts = Counter(report.statuses.values())
         console.result(f"baseline: {report.baseline}")
         for status, n in sorted(counts.items()):
@@ -500,9 +513,12 @@ def _run(command: str, opts, console: Console) -> int:
     if opts.hf_ref is None:
         raise MergeError("--hf-ref: required (the HF model dir whose config.json describes the model)")
     bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
-    opts.progress = bar
     try:
-        result = api.run_merge(opts)
+        result = api.merge(base=opts.base, lora=opts.lora, hf_ref=opts.hf_ref, out=opts.out, dtype=opts.dtype,
+                           max_shard_size=opts.max_shard_size, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
+                           allow_partial_lora=opts.allow_partial_lora, force=opts.force, verify=opts.verify,
+                           report=opts.report, dry_run=opts.dry_run, sha256=opts.sha256, workers=opts.workers,
+                           base_model_id=opts.base_model_id, progress=bar, warn=console.warn)
     finally:
         if bar is not None:
             bar.close()

@@ -3,3 +3,8 @@ class MergeError(Exception):
 
     The CLI prints the message and exits non-zero; anything else escaping is a bug in the tool.
     """
+
+
+class UsageError(MergeError):
+    """An argument of the wrong type or out of range, refused before any input is read (catch it to tell a
+    caller's mistake from a problem with the checkpoints)."""

@@ -1,33 +1,19 @@
-"""`--to megatron`: the same read → un-shard → merge pipeline, ending in a Megatron checkpoint at any layout
-instead of an HF model. The source may be an HF model, a Megatron checkpoint (a reshard) or either with a
-LoRA merged on the way; the plan is the one an HF output would get, and the writer places each HF row piece
-into the target's rank files as it streams."""
+"""What a `--to megatron` run is asked to write: the parallel layout, the checkpoint format, the expert layout,
+the vocabulary padding and the MLA naming — checked for type and range before any input is opened, and
+against the model once it is known (`runs/to_megatron.py` writes it)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.value_checks import shown_value
-from lora_merge.layout import AsStored
-from lora_merge.merge_pipeline import execute
-from lora_merge.merge_plan import build_plan
 from lora_merge.parallel_layout import ParallelLayout
-from lora_merge.readers.hf_model import HfModel
-from lora_merge.writers.background import BackgroundWriter
-from lora_merge.writers.megatron_args import target_args, vocab_padding
-from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
-from lora_merge.writers.row_scatter import Block
-from lora_merge.writers.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
+from lora_merge.value_checks import shown_value
+from lora_merge.writers.megatron_args import vocab_padding
 
 CKPT_FORMATS = ("torch", "torch_dist")
 EXPERT_LAYOUTS = ("sequential", "grouped")
 MLA_NAMINGS = ("megatron-core", "mindspeed")
-MEGATRON_CHECKPOINT = "Megatron checkpoint"
-# What the space check's margin covers beyond the counted bytes (the legacy rank files are counted exactly)
-CHECKPOINT_EXTRAS = "the tracker file and torch_dist's framing and metadata"
 
 
 @dataclass
@@ -63,107 +49,3 @@ class MegatronTarget:
         if self.expert_layout == "grouped" and shape.moe is None:
             raise MergeError("--expert-layout grouped: the model has no routed experts")
         return vocab_padding(shape.vocab, self.layout.tp, self.make_vocab_size_divisible_by, self.padded_vocab_size)
-
-
-@dataclass
-class ConvertResult:
-    out: Path
-    base: str
-    lora: str | None
-    layout: str
-    ckpt_format: str
-    dtype: str
-    files: list[str]
-    tensors: int
-    bytes: int
-    padded_vocab_size: int
-    make_vocab_size_divisible_by: int  # as the args record it: Megatron loads with this value
-    lora_modules: int
-    skipped: dict
-    seconds: float = 0.0
-    dry_run: bool = False
-    plan: object = None  # a dry run's plan and planned writer (for tools that inspect them)
-    writer: object = None
-
-
-def run_to_megatron(opts, target: MegatronTarget) -> ConvertResult:
-    # imported here: api imports this module for its entry point
-    from lora_merge.api import _check_input_dirs, _Progress, given_paths, input_paths, open_inputs, output_dtype
-
-    started = time.monotonic()
-    target.check_values()
-    if opts.dtype in ("fp8", "float8_e4m3fn"):
-        raise MergeError("--dtype fp8 with --to megatron: a Megatron checkpoint is written in bfloat16, float16 or "
-                         "float32 (FP8 bases are read dequantized)")
-    _check_input_dirs(opts)
-    if opts.out.exists() or opts.out.is_symlink():
-        raise MergeError(f"{opts.out}: already exists; a Megatron checkpoint is written to a new directory")
-    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
-    check_output_target(opts.out, False, roots, early=True, kind=MEGATRON_CHECKPOINT)
-    opts.lora_optional = True
-    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)
-    if inp.base is None:
-        raise MergeError(f"{opts.lora}: holds only LoRA weights; pass --base with the base model")
-    shape = inp.shape
-    layout = target.layout
-    padded, vocab_divisor = target.check_model(shape)
-    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
-    check_output_target(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT)
-    megatron_source = getattr(inp.base, "args", None) if not isinstance(inp.base, HfModel) else None
-    source_args = megatron_source or getattr(inp.lora, "args", None)
-    dtype = output_dtype(opts.dtype, shape, source_args)
-    if opts.dtype == "auto" and shape.dtype is None and isinstance(inp.base, HfModel):
-        dtype = inp.base.dtype
-    plan = build_plan(inp.base, inp.lora, shape, inp.arch, inp.settings, dtype)
-    for note in plan.notes:
-        if "num_nextn_predict_layers" not in note:
-            opts.warn(note)
-    mtp = [task for task in plan.tasks if isinstance(getattr(task.rule, "rule", task.rule), AsStored)]
-    if mtp:  # Megatron's own MTP layers (mtp.*) are another module tree; not written, and said so
-        plan.tasks = [task for task in plan.tasks if task not in mtp]
-        plan.skipped["multi-token-prediction layer tensors of the HF base (Megatron's MTP layers are not written)"] \
-            += len(mtp)
-        opts.warn(f"the base's {len(mtp)} multi-token-prediction tensors are not written: the Megatron checkpoint has "
-                  "no MTP layers (train or serve it without --mtp-num-layers)")
-    args = target_args(shape, layout, dtype, padded, vocab_divisor,
-                       target.expert_layout == "grouped", source=source_args, ckpt_format=target.ckpt_format)
-    dtypes = {t.name: t.dtype for t in plan.tensors}
-    if target.ckpt_format == "torch_dist":
-        from lora_merge.writers.megatron_dist import MegatronDistOutput  # torch.distributed.checkpoint: only here
-
-        writer = MegatronDistOutput(inp.arch, shape, dtypes, args, padded)
-    else:
-        writer = MegatronLegacyWriter(inp.arch, shape, layout, dtypes, args, padded,
-                                      grouped_experts=target.expert_layout == "grouped",
-                                      fused_mla=target.mla_naming == "mindspeed")
-    missing = sorted(set(writer.hf) - set(dtypes))
-    extra = sorted(set(dtypes) - set(writer.hf))
-    if missing or extra:
-        raise MergeError(f"the plan and the target layout disagree (missing {missing[:3]}, extra {extra[:3]}); "
-                         "nothing written")
-    describe = dict(base=inp.base.describe(), lora=inp.lora.describe() if inp.lora is not None else None,
-                    layout=str(layout), ckpt_format=target.ckpt_format, dtype=str(dtype).removeprefix("torch."),
-                    tensors=sum(not isinstance(t, Block) for t in writer.targets), bytes=writer.total_bytes, padded_vocab_size=padded,
-                    make_vocab_size_divisible_by=vocab_divisor,
-                    lora_modules=plan.merged_modules, skipped=dict(plan.skipped))
-    if opts.dry_run:
-        check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
-        return ConvertResult(out=opts.out, files=[], dry_run=True, plan=plan, writer=writer, **describe)
-    remove_abandoned_staging(opts.out, inputs)
-    check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
-    with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:
-        background = None
-        try:
-            writer.start(stage.dir)
-            background = BackgroundWriter(writer.write)
-            progress = _Progress(opts.progress, sum(t.nbytes for t in plan.tensors)) if opts.progress else None
-            try:
-                execute(plan, background.write, progress.update if progress else None, workers=opts.workers)
-            finally:
-                background.close()
-            files = writer.finish()
-        finally:
-            if background is not None:
-                background.stop()
-            writer.abort()
-    return ConvertResult(out=opts.out, files=files, seconds=time.monotonic() - started, **describe)

@@ -4,6 +4,7 @@ these values import them from here; tests check the few the heavy modules also s
 
 from __future__ import annotations
 
+import contextvars
 import re
 
 from lora_merge.errors import MergeError
@@ -31,3 +32,12 @@ def parse_size(text: str) -> int:
 
 # --workers: more would only add threads and pieces in flight (2 per worker, each at least 1 MB).
 MAX_WORKERS = 256
+
+
+# Who is calling: the API names an argument by its keyword (lora_r), the command line by its option
+# (--lora-r); the checks are the same code (the command line calls the API).
+CALLER = contextvars.ContextVar("lora_merge_caller", default="api")
+
+
+def argument_name(keyword: str) -> str:
+    return "--" + keyword.replace("_", "-") if CALLER.get() == "cli" else keyword

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from lora_merge import __version__
+from lora_merge.version import __version__
 from lora_merge.interrupts import ignore_signals
 from lora_merge.writers.ownership import REPORT_FORMAT, REPORT_MARKER
 from lora_merge.writers.staged_dir import SideFile

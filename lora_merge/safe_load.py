@@ -54,6 +54,8 @@ class StandIn:
     Equality and hashing stay by identity: stand-ins can be dict keys in a pickle, hashed before their
     state is set."""
 
+    INERT_STAND_IN = True  # how `shown` knows one without importing this module
+
     def __new__(cls, *args, **kwargs):
         return object.__new__(cls)
 

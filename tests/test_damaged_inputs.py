@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ONLY, FIXTURES, merge_args
-from lora_merge import api, cli
+from lora_merge import options
+from lora_merge.runs import to_hf
 from lora_merge.cli import main
 from test_errors import assert_nothing_written, copied_args, copy_fixture
 
@@ -236,7 +237,7 @@ def sharded(tmp_path_factory):
     root = tmp_path_factory.mktemp("damaged")
     reference, good = root / "reference", root / "good"
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(cli, "MIN_SHARD_BYTES", 1)  # a fixture model is 0.6 MB; several shards need small ones
+        m.setattr(options, "MIN_SHARD_BYTES", 1)  # a fixture model is 0.6 MB; several shards need small ones
         assert main(merge_args(NAME, reference) + BASE_ONLY + SMALL_SHARDS) == 0
         assert main(merge_args(NAME, good) + SMALL_SHARDS) == 0
     assert len(list(good.glob("model-*.safetensors"))) >= 4
@@ -428,15 +429,15 @@ def test_damaged_reference_shard_is_an_error(sharded, tmp_path, capsys, damage):
 
 
 def test_merge_with_verify_catches_a_truncated_shard_and_publishes_nothing(tmp_path, capsys, monkeypatch):
-    real_copy = api.copy_reference_files
+    real_copy = to_hf.copy_reference_files
 
     def copy_then_damage(hf_dir, staging, config, dtype):
         victim = shards(staging)[2]
         cut(victim, victim.stat().st_size // 2)  # as a full disk or a killed copy would leave it
         return real_copy(hf_dir, staging, config, dtype)
 
-    monkeypatch.setattr(api, "copy_reference_files", copy_then_damage)
-    monkeypatch.setattr(cli, "MIN_SHARD_BYTES", 1)
+    monkeypatch.setattr(to_hf, "copy_reference_files", copy_then_damage)
+    monkeypatch.setattr(options, "MIN_SHARD_BYTES", 1)
     out = tmp_path / "out"
     code = main(merge_args(NAME, out) + SMALL_SHARDS + ["--verify"])
     captured = capsys.readouterr()

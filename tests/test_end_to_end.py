@@ -63,9 +63,9 @@ def test_unfiltered_lora_with_separate_base_gives_the_same_model(tmp_path, merge
 
 
 def test_small_shards_load_the_same(tmp_path, merged_fixture, monkeypatch):
-    from lora_merge import cli
+    from lora_merge import options
 
-    monkeypatch.setattr(cli, "MIN_SHARD_BYTES", 0)  # the fixtures are far smaller than the 1MB minimum
+    monkeypatch.setattr(options, "MIN_SHARD_BYTES", 0)  # the fixtures are far smaller than the 1MB minimum
     name = "tp2pp2_fp32_filtered"
     out = tmp_path / "sharded"
     assert main(merge_args(name, out) + ["--max-shard-size", "100KB"]) == 0

@@ -119,16 +119,16 @@ def test_a_report_written_before_the_marker_is_still_recognised(tmp_path, capsys
 
 
 def test_a_report_that_appears_mid_run_is_not_replaced_and_no_temp_file_is_left(tmp_path, capsys, monkeypatch):
-    from lora_merge import api
+    from lora_merge.runs import to_hf
 
     report = tmp_path / "rep.json"
-    real_copy = api.copy_reference_files
+    real_copy = to_hf.copy_reference_files
 
     def copy_then_someone_writes_the_report(*args):
         os.mkfifo(report)
         return real_copy(*args)
 
-    monkeypatch.setattr(api, "copy_reference_files", copy_then_someone_writes_the_report)
+    monkeypatch.setattr(to_hf, "copy_reference_files", copy_then_someone_writes_the_report)
     for force, expected in (([], "appeared while this run was writing"), (["--force"], "is a FIFO")):
         out = tmp_path / f"out{len(force)}"
         line = run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report), *force], capsys,
@@ -194,17 +194,17 @@ def test_force_replaces_an_earlier_output_only_of_the_same_kind(tmp_path, capsys
 def test_an_output_that_stops_being_ours_before_publishing_is_not_replaced(tmp_path, capsys, monkeypatch):
     """Checked again at publishing: a card replaced meanwhile by someone's is refused then, the new output
     discarded."""
-    from lora_merge import api
+    from lora_merge.runs import to_hf
 
     merged = tmp_path / "merged"
     assert main(merge_args("tp2_fp32_filtered", merged)) == 0
-    real_copy = api.copy_reference_files
+    real_copy = to_hf.copy_reference_files
 
     def copy_then_someone_replaces_the_card(*args):
         (merged / "README.md").write_text("# my notes on this model\n")
         return real_copy(*args)
 
-    monkeypatch.setattr(api, "copy_reference_files", copy_then_someone_replaces_the_card)
+    monkeypatch.setattr(to_hf, "copy_reference_files", copy_then_someone_replaces_the_card)
     run_failing(merge_args("tp2_fp32_filtered", merged) + ["--force"], capsys, "no README.md model card of lora-merge")
     assert (merged / "README.md").read_text() == "# my notes on this model\n"
     assert hidden_leftovers(tmp_path) == []

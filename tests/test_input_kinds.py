@@ -221,5 +221,5 @@ def test_the_version_is_written_once():
 
     project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lora_merge.__version__"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lora_merge.version.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", lora_merge.__version__)

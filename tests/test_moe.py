@@ -362,7 +362,7 @@ def test_a_layer_without_expert_down_proj_lora_is_refused_though_its_shared_expe
     """PEFT's target `down_proj` covers every routed expert's down_proj too; the shared expert's must not hide
     that layer 2's routed experts have none."""
     from types import SimpleNamespace
-    from lora_merge.api import open_inputs
+    from lora_merge.runs.inputs import open_inputs
     from lora_merge.errors import MergeError
     from lora_merge.peft_adapter import build_adapter
 

@@ -70,12 +70,12 @@ def test_a_full_disk_names_the_report_it_stopped(command, tmp_path, capsys, disk
 
 
 def test_a_full_disk_while_copying_names_the_output(tmp_path, capsys, monkeypatch):
-    from lora_merge import api
+    from lora_merge.runs import to_hf
 
     def copy_on_a_full_disk(*args):
         raise OSError(errno.ENOSPC, NO_SPACE)  # as os.sendfile raises it inside shutil.copyfile: no file name
 
-    monkeypatch.setattr(api, "copy_reference_files", copy_on_a_full_disk)
+    monkeypatch.setattr(to_hf, "copy_reference_files", copy_on_a_full_disk)
     out = tmp_path / "out"
     run_failing(merge_args("tp2_fp32_filtered", out), capsys, f"{out} (while writing it): {NO_SPACE}",
                 "no output was written")
@@ -89,7 +89,7 @@ def test_the_dry_run_plan_names_the_margin(tmp_path, capsys):
 
 
 def test_a_mount_point_as_out_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
-    from lora_merge import api
+    from lora_merge.runs import to_hf
 
     # A real one: /proc is a mount point wherever this runs.
     for command in (merge_args("tp2_fp32_filtered", Path("/proc")),
@@ -102,7 +102,7 @@ def test_a_mount_point_as_out_is_refused_before_anything_is_written(tmp_path, ca
     assert main(merge_args("tp2_fp32_filtered", out)) == 0
     real_ismount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(out) or real_ismount(p))
-    monkeypatch.setattr(api, "execute", lambda *a, **k: pytest.fail("merged although the output is a mount point"))
+    monkeypatch.setattr(to_hf, "execute", lambda *a, **k: pytest.fail("merged although the output is a mount point"))
     run_failing(merge_args("tp2_fp32_filtered", out) + ["--force"], capsys, f"{out}: is a mount point")
     assert leftovers(tmp_path) == []
 

@@ -152,9 +152,9 @@ def _dead_pid() -> int:
 # --- 2. publishing is honest ------------------------------------------------------------------------
 
 def test_failing_verify_publishes_nothing_and_lists_every_problem(tmp_path, capsys, monkeypatch):
-    from lora_merge import api, cli
+    from lora_merge.runs import to_hf
 
-    real_copy = api.copy_reference_files
+    real_copy = to_hf.copy_reference_files
 
     def copy_then_damage(hf_dir, staging, config, dtype):
         shard = staging / "model.safetensors"  # flip a bit in two tensors' data, as a bad disk would
@@ -166,7 +166,7 @@ def test_failing_verify_publishes_nothing_and_lists_every_problem(tmp_path, caps
         shard.write_bytes(bytes(data))
         return real_copy(hf_dir, staging, config, dtype)
 
-    monkeypatch.setattr(api, "copy_reference_files", copy_then_damage)
+    monkeypatch.setattr(to_hf, "copy_reference_files", copy_then_damage)
     for report in (None, tmp_path / "report.json"):
         out = tmp_path / "out"
         extra = ["--verify"] + (["--report", str(report)] if report else [])
@@ -578,16 +578,16 @@ def test_verify_report_never_replaces_a_file_it_reads_through_symlinks(tmp_path,
 
 
 def test_a_report_that_appears_during_the_run_is_not_replaced(tmp_path, capsys, monkeypatch):
-    from lora_merge import api, cli
+    from lora_merge.runs import to_hf
 
     report = tmp_path / "report.json"
-    real_copy = api.copy_reference_files
+    real_copy = to_hf.copy_reference_files
 
     def copy_then_someone_writes_the_report(*args):
         report.write_text("precious")
         return real_copy(*args)
 
-    monkeypatch.setattr(api, "copy_reference_files", copy_then_someone_writes_the_report)
+    monkeypatch.setattr(to_hf, "copy_reference_files", copy_then_someone_writes_the_report)
     out = tmp_path / "out"
     run_failing(merge_args("tp2_fp32_filtered", out) + ["--report", str(report)], capsys,
                 "appeared while this run was writing", "was published")

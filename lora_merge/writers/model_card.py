@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from lora_merge import __version__
+from lora_merge.version import __version__
 from lora_merge.errors import MergeError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub names repositories

@@ -1,0 +1,81 @@
+"""A Megatron LoRA written as an unmerged PEFT adapter: the inputs opened, the factors brought to HF names and
+layout, the adapter, its config and card staged and published."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_merge.errors import MergeError
+from lora_merge.merge_plan import build_plan
+from lora_merge.model_shape import DTYPES
+from lora_merge.peft_adapter import adapter_config, build_adapter, write_adapter
+from lora_merge.readers import PEFT_DIR, input_kind
+from lora_merge.report import hash_files, report_text
+from lora_merge.runs.inputs import LORA, check_input_dirs, given_paths, input_paths, open_inputs
+from lora_merge.runs.options import ExportOptions
+from lora_merge.runs.to_hf import _base_model, _inside
+from lora_merge.writers.model_card import adapter_card, checked_base_model_id
+from lora_merge.writers.ownership import PEFT_ADAPTER, check_input_dir
+from lora_merge.writers.staged_dir import StagedOutput, check_output_target, remove_abandoned_side_files
+from lora_merge.writers.targets import check_report_path
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    lora: str
+    tensors: int
+    bytes: int
+    r: int
+    alpha: float
+    target_modules: list[str]
+    target_parameters: list[str]
+    files: list[str]
+
+
+def run_export(opts: ExportOptions) -> ExportResult:
+    check_input_dir(opts.lora, LORA)
+    if input_kind(opts.lora) == PEFT_DIR:
+        raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
+                         "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
+    checked_base_model_id(getattr(opts, "base_model_id", None))
+    check_input_dirs(opts)
+    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    check_output_target(opts.out, opts.force, roots, early=True, kind=PEFT_ADAPTER)
+    check_report_path(opts.report, opts.force, roots, opts.out, early=True)
+    inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=False)
+    inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
+    check_output_target(opts.out, opts.force, inputs, kind=PEFT_ADAPTER)
+    check_report_path(opts.report, opts.force, inputs, opts.out)
+    dtype = None if opts.dtype == "auto" else DTYPES[opts.dtype]
+    if inp.base is not None and inp.base is not inp.lora and inp.lora.params:
+        # an unfiltered LoRA holds the base it was trained on: a --base with other weights is refused, as the
+        # merge refuses it (the plan's checks compare the two; nothing of the plan is run)
+        build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, torch.float32)
+    adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
+                            opts.allow_partial_lora)
+    tensors = adapter.tensors
+    for warning in adapter.warnings:
+        opts.warn(warning)
+    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
+    if opts.report:
+        remove_abandoned_side_files(opts.report, inputs)
+    with StagedOutput(opts.out, opts.force, inputs, kind=PEFT_ADAPTER) as stage:
+        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, base_model))
+        hashes = hash_files(stage.dir, files)
+        later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
+        with (stage.dir / "README.md").open("x") as f:
+            f.write(adapter_card(opts.out.name, inp.lora, inp.settings, adapter.target_modules + adapter.target_parameters,
+                                 hashes, base_model, later))
+        files.append("README.md")
+        if opts.report:
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hashes, None))
+        if base_model_warning:  # once the adapter is complete, before it is published
+            opts.warn(base_model_warning)
+    return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
+                        bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
+                        target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,
+                        files=files)

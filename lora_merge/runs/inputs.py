@@ -1,0 +1,165 @@
+"""Every run's first step: the inputs opened and checked against each other (the reference's config, the
+base, the LoRA), the paths the run reads (which no output may touch), and what the output is checked against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_merge.architectures import Architecture, architecture_for
+from lora_merge.errors import MergeError
+from lora_merge.hf_config import check_same_model, read_hf_config
+from lora_merge.lora import LoraSettings, resolve_settings
+from lora_merge.megatron_args import check_against_args
+from lora_merge.merge_plan import check_lora_targets
+from lora_merge.model_shape import DTYPES, ModelShape
+from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind, open_checkpoint
+from lora_merge.readers.checkpoint import Checkpoint
+from lora_merge.readers.hf_model import HfModel, read_hf_model
+from lora_merge.readers.peft import read_peft_adapter
+from lora_merge.writers.ownership import check_input_dir
+from lora_merge.writers.targets import InputPaths
+
+# What each path argument names, for the message when it is missing or not a path.
+LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
+HF_REF = "the HF model dir of the base model"
+BASE = "the base checkpoint dir"
+OUT = "the output dir"
+
+
+
+class Progress:
+    """`progress(done_bytes, total_bytes)` called as bytes are written."""
+
+    def __init__(self, callback, total: int):
+        self.callback, self.total, self.done = callback, total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.callback(self.done, self.total)
+
+
+
+@dataclass
+class Inputs:
+    shape: ModelShape
+    hf_config: dict
+    arch: Architecture
+    base: Checkpoint | None
+    lora: Checkpoint | None
+    settings: LoraSettings | None
+
+
+def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts, need_base: bool,
+                lora_optional: bool = False) -> Inputs:
+    """The reference's config, the model's architecture, the base and the LoRA opened (headers only) and
+    checked against each other; `need_base`: the run needs base weights; `lora_optional`: a conversion without
+    a LoRA is a run of its own (HF → Megatron), not a missing argument."""
+    notes: list[str] = []
+    shape, hf_config = read_hf_config(hf_dir, notes)
+    for note in notes:
+        opts.warn(note)
+    arch = architecture_for(shape)
+    if lora_dir is not None and input_kind(lora_dir) == PEFT_DIR:
+        return _open_peft(shape, hf_config, arch, hf_dir, base_dir, lora_dir, opts)
+    lora = open_checkpoint(lora_dir) if lora_dir else None
+    if base_dir is not None and input_kind(base_dir) == HF_DIR:
+        if lora is None and not lora_optional:
+            raise MergeError(f"{base_dir}: an HF model as --base needs a Megatron --lora to merge")
+        check_same_model(shape, hf_dir, base_dir)
+        if lora is None:  # a conversion of the HF weights as they are
+            return Inputs(shape, hf_config, arch, read_hf_model(base_dir), None, None)
+        base = read_hf_model(base_dir)
+        check_against_args(shape, lora.args, str(lora.path))
+        check_lora_targets(lora, arch, shape, opts.allow_partial_lora)
+        settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
+        for warning in settings.warnings:
+            opts.warn(warning)
+        return Inputs(shape, hf_config, arch, base, lora, settings)
+    base = open_checkpoint(base_dir) if base_dir else lora
+    if base_dir and not base.params:
+        raise MergeError(f"{base_dir}: holds no base weights (is it a filtered LoRA checkpoint?)")
+    if need_base and base is lora and lora is not None and not lora.params:
+        raise MergeError(f"{lora_dir}: holds only LoRA weights (a filtered checkpoint); pass --base with the base model")
+    if base is not None and not base.params:
+        base = None
+    for ckpt in {id(c): c for c in (base, lora) if c is not None}.values():
+        check_against_args(shape, ckpt.args, str(ckpt.path))
+    settings = None
+    if lora is not None:
+        check_lora_targets(lora, arch, shape, opts.allow_partial_lora)
+        settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
+        for warning in settings.warnings:
+            opts.warn(warning)
+    return Inputs(shape, hf_config, arch, base, lora, settings)
+
+
+def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora_dir: Path, opts) -> Inputs:
+    """A PEFT adapter goes onto HF weights: --base, or the reference's own when --base is not given."""
+    if opts.lora_r is not None or opts.lora_alpha is not None:
+        raise MergeError(f"{lora_dir}: --lora-r/--lora-alpha set a Megatron LoRA's settings; a PEFT adapter's r and "
+                         "lora_alpha (and rank/alpha patterns) come from its adapter_config.json")
+    base_dir = base_dir or hf_dir
+    if input_kind(base_dir) != HF_DIR:
+        raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
+                         "model dir with safetensors weights")
+    check_same_model(shape, hf_dir, base_dir)
+    adapter = read_peft_adapter(lora_dir, arch, shape)
+    settings = LoraSettings(r=adapter.config["r"], alpha=float(adapter.config["lora_alpha"]),
+                            source="adapter_config.json" + (", rsLoRA" if adapter.config.get("use_rslora") else "")
+                            + (", per-module patterns" if adapter.config.get("rank_pattern")
+                               or adapter.config.get("alpha_pattern") else ""))
+    return Inputs(shape, hf_config, arch, read_hf_model(base_dir), adapter, settings)
+
+
+def output_dtype(choice: str, shape: ModelShape, args) -> torch.dtype:
+    if choice != "auto":
+        return DTYPES[choice]
+    if shape.dtype is not None:
+        return shape.dtype
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def has_weights(hf_dir: Path | None) -> bool:
+    return hf_dir is not None and any(hf_dir.glob("*.safetensors"))
+
+
+def given_paths(*paths) -> InputPaths:
+    """The input paths as given, for the checks made before anything is opened."""
+    found = InputPaths()
+    for path in paths:
+        found.add(path)
+    return found
+
+
+def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | None) -> InputPaths:
+    """Every file and directory the run reads, for the checks on what it writes (`hf_dirs`: HF-layout dirs
+    read: the reference, and for verify the output being checked)."""
+    found = given_paths(base_dir, lora_dir)
+    for ckpt in (inp.base, inp.lora):
+        if ckpt is not None:
+            found.add_tree(ckpt.path, ckpt.sources)
+    for hf_dir in [hf_dirs] if isinstance(hf_dirs, Path) else hf_dirs:
+        if hf_dir is not None and hf_dir.is_dir():
+            found.add_tree(hf_dir, [hf_dir / name for name in ("config.json", "model.safetensors.index.json")]
+                           + sorted(hf_dir.iterdir()) + sorted(hf_dir.glob("additional_chat_templates/*")))
+    return found
+
+
+def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
+    """The HF weights a merged output is checked against: those the LoRA went onto when the base is HF (an
+    HF --base, or --hf-ref's own for a PEFT adapter given without --base), else the reference's, if any."""
+    if isinstance(inp.base, HfModel):
+        return inp.base.path
+    return hf_ref if has_weights(hf_ref) else None
+
+
+def check_input_dirs(opts) -> None:
+    for path, what in ((opts.base, BASE), (opts.lora, LORA), (opts.hf_ref, HF_REF)):
+        check_input_dir(path, what)

@@ -1,0 +1,90 @@
+"""The shape of the code, measured: data flows one way, so no module imports (at the top or inside a function)
+a module that imports it back, however long the way round; and the kind of an input is asked in one place."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "lora_merge"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules it imports anywhere in its text. `from package import name` counts as importing
+    the package (its __init__ runs) unless `name` is a submodule; a module's own parent packages count only
+    when it imports a name from them (Python imports them anyway to reach the module)."""
+    found = modules()
+    graph = {}
+    for module, path in found.items():
+        is_package = path.name == "__init__.py"
+        imported, explicit = set(), set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = module.split(".") if is_package else module.split(".")[:-1]
+                    base = ".".join(parent[:len(parent) - node.level + 1] + ([base] if base else []))
+                if not base.startswith("lora_merge"):
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    imported.add(sub if sub in found else base)
+                    if sub not in found:
+                        explicit.add(base)
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names if a.name.startswith("lora_merge")}
+        with_parents = {".".join(name.split(".")[:i]) for name in imported for i in range(1, name.count(".") + 2)}
+        graph[module] = {m for m in with_parents - {module} if m in found
+                         and (not module.startswith(m + ".") or m in explicit)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert "lora_merge.runs.to_hf" in graph["lora_merge.api"] and "lora_merge.api" in graph["lora_merge"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the finder finds
+
+
+def test_no_import_cycles():
+    """Not even through a function-level import or the package face (`lora_merge/__init__` imports the API on
+    first use: nothing below may import the face; the version has a module of its own)."""
+    assert cycles(import_graph()) == []
