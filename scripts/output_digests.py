@@ -96,6 +96,8 @@ def main() -> int:
                     digests[name] = tree_digest(out)
                 except lora_merge.MergeError as exc:  # a refusal is an outcome too (same message before and after)
                     digests[name] = "refused: " + str(exc)
+                except Exception as exc:  # noqa: BLE001 - a crash too: it is reported, and the other cases still run
+                    digests[name] = f"crashed: {type(exc).__name__}: {exc}"
     finally:
         shutil.rmtree(opts.work, ignore_errors=True)
     opts.json.write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")

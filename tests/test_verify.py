@@ -145,3 +145,19 @@ def test_verify_on_a_megatron_output_says_plainly_that_it_is_not_supported(tmp_p
         err = capsys.readouterr().err
         assert "a Megatron checkpoint; verify checks HF outputs only (verifying a Megatron output is not supported" \
             in err and err.count("\n") == 1, err
+
+
+def test_verify_of_a_peft_merge_onto_an_hf_deepseek_base(tmp_path, capsys):
+    """An architecture with two Megatron namings of one projection (MLA: MindSpeed's fused linear_qkv) asks
+    its inputs which naming they hold; an HF base and a PEFT adapter hold none, and say so (verify crashed with
+    AttributeError here)."""
+    import lora_merge
+
+    root = FIXTURES.parent / "fixtures_deepseek/deepseek_v3_ep2"
+    hf_base, adapter, out = tmp_path / "hf_base", tmp_path / "adapter", tmp_path / "out"
+    lora_merge.merge(base=root / "base", hf_ref=root / "hf_ref", out=hf_base, warn=lambda m: None)
+    lora_merge.export_adapter(lora=root / "lora", hf_ref=root / "hf_ref", out=adapter, warn=lambda m: None)
+    lora_merge.merge(base=hf_base, lora=adapter, hf_ref=hf_base, out=out, warn=lambda m: None)
+    report = lora_merge.verify(out, lora=adapter, base=hf_base, warn=lambda m: None)
+    assert report.ok and any("baseline + " in status for status in report.statuses.values()), report.problems
+    assert main(["verify", str(out), "--lora", str(adapter), "--base", str(hf_base)]) == 0

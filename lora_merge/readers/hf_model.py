@@ -51,6 +51,11 @@ class HfModel:
                 weight[ref.dtype] = weight.get(ref.dtype, 0) + ref.nbytes
         return max(weight, key=weight.get) if weight else torch.bfloat16
 
+    def has(self, megatron_name: str) -> bool:
+        """Whether it holds a parameter by that Megatron name (which of two namings a checkpoint uses): never,
+        its tensors are named as HF names them."""
+        return False
+
     def describe(self) -> str:
         return f"HF model {self.path} ({len(self.tensors)} tensors in {len(self.sources) - 1} file(s))"
 

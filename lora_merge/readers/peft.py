@@ -64,6 +64,11 @@ class PeftAdapter:
     sources: list = field(default_factory=list)
     format: str = "PEFT"
 
+    def has(self, megatron_name: str) -> bool:
+        """Whether it holds a parameter by that Megatron name (which of two namings a checkpoint uses): never,
+        its tensors are named as HF names them."""
+        return False
+
     def describe(self) -> str:
         return (f"PEFT adapter {self.path} ({len(self.factors)} LoRA modules, r={self.config.get('r')}, "
                 f"lora_alpha={self.config.get('lora_alpha')}{', rsLoRA' if self.config.get('use_rslora') else ''})")
