@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Callable
 
 from lora_merge import options as limits
-from lora_merge.describe import describe_dir
+from lora_merge.readers.describe import describe_dir
 from lora_merge.errors import MergeError, UsageError
 from lora_merge.megatron_target import MegatronTarget
 from lora_merge.model_shape import DTYPES
 from lora_merge.options import DEFAULT_SHARD_BYTES, MAX_WORKERS, MIN_SHARD_BYTES, argument_name, parse_size  # noqa: F401
 from lora_merge.parallel_layout import ParallelLayout
 from lora_merge.peft_adapter import EXPERT_FORMATS
-from lora_merge.readers import HF_DIR, input_kind
+from lora_merge.readers.detect import check_input_dir
 from lora_merge.runs.export import ExportResult, run_export
-from lora_merge.runs.inputs import BASE, HF_REF, LORA, OUT
+from lora_merge.runs.inputs import BASE, HF_REF, LORA, OUT, reference_dir
 from lora_merge.runs.options import FP8, ExportOptions, MegatronOptions, MergeOptions, VerifyOptions
 from lora_merge.runs.to_hf import MergeResult, VerificationFailed, run_merge  # noqa: F401  (API)
 from lora_merge.runs.to_megatron import ConvertResult, run_to_megatron
@@ -36,7 +36,6 @@ from lora_merge.runs.verify import run_verify
 from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, shown_value
 from lora_merge.verification import VerifyReport
 from lora_merge.writers.model_card import checked_base_model_id
-from lora_merge.writers.ownership import check_input_dir
 
 
 def _load_lazy_attributes() -> None:
@@ -173,8 +172,7 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
     with a LoRA merged on the way if `lora` is given (see `lora-merge --to megatron --help`). `hf_ref`
     defaults to `base` when that is an HF model dir."""
     base_path = _path(base, "base", BASE)
-    if hf_ref is None and base_path is not None and input_kind(base_path) == HF_DIR:
-        hf_ref = base_path
+    hf_ref = reference_dir(base_path, _path(hf_ref, "hf_ref", HF_REF))
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=tp if etp is None else etp,
                             first_stage_layers=decoder_first_pipeline_num_layers,
                             last_stage_layers=decoder_last_pipeline_num_layers)

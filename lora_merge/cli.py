@@ -288,7 +288,7 @@ def expert_layout(inp) -> str:
     for role, ckpt in (("base", inp.base), ("LoRA", inp.lora)):
         if ckpt is None or (role == "LoRA" and ckpt is inp.base):
             continue
-        layout = getattr(ckpt, "experts", None)  # only Megatron checkpoints have one
+        layout = ckpt.experts  # only Megatron checkpoints have one
         if layout is not None:
             parts.append(f"{role} checkpoint: {layout}")
         elif role == "base":
@@ -412,13 +412,10 @@ def _main(argv: list[str] | None) -> int:
 
 def _run_to_megatron(api, opts, console: Console) -> int:
     from lora_merge.megatron_args import DEFAULT_VOCAB_DIVISOR
-    from lora_merge.readers import HF_DIR, input_kind
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
             raise MergeError(f"--{name.replace('_', '-')}: an option of an HF output, not of --to megatron")
-    if opts.hf_ref is None and (opts.base is None or input_kind(opts.base) != HF_DIR):
-        raise MergeError("--hf-ref: required unless --base is an HF model dir (its config.json describes the model)")
 
     def given(value, default):  # a value typed, even 0, reaches the API's checks
         return default if value is None else value
@@ -481,7 +478,7 @@ def _run(command: str, opts, console: Console) -> int:
                          f"start vLLM with --max-lora-rank {s.r} or more")
         return 0
     if command == "inspect":
-        from lora_merge.describe import describe_dir
+        from lora_merge.readers.describe import describe_dir
         for line in describe_dir(opts.checkpoint, verbose=console.verbose):
             console.result(line)
         return 0

@@ -196,9 +196,9 @@ def build_peft_plan(base: HfModel, adapter: PeftAdapter, shape: ModelShape, arch
 
 def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
                settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
-    if isinstance(lora, PeftAdapter):
+    if lora is not None and lora.hf_named:  # a PEFT adapter
         return build_peft_plan(base, lora, shape, arch, settings, dtype)
-    if isinstance(base, HfModel):  # with a Megatron LoRA, or none
+    if base.hf_named:  # an HF base with a Megatron LoRA, or none
         return build_hf_base_plan(base, lora, shape, arch, settings, dtype)
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
     plan.skipped.update(base.skipped)
@@ -355,7 +355,7 @@ def plan_fp8_output(plan: MergePlan, base, reference_config: dict | None = None)
     modules_to_not_convert (and ignored_layers, where it had one) naming every module of the output whose 2-D
     weight is not FP8, and lm_head, so that every loader makes FP8 exactly the modules that are. A note
     (plan.notes) names the FP8 weights transformers' CPU loader would refuse or misread (partial blocks)."""
-    fp8 = getattr(base, "fp8", None)
+    fp8 = base.fp8
     config = dict(fp8.config) if fp8 is not None else dict(reference_config or DEFAULT_CONFIG)
     block = tuple(config["weight_block_size"])
     weights = [(t.name, tuple(t.shape)) for t in plan.tensors if len(t.shape) == 2 and t.name.endswith(".weight")]

@@ -127,7 +127,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
     expected_names = set()
     weights = {}  # every 2-D weight of the output: its shape, and whether it is block-FP8
     want_dtype = SAFETENSORS_DTYPES[dtype]
-    peft = isinstance(lora, PeftAdapter)  # factors by HF name, each with its own scale; trained biases
+    peft = lora is not None and lora.hf_named  # factors by HF name, each with its own scale; trained biases
     for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c)):
         if isinstance(rule, Skip):
             continue

@@ -45,12 +45,13 @@ def cases(fixture: Path, work: Path):
     """(name, run writing `out`) of every output made from `fixture`."""
     base, lora, ref = fixture / "base", fixture / "lora", fixture / "hf_ref"
     name = fixture.name
+    layers = json.loads((ref / "config.json").read_text())["num_hidden_layers"]
+    split = {} if layers % 2 == 0 else {"decoder_first_pipeline_num_layers": layers // 2}  # PP 2 either way
     for workers in (1, 2):
         yield f"{name}/hf/w{workers}", lambda out, w=workers: lora_merge.merge(
             base=base, lora=lora, hf_ref=ref, out=out, workers=w, warn=quiet)
         yield f"{name}/megatron/w{workers}", lambda out, w=workers: lora_merge.to_megatron(
-            base=base, lora=lora, hf_ref=ref, out=out, tp=2, pp=2 if "deepseek_v2" not in name else 1, workers=w,
-            warn=quiet)
+            base=base, lora=lora, hf_ref=ref, out=out, tp=2, pp=2, workers=w, warn=quiet, **split)
     yield f"{name}/megatron-dist", lambda out: lora_merge.to_megatron(
         base=base, lora=lora, hf_ref=ref, out=out, ckpt_format="torch_dist", warn=quiet)
     yield f"{name}/adapter", lambda out: lora_merge.export_adapter(lora=lora, hf_ref=ref, out=out, warn=quiet)

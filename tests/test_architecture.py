@@ -4,6 +4,8 @@ a module that imports it back, however long the way round; and the kind of an in
 import ast
 from pathlib import Path
 
+import torch
+
 PACKAGE = Path(__file__).parent.parent / "lora_merge"
 
 
@@ -88,3 +90,56 @@ def test_no_import_cycles():
     """Not even through a function-level import or the package face (`lora_merge/__init__` imports the API on
     first use: nothing below may import the face; the version has a module of its own)."""
     assert cycles(import_graph()) == []
+
+
+def calls_outside_readers(name: str) -> set[str]:
+    """The modules outside readers/ that call `name(...)`."""
+    found = set()
+    for module, path in modules().items():
+        if module.startswith("lora_merge.readers"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
+                found.add(module)
+    return found
+
+
+def test_the_kind_of_an_input_is_asked_in_one_place():
+    """readers/detect.py decides what a path is; outside readers/ only runs/inputs.py asks it, and nothing asks
+    which class an opened input is (it answers the Source questions instead)."""
+    assert calls_outside_readers("input_kind") == {"lora_merge.runs.inputs"}
+    input_classes = {"HfModel", "PeftAdapter", "Checkpoint"}
+    asking = set()
+    for module, path in modules().items():
+        if module.startswith("lora_merge.readers"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if named & input_classes:
+                    asking.add(module)
+    assert asking == set()
+
+
+def test_every_reader_answers_the_source_questions(tmp_path):
+    import lora_merge
+    from lora_merge.readers.detect import open_checkpoint
+    from lora_merge.readers.hf_model import read_hf_model
+    from lora_merge.readers.peft import read_peft_adapter
+    from lora_merge.readers.source import Source
+
+    root = Path(__file__).parent / "fixtures/qwen3_tp2_fp32"
+    lora_merge.merge(base=root / "base", hf_ref=root / "hf_ref", out=tmp_path / "hf", warn=lambda m: None)
+    lora_merge.export_adapter(lora=root / "lora", hf_ref=root / "hf_ref", out=tmp_path / "adapter",
+                              warn=lambda m: None)
+    megatron, hf, peft = (open_checkpoint(root / "base"), read_hf_model(tmp_path / "hf"),
+                          read_peft_adapter(tmp_path / "adapter"))
+    for source in (megatron, hf, peft):
+        assert isinstance(source, Source), type(source)
+        for question in ("path", "format", "sources", "skipped", "hf_named", "megatron_args", "weights_dtype",
+                         "experts", "fp8"):
+            getattr(source, question)
+        assert source.has("decoder.layers.0.self_attention.linear_qkv.weight") is (source is megatron)
+    assert (megatron.hf_named, hf.hf_named, peft.hf_named) == (False, True, True)
+    assert megatron.megatron_args is megatron.args and hf.megatron_args is None and peft.megatron_args is None
+    assert (megatron.weights_dtype, hf.weights_dtype, peft.weights_dtype) == (torch.float32, torch.float32, None)

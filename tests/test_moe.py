@@ -196,7 +196,7 @@ def test_per_expert_qwen2_moe_adapter_warns_that_peft_drops_it(tmp_path, capsys)
 def test_every_parameter_says_how_it_was_split():
     """Both formats describe a parameter's pieces alike: the group that split them and, for torch_dist's
     global slices, the dimension; LoRA factors too."""
-    from lora_merge.readers import open_checkpoint as read_checkpoint
+    from lora_merge.readers.detect import open_checkpoint as read_checkpoint
     from lora_merge.readers.checkpoint import EXPERT_TP, GLOBAL, TP
 
     legacy = read_checkpoint(MOE / "qwen2moe_tp2ep2" / "base")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lora_merge.errors import MergeError
-from lora_merge.readers import open_checkpoint
+from lora_merge.readers.detect import open_checkpoint
 from lora_merge.readers.torch_dist import read_metadata
 
 

@@ -175,6 +175,25 @@ class Checkpoint:
             return EXPERT_TP, self.experts.etp
         return TP, self.tp
 
+    # the Source interface (readers/source.py)
+    hf_named = False
+    fp8 = None
+
+    @property
+    def megatron_args(self) -> argparse.Namespace | None:
+        return self.args
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """The training dtype its args record (float32 where they say neither bf16 nor fp16)."""
+        if self.args is None:
+            return None
+        if getattr(self.args, "bf16", False):
+            return torch.bfloat16
+        if getattr(self.args, "fp16", False):
+            return torch.float16
+        return torch.float32
+
     def has(self, name: str) -> bool:
         """Whether the checkpoint holds parameter `name`, as a base weight or as the module its LoRA adapts."""
         return name in self.params or name.removesuffix(".weight") in self.lora

@@ -51,6 +51,15 @@ class HfModel:
                 weight[ref.dtype] = weight.get(ref.dtype, 0) + ref.nbytes
         return max(weight, key=weight.get) if weight else torch.bfloat16
 
+    # the Source interface (readers/source.py)
+    hf_named = True
+    megatron_args = None
+    experts = None
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        return self.dtype
+
     def has(self, megatron_name: str) -> bool:
         """Whether it holds a parameter by that Megatron name (which of two namings a checkpoint uses): never,
         its tensors are named as HF names them."""

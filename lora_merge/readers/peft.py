@@ -64,6 +64,14 @@ class PeftAdapter:
     sources: list = field(default_factory=list)
     format: str = "PEFT"
 
+    # the Source interface (readers/source.py)
+    hf_named = True
+    megatron_args = None
+    weights_dtype = None
+    experts = None
+    fp8 = None
+    skipped: dict = field(default_factory=dict)
+
     def has(self, megatron_name: str) -> bool:
         """Whether it holds a parameter by that Megatron name (which of two namings a checkpoint uses): never,
         its tensors are named as HF names them."""

@@ -8,17 +8,16 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.errors import MergeError
 from lora_merge.merge_plan import build_plan
 from lora_merge.model_shape import DTYPES
 from lora_merge.peft_adapter import adapter_config, build_adapter, write_adapter
-from lora_merge.readers import PEFT_DIR, input_kind
+from lora_merge.readers.detect import check_input_dir
 from lora_merge.report import hash_files, report_text
-from lora_merge.runs.inputs import LORA, check_input_dirs, given_paths, input_paths, open_inputs
+from lora_merge.runs.inputs import LORA, check_input_dirs, given_paths, input_paths, open_inputs, refuse_peft_lora
 from lora_merge.runs.options import ExportOptions
 from lora_merge.runs.to_hf import _base_model, _inside
 from lora_merge.writers.model_card import adapter_card, checked_base_model_id
-from lora_merge.writers.ownership import PEFT_ADAPTER, check_input_dir
+from lora_merge.writers.ownership import PEFT_ADAPTER
 from lora_merge.writers.staged_dir import StagedOutput, check_output_target, remove_abandoned_side_files
 from lora_merge.writers.targets import check_report_path
 
@@ -38,10 +37,8 @@ class ExportResult:
 
 def run_export(opts: ExportOptions) -> ExportResult:
     check_input_dir(opts.lora, LORA)
-    if input_kind(opts.lora) == PEFT_DIR:
-        raise MergeError(f"{opts.lora}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
-                         "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
-    checked_base_model_id(getattr(opts, "base_model_id", None))
+    refuse_peft_lora(opts.lora)
+    checked_base_model_id(opts.base_model_id)
     check_input_dirs(opts)
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True, kind=PEFT_ADAPTER)

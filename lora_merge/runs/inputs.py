@@ -9,17 +9,18 @@ from pathlib import Path
 import torch
 
 from lora_merge.architectures import Architecture, architecture_for
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UsageError
 from lora_merge.hf_config import check_same_model, read_hf_config
 from lora_merge.lora import LoraSettings, resolve_settings
 from lora_merge.megatron_args import check_against_args
 from lora_merge.merge_plan import check_lora_targets
 from lora_merge.model_shape import DTYPES, ModelShape
-from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind, open_checkpoint
-from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.readers.hf_model import HfModel, read_hf_model
+from lora_merge.options import argument_name
+from lora_merge.readers.detect import (HF_DIR, PEFT_DIR, check_input_dir, input_kind, is_megatron_checkpoint,
+                                      open_checkpoint)
+from lora_merge.readers.hf_model import read_hf_model
 from lora_merge.readers.peft import read_peft_adapter
-from lora_merge.writers.ownership import check_input_dir
+from lora_merge.readers.source import Source
 from lora_merge.writers.targets import InputPaths
 
 # What each path argument names, for the message when it is missing or not a path.
@@ -47,8 +48,8 @@ class Inputs:
     shape: ModelShape
     hf_config: dict
     arch: Architecture
-    base: Checkpoint | None
-    lora: Checkpoint | None
+    base: Source | None
+    lora: Source | None
     settings: LoraSettings | None
 
 
@@ -114,15 +115,16 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
     return Inputs(shape, hf_config, arch, read_hf_model(base_dir), adapter, settings)
 
 
-def output_dtype(choice: str, shape: ModelShape, args) -> torch.dtype:
+def output_dtype(choice: str, shape: ModelShape, base: Source | None, lora: Source | None) -> torch.dtype:
+    """The dtype asked for; for "auto" the reference config's, else the base's weights' (an HF base's as stored,
+    a Megatron run's training dtype), else the LoRA checkpoint's run's, else float32."""
     if choice != "auto":
         return DTYPES[choice]
     if shape.dtype is not None:
         return shape.dtype
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
+    for source in (base, lora):
+        if source is not None and source.weights_dtype is not None:
+            return source.weights_dtype
     return torch.float32
 
 
@@ -155,7 +157,7 @@ def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | No
 def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
     """The HF weights a merged output is checked against: those the LoRA went onto when the base is HF (an
     HF --base, or --hf-ref's own for a PEFT adapter given without --base), else the reference's, if any."""
-    if isinstance(inp.base, HfModel):
+    if inp.base is not None and inp.base.hf_named:
         return inp.base.path
     return hf_ref if has_weights(hf_ref) else None
 
@@ -163,3 +165,38 @@ def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
 def check_input_dirs(opts) -> None:
     for path, what in ((opts.base, BASE), (opts.lora, LORA), (opts.hf_ref, HF_REF)):
         check_input_dir(path, what)
+
+
+def reference_dir(base: Path | None, hf_ref: Path | None) -> Path:
+    """The HF dir whose config.json describes the model: --hf-ref, else an HF --base (for --to megatron)."""
+    if hf_ref is None and base is not None and input_kind(base) == HF_DIR:
+        return base
+    if hf_ref is None:
+        raise UsageError(f"{argument_name('hf_ref')}: required unless {argument_name('base')} is an HF model dir (its "
+                         "config.json describes the model)")
+    return hf_ref
+
+
+def refuse_peft_lora(lora_dir: Path) -> None:
+    """export-adapter writes PEFT adapters; one given as its input is already one."""
+    if input_kind(lora_dir) == PEFT_DIR:
+        raise MergeError(f"{lora_dir}: a PEFT adapter (adapter_config.json), already what export-adapter writes; "
+                         "expected a Megatron LoRA checkpoint dir (PEFT and vLLM load this adapter as it is)")
+
+
+def check_merged_dir(out: Path) -> None:
+    """What verify reads is a merged HF model dir; a Megatron checkpoint is said to be one."""
+    if not (out / "config.json").is_file():
+        if is_megatron_checkpoint(out):
+            raise MergeError(f"{out}: a Megatron checkpoint; verify checks HF outputs only (verifying a Megatron "
+                             "output is not supported: convert it to HF with `lora-merge --base OUT --hf-ref HF_DIR "
+                             "--out HF_OUT` and verify that)")
+        raise MergeError(f"{out}: no config.json; not a merged model directory")
+
+
+def verified_base_dir(base: Path | None, lora: Path | None, hf_ref: Path | None) -> Path | None:
+    """The base an output was merged onto, as the merge took it: a PEFT adapter given without --base went onto
+    --hf-ref's weights."""
+    if base is None and lora is not None and input_kind(lora) == PEFT_DIR and has_weights(hf_ref):
+        return hf_ref
+    return base

@@ -14,7 +14,6 @@ from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings
 from lora_merge.merge_pipeline import execute
 from lora_merge.merge_plan import MergePlan, build_plan, plan_fp8_output
-from lora_merge.readers.hf_model import HfModel
 from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (Inputs, Progress, baseline_dir, check_input_dirs, given_paths, input_paths,
                                     open_inputs, output_dtype)
@@ -82,8 +81,8 @@ def _base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | N
     give when only local paths are known: once the output is complete (it is about the published card, and
     would only clutter a failure) but before it is published, as every warning is, so that a `warn` that
     raises (or `warnings.simplefilter("error")`) stops the run with nothing published."""
-    explicit = checked_base_model_id(getattr(opts, "base_model_id", None))
-    hf_base = inp.base.path if isinstance(inp.base, HfModel) else None
+    explicit = checked_base_model_id(opts.base_model_id)
+    hf_base = inp.base.path if inp.base is not None and inp.base.hf_named else None
     return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
 
 
@@ -101,7 +100,7 @@ def _reference_files(opts, reference: Path) -> ReferenceFiles:
 
 def run_merge(opts: MergeOptions) -> MergeResult:
     started = time.monotonic()
-    checked_base_model_id(getattr(opts, "base_model_id", None))  # a usage error, before any work
+    checked_base_model_id(opts.base_model_id)  # a usage error, before any work
     check_input_dirs(opts)
     roots = given_paths(opts.base, opts.lora, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
@@ -112,10 +111,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
     fp8 = opts.dtype == FP8
-    dtype = torch.bfloat16 if fp8 else output_dtype(opts.dtype, inp.shape, getattr(inp.base, "args", None)
-                                                    or getattr(inp.lora, "args", None))
-    if opts.dtype == "auto" and inp.shape.dtype is None and isinstance(inp.base, HfModel):
-        dtype = inp.base.dtype  # the HF weights' own
+    dtype = torch.bfloat16 if fp8 else output_dtype(opts.dtype, inp.shape, inp.base, inp.lora)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     # what the rest keep: bf16, as the releases (an FP8 reference's config is read when it was checked)
     quantization = plan_fp8_output(plan, inp.base, inp.hf_config.get("quantization_config")) if fp8 else None
@@ -157,7 +153,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         try:
             try:
                 execute(plan, background.write, progress.update if progress is not None else None,
-                        workers=getattr(opts, "workers", None))
+                        workers=opts.workers)
             finally:
                 background.close()
             files = writer.finish()
@@ -168,7 +164,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         if opts.verify:
             reference = baseline_dir(inp, opts.hf_ref)
             verify_report = verify_output(staging, inp.arch, inp.shape, dtype, inp.lora, inp.settings,
-                                          reference=reference, base=None if isinstance(inp.base, HfModel) else inp.base)
+                                          reference=reference, base=None if inp.base.hf_named else inp.base)
             verify_report.problems += check_output_files(staging, ref_files, card=False)  # no card yet
             if not verify_report.ok:
                 raise VerificationFailed(opts.out, verify_report, published=False)

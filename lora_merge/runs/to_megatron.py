@@ -13,7 +13,6 @@ from lora_merge.errors import MergeError
 from lora_merge.layout import AsStored
 from lora_merge.merge_pipeline import execute
 from lora_merge.merge_plan import build_plan
-from lora_merge.readers.hf_model import HfModel
 from lora_merge.runs.inputs import (Progress, check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
@@ -69,11 +68,8 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     padded, vocab_divisor = target.check_model(shape)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT)
-    megatron_source = getattr(inp.base, "args", None) if not isinstance(inp.base, HfModel) else None
-    source_args = megatron_source or getattr(inp.lora, "args", None)
-    dtype = output_dtype(opts.dtype, shape, source_args)
-    if opts.dtype == "auto" and shape.dtype is None and isinstance(inp.base, HfModel):
-        dtype = inp.base.dtype
+    source_args = inp.base.megatron_args or (inp.lora.megatron_args if inp.lora is not None else None)
+    dtype = output_dtype(opts.dtype, shape, inp.base, inp.lora)
     plan = build_plan(inp.base, inp.lora, shape, inp.arch, inp.settings, dtype)
     for note in plan.notes:
         if "num_nextn_predict_layers" not in note:

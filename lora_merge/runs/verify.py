@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from lora_merge.errors import MergeError
-from lora_merge.readers import PEFT_DIR, input_kind, is_megatron_checkpoint
-from lora_merge.readers.hf_model import HfModel
+from lora_merge.readers.detect import check_input_dir
 from lora_merge.report import hash_files, report_text, write_report
-from lora_merge.runs.inputs import baseline_dir, check_input_dirs, given_paths, has_weights, input_paths, open_inputs
+from lora_merge.runs.inputs import (baseline_dir, check_input_dirs, check_merged_dir, given_paths, input_paths, open_inputs,
+                                    verified_base_dir)
 from lora_merge.runs.options import VerifyOptions
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import reference_files
-from lora_merge.writers.ownership import check_input_dir
 from lora_merge.writers.staged_dir import remove_abandoned_side_files
 from lora_merge.writers.targets import check_report_path
 
@@ -23,20 +21,13 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
     check_input_dirs(opts)
     roots = given_paths(out, opts.base, opts.lora, opts.hf_ref)
     check_report_path(opts.report, opts.force, roots, early=True)
-    if not (out / "config.json").is_file():
-        if is_megatron_checkpoint(out):
-            raise MergeError(f"{out}: a Megatron checkpoint; verify checks HF outputs only (verifying a Megatron "
-                             "output is not supported: convert it to HF with `lora-merge --base OUT --hf-ref HF_DIR "
-                             "--out HF_OUT` and verify that)")
-        raise MergeError(f"{out}: no config.json; not a merged model directory")
-    base_dir = opts.base
-    if base_dir is None and opts.lora is not None and input_kind(opts.lora) == PEFT_DIR and has_weights(opts.hf_ref):
-        base_dir = opts.hf_ref  # as the merge took it: a PEFT adapter without --base went onto --hf-ref's weights
+    check_merged_dir(out)
+    base_dir = verified_base_dir(opts.base, opts.lora, opts.hf_ref)
     inp = open_inputs(out, base_dir, opts.lora, opts, need_base=False)
     inputs = input_paths(inp, [out, opts.hf_ref], opts.base, opts.lora)
     check_report_path(opts.report, opts.force, inputs)
     dtype = inp.shape.dtype or torch.float32
-    hf_base = isinstance(inp.base, HfModel)
+    hf_base = inp.base is not None and inp.base.hf_named
     # A PEFT adapter with neither --base nor weights in --hf-ref is opened onto the output itself: no baseline.
     reference = None if hf_base and inp.base.path == out else baseline_dir(inp, opts.hf_ref)
     report = verify_output(out, inp.arch, inp.shape, dtype, inp.lora, inp.settings, reference=reference,

@@ -132,7 +132,7 @@ def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str,
         lines += [f"| LoRA | {_cell(shown_input(lora))} |",
                   f"| LoRA settings | r={settings.r}, alpha={settings.alpha:g}, scale {settings.scale:g} "
                   f"({_cell(settings.source)}) on {modules} modules |"]
-    experts = getattr(base, "experts", None) or getattr(lora, "experts", None)
+    experts = next((source.experts for source in (base, lora) if source is not None and source.experts), None)
     if experts is not None:
         lines.append(f"| experts | {_cell(str(experts))} |")
     lines += [f"| output dtype | {dtype} |", ""] + _files_table(hashes, later)

@@ -13,6 +13,8 @@ import re
 import stat
 from pathlib import Path
 
+from lora_merge.readers.detect import what_is
+
 # The first key of every report (written first by json.dumps: dicts keep their order). Reports written before
 # the marker existed start with "tool": "lora-merge VERSION" followed by "inputs": recognised too.
 REPORT_MARKER = "lora_merge_report"
@@ -27,28 +29,6 @@ MERGED_MODEL = "merged model"
 PEFT_ADAPTER = "PEFT adapter"
 # The card tags that say which kind of output a lora-merge card belongs to (writers/model_card.py).
 _KIND_TAG = {MERGED_MODEL: "merged-lora", PEFT_ADAPTER: "lora"}
-
-
-def what_is(path: Path, follow: bool = False) -> str:
-    """What is at `path`, as words for a message ("a FIFO", "a symlink to /x", "a character device");
-    `follow`: what a symlink leads to."""
-    try:
-        mode = os.stat(path).st_mode if follow else os.lstat(path).st_mode
-    except FileNotFoundError:
-        return "nothing (it does not exist)"
-    except OSError as exc:
-        return f"something that cannot be examined ({exc.strerror})"
-    if stat.S_ISLNK(mode):
-        try:
-            return f"a symlink to {os.readlink(path)}"
-        except OSError:
-            return "a symlink"
-    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
-                        (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return words
-    return "a special file"
 
 
 def _read_ends(path: Path, nbytes: int) -> tuple[bytes, bytes] | None:
@@ -115,14 +95,3 @@ def card_kind(directory: Path) -> str | None:
     if _KIND_TAG[PEFT_ADAPTER] in tags and header.get("library_name") == "peft":
         return PEFT_ADAPTER
     return None
-
-
-def check_input_dir(path: Path | None, what: str) -> None:
-    """An input that must be a directory and exists as something else is named for what it is (`inspect
-    /dev/null` is a character device, not "no such checkpoint directory"). A missing one is left to the
-    reader, which says what it looked for."""
-    from lora_merge.errors import MergeError
-
-    if path is not None and os.path.exists(path) and not os.path.isdir(path):
-        via = f" (a symlink to {os.readlink(path)})" if os.path.islink(path) else ""
-        raise MergeError(f"{path}: is {what_is(path, follow=True)}{via}, not a directory; expected {what}")

@@ -38,11 +38,10 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def describe_dir(path: Path, verbose: bool = False) -> list[str]:
     """Whichever input `path` is: a PEFT adapter (adapter_config.json), an HF model dir (config.json +
     safetensors) or a Megatron checkpoint; each described by what its own files say."""
-    from lora_merge.readers import HF_DIR, PEFT_DIR, input_kind, open_checkpoint
+    from lora_merge.readers.detect import HF_DIR, PEFT_DIR, check_input_dir, input_kind, open_checkpoint
     from lora_merge.readers.hf_model import read_hf_model
     from lora_merge.readers.peft import read_peft_adapter
 
-    from lora_merge.writers.ownership import check_input_dir
 
     path = Path(path)
     if not path.exists():
