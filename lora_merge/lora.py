@@ -9,6 +9,7 @@ PEFT's tensor-parallel layout: column layers (qkv, fc1) replicate A and shard B 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -108,6 +109,38 @@ def merge_block_rows(cols: int) -> int:
     rows = max(1, MERGE_BLOCK_BYTES // (4 * max(cols, 1)))
     # a power of two: pieces that must also start on FP8 block rows (128) then need no larger common multiple
     return 1 << (rows.bit_length() - 1)
+
+
+class Delta(Protocol):
+    """What the pipeline asks of a change to one HF weight (plain LoRA today; DoRA and others are further
+    implementations): its rows merged into the weight's, and the row unit pieces must be cut at so that the
+    result's bits do not depend on the piece size."""
+
+    def row_unit(self, cols: int) -> int: ...
+
+    def merge_rows(self, weight: torch.Tensor, start: int, stop: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        """Rows [start, stop) of the merged weight, in `dtype`; `weight`: those rows of the base weight."""
+
+
+@dataclass(frozen=True)
+class LowRankDelta:
+    """ΔW = scale·B·A for one HF weight, B's rows in the weight's HF order (rsLoRA and per-module patterns
+    only change `scale`): W + ΔW in float32, rounded once."""
+
+    b: torch.Tensor  # [rows, r]
+    a: torch.Tensor  # [r, cols]
+    scale: float
+
+    def row_unit(self, cols: int) -> int:
+        return merge_block_rows(cols)
+
+    def merge_rows(self, weight: torch.Tensor, start: int, stop: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        return merge_weight(weight, self.b[start:stop], self.a, self.scale, dtype, name)
+
+
+def megatron_deltas(rule: Rule, lora: LoraModule, shape: ModelShape, module: str, scale: float) -> dict[str, Delta]:
+    """The deltas of a Megatron LoRA module, by the HF tensor each changes."""
+    return {name: LowRankDelta(b, a, scale) for name, (b, a) in hf_factors(rule, lora, shape, module).items()}
 
 
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,

@@ -29,7 +29,7 @@ from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
 from lora_merge.layout import QuantizedRowBlock
-from lora_merge.lora import hf_factors, merge_block_rows, merge_weight
+from lora_merge.lora import LowRankDelta, megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS
 from lora_merge.readers.checkpoint import release_pages
@@ -250,10 +250,9 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
     where = f"{task.megatron} ({task.pieces[0].where})"
     blocks = task.rule.hf_blocks([ref.load() for ref in task.pieces], shape, where, task.pieces.is_global)
     if task.lora is not None:
-        factors = {name: (b, a, plan.settings.scale)
-                   for name, (b, a) in hf_factors(task.rule, task.lora, shape, task.lora_module).items()}
-    else:
-        factors = {name: (f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
+        deltas = megatron_deltas(task.rule, task.lora, shape, task.lora_module, plan.settings.scale)
+    else:  # a PEFT adapter's factors, already by HF name, each with its own scale
+        deltas = {name: LowRankDelta(f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
     scales = {planned.name + SCALE_SUFFIX for planned in task.outputs if planned.name in plan.quantized}
     for planned in task.outputs:
         if planned.name in scales:
@@ -261,12 +260,12 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
         name = planned.name[len(task.hf_prefix):]
         block = plan.quantized.get(planned.name)
         if block is None:
-            for job in _piece_jobs(blocks[name], factors.get(name), planned, task.pieces.mapped, chunk):
+            for job in _piece_jobs(blocks[name], deltas.get(name), planned, task.pieces.mapped, chunk):
                 yield planned.name, job
             continue
         source = blocks[name][0] if len(blocks[name]) == 1 else None
         stored = (isinstance(source, QuantizedRowBlock) and source.weight.block == block
-                  and factors.get(name) is None)  # q and its scales as the base has them
+                  and deltas.get(name) is None)  # q and its scales as the base has them
         compute = replace(planned, dtype=torch.float8_e4m3fn if stored else torch.float32)
         starts, row = [], 0
         for b in blocks[name]:
@@ -275,12 +274,12 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
         on_workers = not stored and all(start % block[0] == 0 for start in starts)
         if on_workers:  # every piece starts on a block row: quantized where it is computed
             quantizers[planned.name] = []
-            for job in _piece_jobs(blocks[name], factors.get(name), compute, task.pieces.mapped, chunk, block[0]):
+            for job in _piece_jobs(blocks[name], deltas.get(name), compute, task.pieces.mapped, chunk, block[0]):
                 yield planned.name, partial(_quantized, job, block)
         else:
             if not stored:  # rows from sources not aligned to blocks: quantized in order as they come
                 quantizers[planned.name] = BlockQuantizer(tuple(planned.shape), block)
-            for job in _piece_jobs(blocks[name], factors.get(name), compute, task.pieces.mapped, chunk):
+            for job in _piece_jobs(blocks[name], deltas.get(name), compute, task.pieces.mapped, chunk):
                 yield planned.name, job
         if stored:
             yield None, partial(write, planned.name + SCALE_SUFFIX, source.weight.scale_inv, None)
@@ -314,43 +313,43 @@ def _release_all(views) -> None:
         release_pages(view)
 
 
-def _piece_jobs(blocks, factors, planned: PlannedTensor, mapped: bool, chunk: int, align: int = 1):
-    """Jobs computing the (rows, then) pieces of one HF tensor in output dtype, merged with its LoRA
-    factors if it has them; the checkpoint pages a piece came from are released once it is written.
-    `align`: pieces start at multiples of this many rows (FP8 blocks)."""
+def _piece_jobs(blocks, delta, planned: PlannedTensor, mapped: bool, chunk: int, align: int = 1):
+    """Jobs computing the (rows, then) pieces of one HF tensor in output dtype, merged with its delta if it
+    has one; the checkpoint pages a piece came from are released once it is written. `align`: pieces start
+    at multiples of this many rows (FP8 blocks)."""
     offset = 0
     for block in blocks:
         step = max(1, chunk // (4 * block.row_numel))
         unit = align
-        if factors is not None:  # whole addmm_ blocks, so that the bits do not depend on the piece size
-            unit = math.lcm(unit, merge_block_rows(block.row_numel))
+        if delta is not None:  # whole merge blocks, so that the bits do not depend on the piece size
+            unit = math.lcm(unit, delta.row_unit(block.row_numel))
         step = max(unit, step // unit * unit)
         for start in range(0, block.rows, step):
             stop = min(start + step, block.rows)
-            yield partial(_piece, block, start, stop, offset, factors, planned, mapped)
+            yield partial(_piece, block, start, stop, offset, delta, planned, mapped)
         offset += block.rows
 
 
-def _piece(block, start: int, stop: int, offset: int, factors, planned: PlannedTensor, mapped: bool):
+def _piece(block, start: int, stop: int, offset: int, delta, planned: PlannedTensor, mapped: bool):
     started = time.thread_time()
     try:
-        return _compute_piece(block, start, stop, offset, factors, planned, mapped)
+        return _compute_piece(block, start, stop, offset, delta, planned, mapped)
     finally:
         charge("merge", time.thread_time() - started)
 
 
-def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: PlannedTensor, mapped: bool):
+def _compute_piece(block, start: int, stop: int, offset: int, delta, planned: PlannedTensor, mapped: bool):
     name, dtype = planned.name, planned.dtype
     sources = [part[start:stop] for part in block.parts]
     damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
                "the checkpoint is damaged or training diverged")
-    if isinstance(block, QuantizedRowBlock) and factors is None and dtype == torch.float8_e4m3fn:
+    if isinstance(block, QuantizedRowBlock) and delta is None and dtype == torch.float8_e4m3fn:
         # an FP8 output keeps an untouched weight as stored: checked dequantized, written as it is
         check_finite(block.take(start, stop), name, damaged)
         return sources[0], (partial(_release_all, sources) if mapped else None)
     if isinstance(block, QuantizedRowBlock):  # block-FP8: checked once dequantized (the fp8 bytes are not floats torch checks)
         sources = [block.take(start, stop)]
-        if factors is None:
+        if delta is None:
             check_finite(sources[0], name, damaged)
             piece = sources[0].to(dtype)
             check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 "
@@ -358,7 +357,7 @@ def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: 
             if mapped:
                 _release_all([part[start:stop] for part in block.parts])
             return piece, None
-    if factors is None:
+    if delta is None:
         for source in sources:
             check_finite(source, name, damaged)
         if len(sources) == 1 and sources[0].dtype == dtype:
@@ -371,10 +370,9 @@ def _compute_piece(block, start: int, stop: int, offset: int, factors, planned: 
     else:
         # NaN/Inf in W carries into W + ΔW, so the merged rows are checked once; only if they fail is the
         # source checked, to say which of the two is at fault.
-        b, a, scale = factors
         try:
             weight = sources[0] if isinstance(block, QuantizedRowBlock) else block.take(start, stop)
-            piece = merge_weight(weight, b[offset + start: offset + stop], a, scale, dtype, name)
+            piece = delta.merge_rows(weight, offset + start, offset + stop, dtype, name)
         except MergeError:
             for source in sources:
                 check_finite(source, name, damaged)
