@@ -20,9 +20,9 @@ from lora_merge.layout import AsStored, Rule, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
-from lora_merge.readers.hf_model import Fp8Ref, HfModel
+from lora_merge.readers.hf_model import Fp8Ref
 from lora_merge.value_checks import shown_value
-from lora_merge.readers.peft import PeftAdapter
+from lora_merge.readers.source import Source
 from lora_merge.writers.safetensors_stream import PlannedTensor
 from lora_merge.shown import shown
 
@@ -87,50 +87,143 @@ class HfTensors:
         return {name: single(t) for name, t in zip(self.rule.hf_shapes(shape), tensors)}
 
 
-def build_hf_base_plan(base: HfModel, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
-                       settings: LoraSettings, dtype: torch.dtype) -> MergePlan:
-    """The plan for a Megatron LoRA onto an HF base: every HF tensor of the table from the base, merged
-    with its module's factors where it has them (or as they are, with no LoRA: a conversion)."""
+def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Architecture,
+               settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
+    """The one plan builder, for every pair of inputs: each parameter of the architecture's table, its weights
+    from the base (a Megatron checkpoint's shards, un-sharded by the rule; an HF model's tensors as they are),
+    merged with the LoRA's change to it (a Megatron LoRA module, brought to HF layout by the rule; a PEFT
+    adapter's factors by HF name, each with its own scale, and its trained biases). Every tensor of either
+    input is planned, counted as skipped on purpose, or an error."""
     plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
-    plan.skipped.update(base.skipped)
-    if lora is not None:
-        plan.skipped.update(lora.skipped)
-        plan.replicas = list(lora.replicas)
-        if lora.params:
-            plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
-    unclaimed, adapters = set(base.tensors), dict(lora.lora) if lora is not None else {}
-    for rule, names, hf_prefix in iter_rules(arch, shape, lora.has if lora is not None else None):
+    _account_for_inputs(plan, base, lora, arch, shape)
+    megatron_lora = lora if lora is not None and not lora.hf_named else None
+    peft = lora if lora is not None and lora.hf_named else None
+    unclaimed = set(base.tensors if base.hf_named else base.params)
+    adapters = dict(megatron_lora.lora) if megatron_lora is not None else {}
+    factors, biases = (dict(peft.factors), dict(peft.biases)) if peft is not None else ({}, {})
+    # which of two Megatron namings (MindSpeed's fused MLA projections) the parameters have: the base's, or
+    # on an HF base the Megatron LoRA's
+    namer = megatron_lora if base.hf_named else base
+    for rule, names, hf_prefix in iter_rules(arch, shape, namer.has if namer is not None else None):
         if isinstance(rule, Skip):
+            if not base.hf_named:
+                _skip(plan, base, rule, names, unclaimed)
             continue
-        refs = []
-        for name, dims in rule.hf_shapes(shape).items():
-            ref = base.tensors.get(hf_prefix + name)
-            if ref is None:
-                raise MergeError(f"{base.path}: missing {hf_prefix + name}, which a {shape.model_type} model with this "
-                                 "config has")
-            if tuple(ref.shape) != tuple(dims):
-                raise MergeError(f"{ref.where}: shape {list(ref.shape)}, the config implies {list(dims)}")
-            unclaimed.discard(hf_prefix + name)
-            refs.append(ref)
-        task = Task(rule=HfTensors(rule), megatron=names[0], hf_prefix=hf_prefix, pieces=Pieces(tuple(refs), HF),
+        if base.hf_named:
+            megatron, task_rule = names[0], HfTensors(rule)
+            pieces = _hf_pieces(base, rule, hf_prefix, shape, unclaimed, biases)
+        else:
+            megatron, task_rule = pick_name(names, base.params, base.path), rule
+            if megatron is None:
+                raise MergeError(f"{base.path}: missing {names[0]}, which a {shape.model_type} model with this "
+                                 "config needs")
+            unclaimed.discard(megatron)
+            pieces = fitted_pieces(base, megatron, rule)
+            check_shards(pieces.shapes, rule.parallel, rule.global_shape(shape, pieces.shapes),
+                         f"{megatron} ({pieces[0].where})")
+        task = Task(rule=task_rule, megatron=megatron, hf_prefix=hf_prefix, pieces=pieces,
                     outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
                              for name, dims in rule.hf_shapes(shape).items()])
-        theirs = pick_name(names, lora.params, lora.path) if lora is not None else None
-        if theirs is not None:  # an unfiltered LoRA checkpoint: its own base must be this one
-            check_same_base(rule, theirs, task.pieces, fitted_pieces(lora, theirs, rule), shape, base, lora)
-        if names[0].endswith(".weight") and task.lora_module in adapters:
+        if megatron_lora is not None and megatron_lora is not base and megatron_lora.params:
+            _check_own_base(plan, rule, names, task, shape, base, megatron_lora)
+        if megatron.endswith(".weight") and task.lora_module in adapters:
             task.lora = adapters.pop(task.lora_module)
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
+        if peft is not None:
+            task.delta = _peft_delta(rule, hf_prefix, shape, factors) or None
         plan.tasks.append(task)
-    unclaimed -= keep_mtp_layers(plan, base, unclaimed)
+    unclaimed -= keep_mtp_layers(plan, base if base.hf_named else None, unclaimed)
     if unclaimed:
-        raise MergeError(f"{base.path}: tensors this {shape.model_type} layout does not know: {_preview(unclaimed)}")
+        raise MergeError(f"{base.path}: {'tensors' if base.hf_named else 'parameters'} this {shape.model_type} layout "
+                         f"does not know: {_preview(unclaimed)}")
     if adapters:
         raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
+    if factors or biases:
+        raise MergeError(f"{lora.path}: adapts tensors this {shape.model_type} model does not have: "
+                         f"{_preview(list(factors) + list(biases))}")
     return plan
 
 
-def keep_mtp_layers(plan: MergePlan, base: HfModel | None, names) -> set[str]:
+def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch: Architecture,
+                        shape: ModelShape) -> None:
+    """What the inputs skipped on their own, the copies to compare while merging, and a Megatron LoRA
+    checkpoint's own base weights (counted as skipped: --base is used; any that are no base weight of this
+    model are an error)."""
+    plan.skipped.update(base.skipped)
+    plan.replicas = list(base.replicas)
+    if lora is None or lora is base:
+        return
+    plan.skipped.update(lora.skipped)
+    if lora.hf_named:
+        return
+    plan.replicas += lora.replicas
+    if lora.params:
+        known = {name for _, names, _ in iter_rules(arch, shape, lora.has) for name in names}
+        strays = set(lora.params) - known
+        if strays:
+            raise MergeError(f"{lora.path}: holds tensors that are neither LoRA weights nor base weights of this "
+                             f"{shape.model_type} model: {_preview(strays)}")
+        plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
+    if not base.hf_named and base.lora:
+        plan.skipped["LoRA modules in the --base checkpoint (--lora is used instead)"] += len(base.lora)
+
+
+def _skip(plan: MergePlan, base: Source, rule: Skip, names, unclaimed: set) -> None:
+    """A Megatron parameter deliberately not written (a tied copy, checked to be one; rotary buffers)."""
+    megatron = pick_name(names, base.params, base.path)
+    if megatron is not None:
+        if rule.same_as:
+            check_copy(base.params[megatron], base.params.get(rule.same_as), megatron, rule.same_as)
+        unclaimed.discard(megatron)
+        plan.skipped[rule.reason] += 1
+
+
+def _hf_pieces(base: Source, rule: Rule, hf_prefix: str, shape: ModelShape, unclaimed: set, biases: dict) -> Pieces:
+    """The rule's HF tensors from an HF base as they are (a PEFT adapter's trained bias in place of the base's)."""
+    refs = []
+    for name, dims in rule.hf_shapes(shape).items():
+        full = hf_prefix + name
+        ref = biases.pop(full, None) or base.tensors.get(full)
+        if ref is None:
+            raise MergeError(f"{base.path}: missing {full}, which a {shape.model_type} model with this config has")
+        if tuple(ref.shape) != tuple(dims):
+            raise MergeError(f"{ref.where}: shape {list(ref.shape)}, the config implies {list(dims)}")
+        unclaimed.discard(full)
+        refs.append(ref)
+    return Pieces(tuple(refs), HF)
+
+
+def _peft_delta(rule: Rule, hf_prefix: str, shape: ModelShape, factors: dict) -> dict:
+    """A PEFT adapter's factors of the rule's HF tensors, by name within the rule."""
+    delta = {}
+    for name, dims in rule.hf_shapes(shape).items():
+        full = hf_prefix + name
+        if full in factors:
+            f = factors.pop(full)
+            if (f.b.shape[0], f.a.shape[1]) != tuple(dims):
+                raise MergeError(f"{f.a.where}: LoRA factors of {full} give [{f.b.shape[0]}, {f.a.shape[1]}], "
+                                 f"the weight is {list(dims)}")
+            delta[name] = f
+    return delta
+
+
+def _check_own_base(plan: MergePlan, rule: Rule, names, task: Task, shape: ModelShape, base: Source,
+                    lora: Source) -> None:
+    """An unfiltered Megatron LoRA checkpoint carries the base it was trained on: this base must be it. Split
+    alike, every byte is compared while merging (plan.replicas), else sampled rows here."""
+    theirs_name = pick_name(names, lora.params, lora.path)
+    if theirs_name is None:
+        return
+    theirs = fitted_pieces(lora, theirs_name, rule)
+    check_same_base(rule, theirs_name, task.pieces, theirs, shape, base, lora)
+    if not base.hf_named and theirs_name == task.megatron and \
+            [(r.shape, r.dtype) for r in task.pieces] == [(r.shape, r.dtype) for r in theirs]:
+        plan.replicas += [(mine, copy, f"{lora.path}: its own base weights differ from --base {base.path} "
+                           f"({task.megatron}); give the base it was trained on, or omit --base")
+                          for mine, copy in zip(task.pieces, theirs)]
+
+
+def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
     """DeepSeek's multi-token-prediction layers (HF layers num_hidden_layers…): a Megatron LoRA never
     trains them (checkpoints with MTP layers are refused), so an HF base's are written as they are. Where
     the source has none, the output config says so, so that no loader looks for weights it lacks."""
@@ -154,109 +247,6 @@ def keep_mtp_layers(plan: MergePlan, base: HfModel | None, names) -> set[str]:
                           f"num_nextn_predict_layers=0 instead of {shape.mtp_layers} (use an HF base that has them to "
                           "keep them)")
     return kept
-
-
-def build_peft_plan(base: HfModel, adapter: PeftAdapter, shape: ModelShape, arch: Architecture,
-                    settings: LoraSettings, dtype: torch.dtype) -> MergePlan:
-    """A PEFT adapter onto an HF base: both in HF names, each adapted tensor merged with its own scale, a
-    trained bias replacing the base's."""
-    plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
-    plan.skipped.update(base.skipped)
-    unclaimed, factors, biases = set(base.tensors), dict(adapter.factors), dict(adapter.biases)
-    for rule, names, hf_prefix in iter_rules(arch, shape):
-        if isinstance(rule, Skip):
-            continue
-        refs, delta = [], {}
-        for name, dims in rule.hf_shapes(shape).items():
-            full = hf_prefix + name
-            ref = biases.pop(full, None) or base.tensors.get(full)
-            if ref is None:
-                raise MergeError(f"{base.path}: missing {full}, which a {shape.model_type} model with this config has")
-            if tuple(ref.shape) != tuple(dims):
-                raise MergeError(f"{ref.where}: shape {list(ref.shape)}, the config implies {list(dims)}")
-            unclaimed.discard(full)
-            refs.append(ref)
-            if full in factors:
-                f = factors.pop(full)
-                if (f.b.shape[0], f.a.shape[1]) != tuple(dims):
-                    raise MergeError(f"{f.a.where}: LoRA factors of {full} give [{f.b.shape[0]}, {f.a.shape[1]}], "
-                                     f"the weight is {list(dims)}")
-                delta[name] = f
-        plan.tasks.append(Task(rule=HfTensors(rule), megatron=names[0], hf_prefix=hf_prefix, pieces=Pieces(tuple(refs), HF),
-                               outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
-                                        for name, dims in rule.hf_shapes(shape).items()], delta=delta or None))
-    unclaimed -= keep_mtp_layers(plan, base, unclaimed)
-    if unclaimed:
-        raise MergeError(f"{base.path}: tensors this {shape.model_type} layout does not know: {_preview(unclaimed)}")
-    if factors or biases:
-        raise MergeError(f"{adapter.path}: adapts tensors this {shape.model_type} model does not have: "
-                         f"{_preview(list(factors) + list(biases))}")
-    return plan
-
-
-def build_plan(base: Checkpoint, lora: Checkpoint | None, shape: ModelShape, arch: Architecture,
-               settings: LoraSettings | None, dtype: torch.dtype) -> MergePlan:
-    if lora is not None and lora.hf_named:  # a PEFT adapter
-        return build_peft_plan(base, lora, shape, arch, settings, dtype)
-    if base.hf_named:  # an HF base with a Megatron LoRA, or none
-        return build_hf_base_plan(base, lora, shape, arch, settings, dtype)
-    plan = MergePlan(shape=shape, dtype=dtype, settings=settings)
-    plan.skipped.update(base.skipped)
-    plan.replicas = base.replicas + (lora.replicas if lora is not None and lora is not base else [])
-    unclaimed = set(base.params)
-    adapters = dict(lora.lora) if lora else {}
-    if lora is not None and lora is not base:
-        plan.skipped.update(lora.skipped)
-        if lora.params:
-            known = {name for _, names, _ in iter_rules(arch, shape, lora.has) for name in names}
-            strays = set(lora.params) - known
-            if strays:
-                raise MergeError(f"{lora.path}: holds tensors that are neither LoRA weights nor base weights of this "
-                                 f"{shape.model_type} model: {_preview(strays)}")
-            plan.skipped["base weights in the LoRA checkpoint (--base is used instead)"] += len(lora.params)
-        if base.lora:
-            plan.skipped["LoRA modules in the --base checkpoint (--lora is used instead)"] += len(base.lora)
-
-    def add(rule: Rule, names: tuple[str, ...], hf_prefix: str) -> None:
-        megatron = pick_name(names, base.params, base.path)
-        if isinstance(rule, Skip):
-            if megatron is not None:
-                if rule.same_as:
-                    check_copy(base.params[megatron], base.params.get(rule.same_as), megatron, rule.same_as)
-                unclaimed.discard(megatron)
-                plan.skipped[rule.reason] += 1
-            return
-        if megatron is None:
-            raise MergeError(f"{base.path}: missing {names[0]}, which a {shape.model_type} model with this "
-                             "config needs")
-        unclaimed.discard(megatron)
-        pieces = fitted_pieces(base, megatron, rule)
-        check_shards(pieces.shapes, rule.parallel, rule.global_shape(shape, pieces.shapes), f"{megatron} ({pieces[0].where})")
-        if lora is not None and lora is not base and megatron in lora.params:
-            theirs = fitted_pieces(lora, megatron, rule)
-            check_same_base(rule, megatron, pieces, theirs, shape, base, lora)
-            if [(r.shape, r.dtype) for r in pieces] == [(r.shape, r.dtype) for r in theirs]:
-                # split alike: every byte is compared while merging, not only the sampled rows
-                plan.replicas += [(mine, copy, f"{lora.path}: its own base weights differ from --base {base.path} "
-                                   f"({megatron}); give the base it was trained on, or omit --base")
-                                  for mine, copy in zip(pieces, theirs)]
-        task = Task(rule=rule, megatron=megatron, hf_prefix=hf_prefix, pieces=pieces,
-                    outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
-                             for name, dims in rule.hf_shapes(shape).items()])
-        if megatron.endswith(".weight") and task.lora_module in adapters:
-            task.lora = adapters.pop(task.lora_module)
-            check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
-        plan.tasks.append(task)
-
-    for rule, names, hf_prefix in iter_rules(arch, shape, base.has):
-        add(rule, names, hf_prefix)
-
-    if unclaimed:
-        raise MergeError(f"{base.path}: parameters this {shape.model_type} layout does not know: {_preview(unclaimed)}")
-    if adapters:
-        raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
-    keep_mtp_layers(plan, None, ())
-    return plan
 
 
 def fitted_pieces(ckpt: Checkpoint, name: str, rule: Rule) -> Pieces:

@@ -55,6 +55,7 @@ class HfModel:
     hf_named = True
     megatron_args = None
     experts = None
+    replicas = ()
 
     @property
     def weights_dtype(self) -> torch.dtype:

@@ -67,6 +67,7 @@ class PeftAdapter:
     # the Source interface (readers/source.py)
     hf_named = True
     megatron_args = None
+    replicas = ()
     weights_dtype = None
     experts = None
     fp8 = None

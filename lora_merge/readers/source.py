@@ -18,6 +18,7 @@ class Source(Protocol):
     format: str  # how `describe` and the report name the format ("legacy", "torch_dist", "HF", "PEFT")
     sources: list  # every file and directory read below `path` (no output may touch them)
     skipped: dict  # reason -> number of entries deliberately not used
+    replicas: list  # (first, other): copies of a tensor that several files hold, compared equal while merging
 
     @property
     def hf_named(self) -> bool:
