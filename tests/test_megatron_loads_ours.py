@@ -101,3 +101,19 @@ def test_an_hf_model_converted_to_megatron_computes_what_transformers_computes(t
     lora_merge.to_megatron(base=tmp_path / "hf", out=tmp_path / "mg", ckpt_format=fmt, warn=quiet, **written)
     got = megatron_logits(tmp_path / "mg/release", hf_config(fixture), layout_of(target), input_ids, ckpt_format=fmt)
     close(got, expected)
+
+
+def test_mindspeed_dense_first_layers_in_torch_dist_load_into_megatron(tmp_path):
+    """A MindSpeed DeepSeek checkpoint records its dense first layer as first_k_dense_replace on top of
+    moe_layer_freq 1, which Megatron-LM does not know: written as torch_dist (refused before: "MoE layer 0 has
+    experts' nothing"), the args say moe_layer_freq as Megatron's per-layer list, the layers are keyed per
+    layer as Megatron keys such a model, and Megatron loads it and computes the trained logits."""
+    fixture = TESTS / "fixtures_deepseek/deepseek_v3_mindspeed_fused_qkv_ep2"
+    input_ids, logits = recorded(fixture)
+    lora_merge.to_megatron(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref",
+                           out=tmp_path / "mg", ckpt_format="torch_dist", warn=quiet)
+    common = torch.load(tmp_path / "mg/release/common.pt", weights_only=False)
+    assert common["args"].moe_layer_freq == [0, 1, 1] and common["args"].first_k_dense_replace == 1
+    got = megatron_logits(tmp_path / "mg/release", hf_config(fixture), layout_of({}), input_ids,
+                          ckpt_format="torch_dist")
+    close(got, logits["logits_lora"])

@@ -87,6 +87,10 @@ def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, p
         no_save_optim=True, no_save_rng=True, use_mcore_models=True,
         use_legacy_models=False, moe_grouped_gemm=grouped_experts if shape.moe else False,
     )
+    if shape.moe is not None and args.get("first_k_dense_replace"):
+        # MindSpeed's dense first layers on top of an every-k-th-layer rule: Megatron-LM (and its torch_dist
+        # layout) knows only moe_layer_freq, so it is written as Megatron's per-layer list of the same layers
+        args["moe_layer_freq"] = [int(i in shape.moe.layers) for i in range(shape.num_layers)]
     result = Namespace(**dict(sorted(args.items())))  # one order whatever the source's: reshards round-trip bytes
     check_against_args(shape, result, "the args written into the Megatron checkpoint")
     return result
