@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
 from lora_merge.errors import MergeError
+from lora_merge.moe_shape import megatron_moe_layers
 from lora_merge.writers.output_file import ALIGN as ALIGN_DIRECT, OutputFile
 from lora_merge.writers.torch_zip import ArchiveStream, TensorSlot, TorchArchive, pwrite_all
 from lora_merge.writers.row_scatter import RowScatter, Target, target_shard_shapes, tensor_dtype
@@ -157,18 +158,11 @@ class DistModelFacts:
                                  "laid out by this writer")
         num_layers = int(args.num_layers)
         num_experts = int(getattr(args, "num_experts", None) or 0)
-        freq = getattr(args, "moe_layer_freq", 1)
-        if freq is None:
-            freq = 1
-        if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
-            moe = [i for i in range(num_layers) if i % freq == 0]
-            per_layer = freq > 1
-        elif isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
-            moe = [i for i, f in enumerate(freq) if f]
-            per_layer = True
-        else:
-            raise MergeError(f"writing a torch_dist checkpoint: moe_layer_freq {freq!r:.80} is neither a positive "
-                             f"int nor a list of {num_layers} zeros and ones")
+        # which layers have experts: the one reading of the args every reader uses; keyed per layer as
+        # megatron-core keys them (TransformerBlock.sharded_state_dict: moe_layer_freq a list, or an int > 1)
+        moe = megatron_moe_layers(args, num_layers, "writing a torch_dist checkpoint")
+        freq = getattr(args, "moe_layer_freq", None)
+        per_layer = not (freq is None or (isinstance(freq, int) and freq <= 1))
         return cls(num_layers, frozenset(moe) if num_experts else frozenset(), num_experts, per_layer,
                    bool(getattr(args, "multi_latent_attention", False)), impl)
 
