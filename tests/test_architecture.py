@@ -143,3 +143,18 @@ def test_every_reader_answers_the_source_questions(tmp_path):
     assert (megatron.hf_named, hf.hf_named, peft.hf_named) == (False, True, True)
     assert megatron.megatron_args is megatron.args and hf.megatron_args is None and peft.megatron_args is None
     assert (megatron.weights_dtype, hf.weights_dtype, peft.weights_dtype) == (torch.float32, torch.float32, None)
+
+
+def test_every_tensor_writer_is_a_sink():
+    """The runs drive every output through runs/stream.py: each writer answers the Sink interface."""
+    from lora_merge.writers.megatron_dist import MegatronDistOutput
+    from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
+    from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
+    from lora_merge.writers.sink import Sink
+
+    wanted = {name for name in vars(Sink) if not name.startswith("_")}
+    assert wanted == {"total_bytes", "start", "write", "finish", "abort"}
+    for writer in (ShardedSafetensorsWriter, MegatronLegacyWriter, MegatronDistOutput):
+        missing = {name for name in wanted - {"total_bytes"} if not callable(getattr(writer, name, None))}
+        assert not missing, (writer.__name__, missing)
+    assert calls_outside_readers("execute") == {"lora_merge.runs.stream"}  # one driver of the pipeline

@@ -69,17 +69,17 @@ def test_three_threads_merging_to_one_out(tmp_path, monkeypatch):
     """All three stage their output at the same time (a barrier holds each until the others have staged
     theirs); one publishes, the others say so in one line."""
     import lora_merge
-    from lora_merge.runs import to_hf
+    from lora_merge.runs import stream
 
     out = tmp_path / "merged"
     everyone_staged = threading.Barrier(3, timeout=60)
-    real_execute = to_hf.execute
+    real_execute = stream.execute
 
     def execute_once_all_staged(*args, **kwargs):
         everyone_staged.wait()
         return real_execute(*args, **kwargs)
 
-    monkeypatch.setattr(to_hf, "execute", execute_once_all_staged)
+    monkeypatch.setattr(stream, "execute", execute_once_all_staged)
     results = []
 
     def merge():

@@ -89,7 +89,7 @@ def test_the_dry_run_plan_names_the_margin(tmp_path, capsys):
 
 
 def test_a_mount_point_as_out_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
-    from lora_merge.runs import to_hf
+    from lora_merge.runs import stream
 
     # A real one: /proc is a mount point wherever this runs.
     for command in (merge_args("tp2_fp32_filtered", Path("/proc")),
@@ -102,7 +102,7 @@ def test_a_mount_point_as_out_is_refused_before_anything_is_written(tmp_path, ca
     assert main(merge_args("tp2_fp32_filtered", out)) == 0
     real_ismount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(out) or real_ismount(p))
-    monkeypatch.setattr(to_hf, "execute", lambda *a, **k: pytest.fail("merged although the output is a mount point"))
+    monkeypatch.setattr(stream, "execute", lambda *a, **k: pytest.fail("merged although the output is a mount point"))
     run_failing(merge_args("tp2_fp32_filtered", out) + ["--force"], capsys, f"{out}: is a mount point")
     assert leftovers(tmp_path) == []
 

@@ -12,14 +12,13 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings
-from lora_merge.merge_pipeline import execute
 from lora_merge.merge_plan import MergePlan, build_plan, plan_fp8_output
 from lora_merge.report import hash_files, report_text
-from lora_merge.runs.inputs import (Inputs, Progress, baseline_dir, check_input_dirs, given_paths, input_paths,
+from lora_merge.runs.inputs import (Inputs, baseline_dir, check_input_dirs, given_paths, input_paths,
                                     open_inputs, output_dtype)
 from lora_merge.runs.options import FP8, MergeOptions
+from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
-from lora_merge.writers.background import BackgroundWriter
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
 from lora_merge.writers.model_card import checked_base_model_id, model_card, resolve_base_model
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
@@ -148,18 +147,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     with StagedOutput(opts.out, opts.force, inputs) as stage:
         staging = stage.dir
         writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=opts.sha256)
-        progress = Progress(opts.progress, writer.total_bytes) if opts.progress is not None else None
-        background = BackgroundWriter(writer.write)
-        try:
-            try:
-                execute(plan, background.write, progress.update if progress is not None else None,
-                        workers=opts.workers)
-            finally:
-                background.close()
-            files = writer.finish()
-        finally:
-            background.stop()  # interrupted while waiting for it: the writer thread may still be writing
-            writer.abort()
+        files = stream_into(writer, staging, plan, opts.progress, writer.total_bytes, opts.workers)
         files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:
             reference = baseline_dir(inp, opts.hf_ref)

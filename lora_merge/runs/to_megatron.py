@@ -11,12 +11,11 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError
 from lora_merge.layout import AsStored
-from lora_merge.merge_pipeline import execute
 from lora_merge.merge_plan import build_plan
-from lora_merge.runs.inputs import (Progress, check_input_dirs, given_paths, input_paths, open_inputs,
+from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
-from lora_merge.writers.background import BackgroundWriter
+from lora_merge.runs.stream import stream_into
 from lora_merge.writers.megatron_args import target_args
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
 from lora_merge.writers.row_scatter import Block
@@ -108,18 +107,5 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     remove_abandoned_staging(opts.out, inputs)
     check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
     with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:
-        background = None
-        try:
-            writer.start(stage.dir)
-            background = BackgroundWriter(writer.write)
-            progress = Progress(opts.progress, sum(t.nbytes for t in plan.tensors)) if opts.progress else None
-            try:
-                execute(plan, background.write, progress.update if progress else None, workers=opts.workers)
-            finally:
-                background.close()
-            files = writer.finish()
-        finally:
-            if background is not None:
-                background.stop()
-            writer.abort()
+        files = stream_into(writer, stage.dir, plan, opts.progress, sum(t.nbytes for t in plan.tensors), opts.workers)
     return ConvertResult(out=opts.out, files=files, seconds=time.monotonic() - started, **describe)

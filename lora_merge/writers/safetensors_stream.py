@@ -94,6 +94,10 @@ class ShardedSafetensorsWriter:
     def total_bytes(self) -> int:
         return sum(t.nbytes for _, t in self._order)
 
+    def start(self, directory: Path) -> None:
+        """The shards are created in `directory` as their first bytes arrive."""
+        self.directory = Path(directory)
+
     def write(self, name: str, piece: torch.Tensor, then=None) -> None:
         """Append `piece`: a whole planned tensor, or its next rows (a tensor may come in several pieces).
         `then()`, if given, is called once the piece is written and hashed (its memory may then be reused)."""
