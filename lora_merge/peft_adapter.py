@@ -20,6 +20,10 @@ Routed experts come in one of two namings (`EXPERT_FORMATS`):
   would not load. The fused adapter therefore names no such target_modules: those modules' LoRA is given
   as LoRA on their 2-D weights (`target_parameters` "gate_proj.weight" …, PEFT's ParamWrapper, the same
   keys and the same ΔW = s·B·A), which PEFT leaves as they are.
+
+It walks the table for the LoRA modules alone rather than consuming a merge plan: an adapter needs no base
+weights (`--base` is optional), and a plan is made of them. Where a --base is given with an unfiltered LoRA,
+the export makes the plan too, for its check that the two bases are one (runs/export.py).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ code with the merge, so a layout mistake anywhere (swapped q/k, shifted vocab, a
 up at full scale without running the model. Without them the Megatron base is un-sharded again with the
 same layout rules, which checks the written files and the merge arithmetic, not the rules.
 
+It walks the architecture's table itself instead of consuming the merge's plan, on purpose: a check that
+read the plan would share the plan's mistakes (a tensor the plan forgot, a wrong shape it computed); this walk
+shares only the table and, without reference weights, the layout rules.
+
 Everything is compared a chunk of rows at a time, with file handles held one tensor at a time, so
 memory stays bounded whatever the model size. A damaged output (a shard missing, truncated or with a
 garbage header, an unusable index) is a problem in the report and the rest is still checked; the same
