@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BASE_ONLY, FIXTURES, merge_args
+from helpers import BASE_ONLY, FIXTURES, assert_nothing_written, copied_args, copy_fixture, merge_args
 from lora_merge import api, cli
 from lora_merge.cli import main
-from test_errors import assert_nothing_written, copied_args, copy_fixture
 
 NAME = "tp2_fp32_filtered"
 LORA = FIXTURES / NAME / "lora"
