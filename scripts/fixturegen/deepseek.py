@@ -304,52 +304,38 @@ def make_ds_args(torch, spec, iteration, world, lora, filtered, load, save):
                 shared_gate=False, base_format=spec.get("base_format", "torch"))
     a = lib.moe_args(torch, shim, dm, "llama", spec["topk"], iteration, world, lora=lora, filtered=filtered, load=load,
                      save=save)
-    a.num_layers = dm["num_layers"]
-    a.hidden_size = dm["hidden_size"]
-    a.ffn_hidden_size = dm["ffn_hidden_size"]
-    a.num_attention_heads = dm["num_attention_heads"]
-    a.group_query_attention = False
-    a.num_query_groups = dm["num_attention_heads"]
-    a.kv_channels = dm["v_head_dim"]
-    a.moe_ffn_hidden_size = dm["moe_ffn_hidden_size"]
-    a.padded_vocab_size = padded_vocab()
-    a.qk_layernorm = True
-    a.multi_latent_attention = True
-    a.q_lora_rank = dm["q_lora_rank"]
-    a.kv_lora_rank = dm["kv_lora_rank"]
-    a.qk_head_dim = dm["qk_head_dim"]
-    a.qk_pos_emb_head_dim = dm["qk_pos_emb_head_dim"]
-    a.v_head_dim = dm["v_head_dim"]
-    a.rope_type = "rope"
-    a.rotary_scaling_factor = 1.0
-    a.mscale = 1.0
-    a.mscale_all_dim = 0.0
     y = yarn_of(spec)
-    if y:
+    vars(a).update(
+        num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], ffn_hidden_size=dm["ffn_hidden_size"],
+        num_attention_heads=dm["num_attention_heads"], group_query_attention=False,
+        num_query_groups=dm["num_attention_heads"], kv_channels=dm["v_head_dim"],
+        moe_ffn_hidden_size=dm["moe_ffn_hidden_size"], padded_vocab_size=padded_vocab(), qk_layernorm=True,
+        multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
+        qk_head_dim=dm["qk_head_dim"], qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
         # Megatron-LM 0.16.1: --rope-type yarn --rotary-scaling-factor F --mscale M --mscale-all-dim A
         # (_add_training_args / _add_mla_args; core_transformer_config_from_args copies every args
-        # attribute named like an MLATransformerConfig field). There is no argument for
-        # original_max_position_embeddings, beta_fast or beta_slow (MLATransformerConfig defaults), and
-        # --position-embedding-type has no "yarn" choice: DeepSeek recipes pass rope, which GPTModel
-        # ignores with MLA (MLA builds its own YarnRotaryEmbedding). --max-position-embeddings = F * 4096.
-        a.rope_type = "yarn"
-        a.rotary_scaling_factor = y["rotary_scaling_factor"]
-        a.mscale = y["mscale"]
-        a.mscale_all_dim = y["mscale_all_dim"]
-        a.max_position_embeddings = dm["max_position_embeddings"]
-        a.use_rope_scaling = False   # Llama-3.x rope scaling (GPTModel's RotaryEmbedding): off; its
-        a.rope_scaling_factor = 8.0  # --rope-scaling-factor keeps the default 8.0 and is unused
-        a.apply_rope_fusion = False  # --no-rope-fusion (the unfused MLA rope path ran here)
-    a.moe_router_topk = spec["topk"]
-    a.moe_router_score_function = spec["score"]
-    a.moe_router_pre_softmax = spec["pre_softmax"]
-    a.moe_router_enable_expert_bias = spec["expert_bias"]
-    a.moe_router_bias_update_rate = 1e-3
-    a.moe_router_topk_scaling_factor = spec["scaling"]
-    a.moe_router_num_groups = spec["groups"][0] if spec["groups"] else None
-    a.moe_router_group_topk = spec["groups"][1] if spec["groups"] else None
-    a.moe_router_dtype = "fp32"
-    a.lora_target_modules = list(targets(spec)) if lora else []
+        # attribute named like an MLATransformerConfig field); plain rope: factor 1, mscales 1 and 0.
+        rope_type="yarn" if y else "rope", rotary_scaling_factor=y["rotary_scaling_factor"] if y else 1.0,
+        mscale=y["mscale"] if y else 1.0, mscale_all_dim=y["mscale_all_dim"] if y else 0.0,
+    )
+    if y:
+        # There is no argument for original_max_position_embeddings, beta_fast or beta_slow
+        # (MLATransformerConfig defaults), and --position-embedding-type has no "yarn" choice: DeepSeek recipes
+        # pass rope, which GPTModel ignores with MLA (MLA builds its own YarnRotaryEmbedding).
+        # --max-position-embeddings = F * 4096.
+        vars(a).update(
+            max_position_embeddings=dm["max_position_embeddings"],
+            use_rope_scaling=False,  # Llama-3.x rope scaling (GPTModel's RotaryEmbedding): off; its
+            rope_scaling_factor=8.0,  # --rope-scaling-factor keeps the default 8.0 and is unused
+            apply_rope_fusion=False,  # --no-rope-fusion (the unfused MLA rope path ran here)
+        )
+    vars(a).update(
+        moe_router_topk=spec["topk"], moe_router_score_function=spec["score"], moe_router_pre_softmax=spec["pre_softmax"],
+        moe_router_enable_expert_bias=spec["expert_bias"], moe_router_bias_update_rate=1e-3,
+        moe_router_topk_scaling_factor=spec["scaling"], moe_router_num_groups=spec["groups"][0] if spec["groups"] else None,
+        moe_router_group_topk=spec["groups"][1] if spec["groups"] else None, moe_router_dtype="fp32",
+        lora_target_modules=list(targets(spec)) if lora else [],
+    )
     return a
 
 
@@ -450,229 +436,6 @@ def routing_margins(torch, spec, logits, rmap):
     res["tokens_per_expert"] = [int(v) for v in rmap.sum(0)]
     res["min_rel_gap"] = min(v for k, v in res.items() if k.endswith("rel_gap"))
     return res
-
-
-class DeepSeek(lib.Family):
-    name = "deepseek"
-    out = "tests/fixtures_deepseek"
-    built = BUILT
-    derived = DERIVED
-    json_indent = 1
-    mindspeed_moe_lora = True
-    routed = True
-
-    def patch_cpu(self, torch):
-        lib.patch_moe_cpu(torch)
-        patch_mla_cpu()
-
-    def dims(self, spec):
-        return dims(spec)
-
-    def targets(self, spec):
-        return list(targets(spec))
-
-    def make_config(self, rk, yarn=True):
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-        spec, dm, kw = rk.spec, rk.dm, {}
-        if spec["groups"]:
-            kw.update(moe_router_num_groups=spec["groups"][0], moe_router_group_topk=spec["groups"][1])
-        rope = dict(rope_type="rope", rotary_scaling_factor=1.0)
-        if spec.get("yarn") and yarn:  # only what Megatron-LM's arguments can set (see make_ds_args)
-            rope = dict(rope_type="yarn", **spec["yarn"])
-        return MLATransformerConfig(
-            **lib.config_kwargs(rk), kv_channels=dm["v_head_dim"], q_lora_rank=dm["q_lora_rank"],
-            kv_lora_rank=dm["kv_lora_rank"], qk_head_dim=dm["qk_head_dim"],
-            qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"], qk_layernorm=True,
-            rotary_base=dm["rotary_base"], **rope, moe_router_enable_expert_bias=spec["expert_bias"],
-            moe_router_topk_scaling_factor=spec["scaling"], moe_router_dtype="fp32", moe_shared_expert_gate=False,
-            **lib.moe_config_kwargs(rk, spec["topk"], spec["score"], moe_freq(spec), dm["shared_ffn"]), **kw)
-
-    def layer_spec(self, rk, config, **variant):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        core_attention = cpu_mla_core_attention()
-        for ls in block.layer_specs:
-            ls.submodules.self_attention.submodules.core_attention = core_attention
-        return block
-
-    def canonical_base(self, torch, spec, vpad):
-        return canonical_ds_base(torch, spec, vpad)
-
-    def canonical_lora(self, torch, spec, seed):
-        return canonical_ds_lora(torch, spec, seed)
-
-    def lora_modules(self, spec):
-        return lora_modules(spec)
-
-    def make_args(self, torch, spec, iteration, world, lora, filtered, load, save):
-        return make_ds_args(torch, spec, iteration, world, lora, filtered, load, save)
-
-    def after_build(self, rk):
-        if rk.spec.get("yarn"):
-            rk.extra["megatron_yarn"] = yarn_internals(rk.model.config, rk.model, rk.dm)
-
-    def routing_stats(self, torch, spec, logits, rmap, bias):
-        return routing_margins(torch, dict(spec, expert_bias=bias), logits, rmap)
-
-    def peft_layout(self, rk):
-        return lib.expert_peft_layout(rk, dense_prefix=True)
-
-    def extra_forwards(self, rk):
-        torch, spec = rk.torch, rk.spec
-        # ---------- MindSpeed's fused down-projection LoRA, run through the upstream modules ----------
-        rk.logits_fused = rk.route_fused = None
-        if spec["fused"]:
-            fused = canonical_fused_lora(torch, spec, spec["lora_seed"])
-            rk.fill(rk.with_lora(fused_as_upstream(spec, rk.lora_global, fused)))
-            rk.logits_fused = rk.forward()
-            rk.route_fused = rk.routing_stats()
-        # ---------- YaRN control: the same base model with plain rope (rope_type="rope", factor 1) ----------
-        if spec.get("yarn"):
-            plain = rk.build(self.make_config(rk, yarn=False))[0][0]
-            assert type(plain.decoder.layers[0].self_attention.rotary_pos_emb).__name__ == "RotaryEmbedding"
-            psd = plain.state_dict()
-            plain.load_state_dict({k: v if k.endswith("_extra_state") else rk.base_local[0][k] for k, v in psd.items()},
-                                  strict=True)
-            with torch.no_grad():
-                res = plain(input_ids=rk.input_ids, position_ids=rk.position_ids, attention_mask=rk.mask,
-                            runtime_gather_output=True)
-            rk.route_log.clear()
-            rk.extra["megatron_plain_rope_base_vs_yarn_base_max_abs"] = \
-                (res[..., : rk.dm["vocab_size"]].float() - rk.logits_base).abs().max().item()
-
-    def rank_summary(self, rk):
-        fused = rk.logits_fused
-        if rk.writer and fused is not None:
-            rk.torch.save({"input_ids": rk.input_ids.clone(), "logits_lora": fused.clone(),
-                           "logits_base": rk.logits_base.clone()}, rk.out / ".fused_logits.pt")
-        return dict(lib.expert_rank_summary(rk), routing_fused=rk.route_fused,
-                    fused_vs_lora_max_abs=(fused - rk.logits_lora).abs().max().item() if fused is not None else None)
-
-    # ---- main process ----
-    def to_build(self, names, out):
-        need = [n for n in BUILT if n in names]
-        for n in names:
-            if n in DERIVED and DERIVED[n]["source"] not in need:
-                need.append(DERIVED[n]["source"])  # the fused forward runs with its source
-        return [n for n in BUILT if n in need]
-
-    def hf_config(self, spec):
-        return hf_config(spec)
-
-    def finish_hf_ref(self, spec, d):
-        if spec.get("yarn"):
-            # as the released DeepSeek-V3 config.json writes it: rope_theta + rope_scaling {"type": "yarn", ...}
-            # (transformers 5 would save rope_parameters; it reads both)
-            cfg = json.loads((d / "config.json").read_text())
-            rp = cfg.pop("rope_parameters")
-            cfg["rope_theta"] = _num(rp["rope_theta"])
-            cfg["rope_scaling"] = hf_rope_scaling(spec)
-            (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            check_hf_yarn_config(spec, d)
-
-    def fixture_json(self, torch, name, spec, d, summary, opts):
-        rkeys = ["routing_base", "routing_lora"] + (["routing_fused"] if spec["fused"] else [])
-        min_rel, counts = lib.routing_checks(name, spec, summary, rkeys)
-        nrep = lib.check_ep_replicas(torch, d, spec)
-        dm = dims(spec)
-        world = math.lcm(spec["tp"], spec["etp"] * spec["ep"])
-        fx = dict(
-            model_type=spec["family"],
-            tp=spec["tp"], pp=1, ep=spec["ep"], etp=spec["etp"], world_size=world,
-            dtype="float32", lora="filtered", r=lib.LORA_R, alpha=lib.LORA_ALPHA, targets=targets(spec),
-            num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
-            multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
-            qk_head_dim=dm["qk_head_dim"], qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
-            kv_channels=dm["v_head_dim"], qk_layernorm=True, rope_type="yarn" if spec.get("yarn") else "rope",
-            rotary_base=dm["rotary_base"], **yarn_fixture_fields(torch, spec, d, summary),
-            ffn_hidden_size=dm["ffn_hidden_size"], moe_ffn_hidden_size=dm["moe_ffn_hidden_size"],
-            moe_shared_expert_intermediate_size=dm["shared_ffn"], moe_shared_expert_gate=False,
-            vocab_size=dm["vocab_size"], padded_vocab_size=padded_vocab(),
-            num_experts=spec["num_experts"], experts_per_ep_rank=spec["num_experts"] // spec["ep"],
-            moe_router_topk=spec["topk"], moe_router_score_function=spec["score"],
-            moe_router_pre_softmax=spec["pre_softmax"], moe_router_enable_expert_bias=spec["expert_bias"],
-            moe_router_topk_scaling_factor=spec["scaling"],
-            moe_router_num_groups=spec["groups"][0] if spec["groups"] else None,
-            moe_router_group_topk=spec["groups"][1] if spec["groups"] else None,
-            moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-            expert_layout="SequentialMLP", moe_layer_freq=moe_freq(spec), moe_layers=moe_layers(spec),
-            dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
-            hf_config=json.loads((d / "hf_ref" / "config.json").read_text()),
-            router_weight_std=spec["router_std"], router_seed=spec["router_seed"], expert_bias_std=spec["bias_std"],
-            base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
-            base_format=spec.get("base_format", "torch"), lora_format="torch",
-            base_iteration=BASE_ITER, lora_iteration=LORA_ITER, stale_lora_iteration=STALE_LORA_ITER,
-            rank_dirs=sorted(x["dir"] for x in summary["ranks"] if x["dir"]),
-            ranks=summary["ranks"],
-            peft_layout=summary["layout"],
-            peft_wrapped_modules_rank0=summary["wrapped_modules_rank0"],
-            tokens_per_expert={r.split("_")[1]: c for r, c in counts.items() if r != "routing_fused"},
-            routing=dict(base=summary["routing_base"], lora=summary["routing_lora"]),
-            min_topk_margin_relative=min_rel,
-            ep_replica_tensors_checked_equal=nrep,
-            lora_vs_base_max_abs=summary["lora_vs_base_max_abs"],
-            stale_vs_lora_max_abs=summary["stale_vs_lora_max_abs"],
-            replica_logits_max_abs_diff=summary["replica_logits_max_abs_diff"],
-            logits_computed_in="float32",
-            megatron_to_hf=[list(r) for r in hf_mapping(spec)],
-            megatron_keys=lib.key_listing(torch, d),
-        )
-        if not opts.no_hf_check:
-            fx["hf_check"] = hf_check(spec, d)
-            if spec.get("yarn"):
-                fx["hf_check"]["yarn_megatron_vs_hf"] = compare_yarn(fx["megatron_yarn"], fx["hf_check"]["hf_yarn"])
-        fx["description"] = describe(name, spec)
-        if spec["fused"]:
-            (d / ".fused_routing.json").write_text(json.dumps(dict(
-                routing=summary["routing_fused"], tokens_per_expert=counts["routing_fused"],
-                fused_vs_lora_max_abs=summary["fused_vs_lora_max_abs"])))
-        return fx
-
-    def derive(self, torch, name, out, opts):
-        spec = derive_fused(torch, name, out)
-        src_name = DERIVED[name]["source"]
-        src = json.loads((out / src_name / "fixture.json").read_text())
-        fr = json.loads((out / src_name / ".fused_routing.json").read_text())
-        d = out / name
-        fx = {k: v for k, v in src.items() if k not in ("description", "hf_check", "megatron_keys", "megatron_to_hf",
-                                                         "routing", "tokens_per_expert", "min_topk_margin_relative",
-                                                         "peft_wrapped_modules_rank0", "lora_vs_base_max_abs",
-                                                         "stale_vs_lora_max_abs", "peft_layout")}
-        fx["derived_from"] = src_name
-        fx["naming"] = "MindSpeed-LLM pack_mla (fused self_attention.linear_qkv)"
-        fx["targets"] = [t for t in targets(spec) if t not in ("linear_q_down_proj", "linear_kv_down_proj")] + ["linear_qkv"]
-        fx["routing"] = dict(base=src["routing"]["base"], lora=fr["routing"])
-        fx["tokens_per_expert"] = dict(base=src["tokens_per_expert"]["base"], lora=fr["tokens_per_expert"])
-        fx["min_topk_margin_relative"] = min(v["min_rel_gap"] for r in fx["routing"].values() for v in r.values())
-        fx["peft_layout_note"] = ("linear_qkv as MindSpeed's ColumnParallelLinear at TP=1 under PEFT's LoraParallelLinear: "
-                                  "lora_A nn.Linear [r, H] (replicated), lora_B ColumnParallelLinear "
-                                  "[q_lora+kv_lora+rope, r] (hence lora_B.default._extra_state); other modules as in "
-                                  "the source's peft_layout")
-        fx["fused_lora_vs_upstream_lora_logits_max_abs"] = fr["fused_vs_lora_max_abs"]
-        fx["megatron_to_hf"] = [list(r) for r in hf_mapping(spec, fused_qkv=True)]
-        fx["megatron_keys"] = lib.key_listing(torch, d)
-        if not opts.no_hf_check:
-            fx["hf_check"] = hf_check(spec, d, fused=True)
-        fx["description"] = (
-            "Derived from deepseek_v3_ep2's real checkpoint, in MindSpeed-LLM's fused naming: base "
-            "self_attention.linear_qkv.weight [q_lora+kv_lora+rope, H] = cat(linear_q_down_proj.weight, "
-            "linear_kv_down_proj.weight) along dim 0 (a replicated linear; everything else unchanged: q_layernorm, "
-            "kv_layernorm, linear_q_up_proj, linear_kv_up_proj, linear_proj, MoE). LoRA: the q_down / kv_down factors "
-            "are replaced by one PEFT LoRA on linear_qkv (lora_A [r, H] shared, lora_B [q_lora+kv_lora+rope, r], new "
-            "seeded values); all other LoRA tensors are deepseek_v3_ep2's. logits_lora come from the real Megatron "
-            "model of deepseek_v3_ep2 run with q_down.lora_A = kv_down.lora_A = linear_qkv.lora_A and lora_B split at "
-            "q_lora_rank (what the fused LoRA linear computes, output rows split); logits_base are the source's. "
-            "args carry MindSpeed's DeepSeek arguments (multi_head_latent_attention, first_k_dense_replace, n_group, "
-            "topk_group, routed_scaling_factor, n_shared_experts, ...) next to Megatron's.")
-        (d / "fixture.json").write_text(json.dumps(fx, indent=1) + "\n")
-
-    def finish(self, out, built):
-        # the fused forward's byproducts are not part of the source fixture
-        for name in built:
-            for f in (".fused_logits.pt", ".fused_routing.json"):
-                (out / name / f).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1030,6 +793,220 @@ def describe(name, spec):
             f"{route}. HF {spec['family']}. lora/ = PEFT 0.7.1 LoRA (LoraParallelLinearMoE) on {targets(spec)}, "
             f"every expert and the shared experts included (not the router), filtered, iter {LORA_ITER} + stale "
             f"iter_{STALE_LORA_ITER:07d}.")
+
+
+# --------------------------------------------------------------------------------------------
+# The family
+# --------------------------------------------------------------------------------------------
+
+class DeepSeek(lib.Family):
+    name = "deepseek"
+    out = "tests/fixtures_deepseek"
+    built = BUILT
+    derived = DERIVED
+    json_indent = 1
+    mindspeed_moe_lora = True
+    routed = True
+
+    def patch_cpu(self, torch):
+        lib.patch_moe_cpu(torch)
+        patch_mla_cpu()
+
+    dims = staticmethod(dims)
+    targets = staticmethod(targets)
+    canonical_base = staticmethod(canonical_ds_base)
+    canonical_lora = staticmethod(canonical_ds_lora)
+    lora_modules = staticmethod(lora_modules)
+    make_args = staticmethod(make_ds_args)
+    hf_config = staticmethod(hf_config)
+
+    def make_config(self, rk, yarn=True):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        spec, dm, kw = rk.spec, rk.dm, {}
+        if spec["groups"]:
+            kw.update(moe_router_num_groups=spec["groups"][0], moe_router_group_topk=spec["groups"][1])
+        rope = dict(rope_type="rope", rotary_scaling_factor=1.0)
+        if spec.get("yarn") and yarn:  # only what Megatron-LM's arguments can set (see make_ds_args)
+            rope = dict(rope_type="yarn", **spec["yarn"])
+        return MLATransformerConfig(
+            **lib.config_kwargs(rk), kv_channels=dm["v_head_dim"], q_lora_rank=dm["q_lora_rank"],
+            kv_lora_rank=dm["kv_lora_rank"], qk_head_dim=dm["qk_head_dim"],
+            qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"], qk_layernorm=True,
+            rotary_base=dm["rotary_base"], **rope, moe_router_enable_expert_bias=spec["expert_bias"],
+            moe_router_topk_scaling_factor=spec["scaling"], moe_router_dtype="fp32", moe_shared_expert_gate=False,
+            **lib.moe_config_kwargs(rk, spec["topk"], spec["score"], moe_freq(spec), dm["shared_ffn"]), **kw)
+
+    def layer_spec(self, rk, config, **variant):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        core_attention = cpu_mla_core_attention()
+        for ls in block.layer_specs:
+            ls.submodules.self_attention.submodules.core_attention = core_attention
+        return block
+
+    def after_build(self, rk):
+        if rk.spec.get("yarn"):
+            rk.extra["megatron_yarn"] = yarn_internals(rk.model.config, rk.model, rk.dm)
+
+    def routing_stats(self, torch, spec, logits, rmap, bias):
+        return routing_margins(torch, dict(spec, expert_bias=bias), logits, rmap)
+
+    def peft_layout(self, rk):
+        return lib.expert_peft_layout(rk, dense_prefix=True)
+
+    def extra_forwards(self, rk):
+        torch, spec = rk.torch, rk.spec
+        # ---------- MindSpeed's fused down-projection LoRA, run through the upstream modules ----------
+        rk.logits_fused = rk.route_fused = None
+        if spec["fused"]:
+            fused = canonical_fused_lora(torch, spec, spec["lora_seed"])
+            rk.fill(rk.with_lora(fused_as_upstream(spec, rk.lora_global, fused)))
+            rk.logits_fused = rk.forward()
+            rk.route_fused = rk.routing_stats()
+        # ---------- YaRN control: the same base model with plain rope (rope_type="rope", factor 1) ----------
+        if spec.get("yarn"):
+            plain = rk.build(self.make_config(rk, yarn=False))[0][0]
+            assert type(plain.decoder.layers[0].self_attention.rotary_pos_emb).__name__ == "RotaryEmbedding"
+            psd = plain.state_dict()
+            plain.load_state_dict({k: v if k.endswith("_extra_state") else rk.base_local[0][k] for k, v in psd.items()},
+                                  strict=True)
+            with torch.no_grad():
+                res = plain(input_ids=rk.input_ids, position_ids=rk.position_ids, attention_mask=rk.mask,
+                            runtime_gather_output=True)
+            rk.route_log.clear()
+            rk.extra["megatron_plain_rope_base_vs_yarn_base_max_abs"] = \
+                (res[..., : rk.dm["vocab_size"]].float() - rk.logits_base).abs().max().item()
+
+    def rank_summary(self, rk):
+        fused = rk.logits_fused
+        if rk.writer and fused is not None:
+            rk.torch.save({"input_ids": rk.input_ids.clone(), "logits_lora": fused.clone(),
+                           "logits_base": rk.logits_base.clone()}, rk.out / ".fused_logits.pt")
+        return dict(lib.expert_rank_summary(rk), routing_fused=rk.route_fused,
+                    fused_vs_lora_max_abs=(fused - rk.logits_lora).abs().max().item() if fused is not None else None)
+
+    # ---- main process ----
+    def to_build(self, names, out):
+        need = [n for n in BUILT if n in names]
+        for n in names:
+            if n in DERIVED and DERIVED[n]["source"] not in need:
+                need.append(DERIVED[n]["source"])  # the fused forward runs with its source
+        return [n for n in BUILT if n in need]
+
+    def finish_hf_ref(self, spec, d):
+        if spec.get("yarn"):
+            # as the released DeepSeek-V3 config.json writes it: rope_theta + rope_scaling {"type": "yarn", ...}
+            # (transformers 5 would save rope_parameters; it reads both)
+            cfg = json.loads((d / "config.json").read_text())
+            rp = cfg.pop("rope_parameters")
+            cfg["rope_theta"] = _num(rp["rope_theta"])
+            cfg["rope_scaling"] = hf_rope_scaling(spec)
+            (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            check_hf_yarn_config(spec, d)
+
+    def fixture_json(self, torch, name, spec, d, summary, opts):
+        rkeys = ["routing_base", "routing_lora"] + (["routing_fused"] if spec["fused"] else [])
+        min_rel, counts = lib.routing_checks(name, spec, summary, rkeys)
+        nrep = lib.check_ep_replicas(torch, d, spec)
+        dm = dims(spec)
+        world = math.lcm(spec["tp"], spec["etp"] * spec["ep"])
+        fx = dict(
+            model_type=spec["family"],
+            tp=spec["tp"], pp=1, ep=spec["ep"], etp=spec["etp"], world_size=world,
+            dtype="float32", lora="filtered", r=lib.LORA_R, alpha=lib.LORA_ALPHA, targets=targets(spec),
+            num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
+            multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
+            qk_head_dim=dm["qk_head_dim"], qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
+            kv_channels=dm["v_head_dim"], qk_layernorm=True, rope_type="yarn" if spec.get("yarn") else "rope",
+            rotary_base=dm["rotary_base"], **yarn_fixture_fields(torch, spec, d, summary),
+            ffn_hidden_size=dm["ffn_hidden_size"], moe_ffn_hidden_size=dm["moe_ffn_hidden_size"],
+            moe_shared_expert_intermediate_size=dm["shared_ffn"], moe_shared_expert_gate=False,
+            vocab_size=dm["vocab_size"], padded_vocab_size=padded_vocab(),
+            num_experts=spec["num_experts"], experts_per_ep_rank=spec["num_experts"] // spec["ep"],
+            moe_router_topk=spec["topk"], moe_router_score_function=spec["score"],
+            moe_router_pre_softmax=spec["pre_softmax"], moe_router_enable_expert_bias=spec["expert_bias"],
+            moe_router_topk_scaling_factor=spec["scaling"],
+            moe_router_num_groups=spec["groups"][0] if spec["groups"] else None,
+            moe_router_group_topk=spec["groups"][1] if spec["groups"] else None,
+            moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+            expert_layout="SequentialMLP", moe_layer_freq=moe_freq(spec), moe_layers=moe_layers(spec),
+            dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
+            hf_config=json.loads((d / "hf_ref" / "config.json").read_text()),
+            router_weight_std=spec["router_std"], router_seed=spec["router_seed"], expert_bias_std=spec["bias_std"],
+            base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
+            base_format=spec.get("base_format", "torch"), lora_format="torch",
+            base_iteration=BASE_ITER, lora_iteration=LORA_ITER, stale_lora_iteration=STALE_LORA_ITER,
+            rank_dirs=sorted(x["dir"] for x in summary["ranks"] if x["dir"]),
+            ranks=summary["ranks"],
+            peft_layout=summary["layout"],
+            peft_wrapped_modules_rank0=summary["wrapped_modules_rank0"],
+            tokens_per_expert={r.split("_")[1]: c for r, c in counts.items() if r != "routing_fused"},
+            routing=dict(base=summary["routing_base"], lora=summary["routing_lora"]),
+            min_topk_margin_relative=min_rel,
+            ep_replica_tensors_checked_equal=nrep,
+            lora_vs_base_max_abs=summary["lora_vs_base_max_abs"],
+            stale_vs_lora_max_abs=summary["stale_vs_lora_max_abs"],
+            replica_logits_max_abs_diff=summary["replica_logits_max_abs_diff"],
+            logits_computed_in="float32",
+            megatron_to_hf=[list(r) for r in hf_mapping(spec)],
+            megatron_keys=lib.key_listing(torch, d),
+        )
+        if not opts.no_hf_check:
+            fx["hf_check"] = hf_check(spec, d)
+            if spec.get("yarn"):
+                fx["hf_check"]["yarn_megatron_vs_hf"] = compare_yarn(fx["megatron_yarn"], fx["hf_check"]["hf_yarn"])
+        fx["description"] = describe(name, spec)
+        if spec["fused"]:
+            (d / ".fused_routing.json").write_text(json.dumps(dict(
+                routing=summary["routing_fused"], tokens_per_expert=counts["routing_fused"],
+                fused_vs_lora_max_abs=summary["fused_vs_lora_max_abs"])))
+        return fx
+
+    def derive(self, torch, name, out, opts):
+        spec = derive_fused(torch, name, out)
+        src_name = DERIVED[name]["source"]
+        src = json.loads((out / src_name / "fixture.json").read_text())
+        fr = json.loads((out / src_name / ".fused_routing.json").read_text())
+        d = out / name
+        fx = {k: v for k, v in src.items() if k not in ("description", "hf_check", "megatron_keys", "megatron_to_hf",
+                                                         "routing", "tokens_per_expert", "min_topk_margin_relative",
+                                                         "peft_wrapped_modules_rank0", "lora_vs_base_max_abs",
+                                                         "stale_vs_lora_max_abs", "peft_layout")}
+        fx["derived_from"] = src_name
+        fx["naming"] = "MindSpeed-LLM pack_mla (fused self_attention.linear_qkv)"
+        fx["targets"] = [t for t in targets(spec) if t not in ("linear_q_down_proj", "linear_kv_down_proj")] + ["linear_qkv"]
+        fx["routing"] = dict(base=src["routing"]["base"], lora=fr["routing"])
+        fx["tokens_per_expert"] = dict(base=src["tokens_per_expert"]["base"], lora=fr["tokens_per_expert"])
+        fx["min_topk_margin_relative"] = min(v["min_rel_gap"] for r in fx["routing"].values() for v in r.values())
+        fx["peft_layout_note"] = ("linear_qkv as MindSpeed's ColumnParallelLinear at TP=1 under PEFT's LoraParallelLinear: "
+                                  "lora_A nn.Linear [r, H] (replicated), lora_B ColumnParallelLinear "
+                                  "[q_lora+kv_lora+rope, r] (hence lora_B.default._extra_state); other modules as in "
+                                  "the source's peft_layout")
+        fx["fused_lora_vs_upstream_lora_logits_max_abs"] = fr["fused_vs_lora_max_abs"]
+        fx["megatron_to_hf"] = [list(r) for r in hf_mapping(spec, fused_qkv=True)]
+        fx["megatron_keys"] = lib.key_listing(torch, d)
+        if not opts.no_hf_check:
+            fx["hf_check"] = hf_check(spec, d, fused=True)
+        fx["description"] = (
+            "Derived from deepseek_v3_ep2's real checkpoint, in MindSpeed-LLM's fused naming: base "
+            "self_attention.linear_qkv.weight [q_lora+kv_lora+rope, H] = cat(linear_q_down_proj.weight, "
+            "linear_kv_down_proj.weight) along dim 0 (a replicated linear; everything else unchanged: q_layernorm, "
+            "kv_layernorm, linear_q_up_proj, linear_kv_up_proj, linear_proj, MoE). LoRA: the q_down / kv_down factors "
+            "are replaced by one PEFT LoRA on linear_qkv (lora_A [r, H] shared, lora_B [q_lora+kv_lora+rope, r], new "
+            "seeded values); all other LoRA tensors are deepseek_v3_ep2's. logits_lora come from the real Megatron "
+            "model of deepseek_v3_ep2 run with q_down.lora_A = kv_down.lora_A = linear_qkv.lora_A and lora_B split at "
+            "q_lora_rank (what the fused LoRA linear computes, output rows split); logits_base are the source's. "
+            "args carry MindSpeed's DeepSeek arguments (multi_head_latent_attention, first_k_dense_replace, n_group, "
+            "topk_group, routed_scaling_factor, n_shared_experts, ...) next to Megatron's.")
+        (d / "fixture.json").write_text(json.dumps(fx, indent=1) + "\n")
+
+    def finish(self, out, built):
+        # the fused forward's byproducts are not part of the source fixture
+        for name in built:
+            for f in (".fused_logits.pt", ".fused_routing.json"):
+                (out / name / f).unlink(missing_ok=True)
 
 
 FAMILY = DeepSeek()

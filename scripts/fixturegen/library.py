@@ -248,83 +248,35 @@ def megatron_args(torch, spec: dict, dm: dict, iteration: int, world_size: int, 
     qkv_bias = spec["family"] == "qwen2"
     a = Namespace(
         # parallelism
-        tensor_model_parallel_size=spec["tp"],
-        pipeline_model_parallel_size=spec["pp"],
-        virtual_pipeline_model_parallel_size=None,
-        num_layers_per_virtual_pipeline_stage=None,
-        expert_model_parallel_size=1,
-        context_parallel_size=1,
-        sequence_parallel=False,
-        world_size=world_size,
-        data_parallel_size=1,
-        rank=0,
+        tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"],
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        expert_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, world_size=world_size,
+        data_parallel_size=1, rank=0,
         # model
-        num_layers=dm["num_layers"],
-        hidden_size=dm["hidden_size"],
-        ffn_hidden_size=dm["ffn_hidden_size"],
-        num_attention_heads=dm["num_attention_heads"],
-        group_query_attention=True,
-        num_query_groups=dm["num_query_groups"],
-        kv_channels=dm["kv_channels"],
-        padded_vocab_size=padded_vocab(spec["tp"]),
-        make_vocab_size_divisible_by=dm["make_vocab_size_divisible_by"],
-        add_qkv_bias=qkv_bias,
-        add_bias_linear=False,
-        add_dense_bias=False,
-        swiglu=True,
-        untie_embeddings_and_output_weights=True,
-        normalization="RMSNorm",
-        norm_epsilon=dm["norm_epsilon"],
-        position_embedding_type="rope",
-        use_rotary_position_embeddings=True,
-        rotary_base=dm["rotary_base"],
-        rotary_percent=1.0,
-        rotary_interleaved=False,
-        rope_scaling_type=None,
-        seq_length=dm["seq_length"],
-        max_position_embeddings=dm["max_position_embeddings"],
-        qk_layernorm=False,
-        num_experts=None,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16,
-        fp16=False,
-        model_type=ModelType.encoder_or_decoder,
-        attention_backend=AttnBackend.auto,
-        transformer_impl="local",
-        use_mcore_models=True,
-        use_legacy_models=False,
-        spec=None,
+        num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], ffn_hidden_size=dm["ffn_hidden_size"],
+        num_attention_heads=dm["num_attention_heads"], group_query_attention=True,
+        num_query_groups=dm["num_query_groups"], kv_channels=dm["kv_channels"],
+        padded_vocab_size=padded_vocab(spec["tp"]), make_vocab_size_divisible_by=dm["make_vocab_size_divisible_by"],
+        add_qkv_bias=qkv_bias, add_bias_linear=False, add_dense_bias=False, swiglu=True,
+        untie_embeddings_and_output_weights=True, normalization="RMSNorm", norm_epsilon=dm["norm_epsilon"],
+        position_embedding_type="rope", use_rotary_position_embeddings=True, rotary_base=dm["rotary_base"],
+        rotary_percent=1.0, rotary_interleaved=False, rope_scaling_type=None, seq_length=dm["seq_length"],
+        max_position_embeddings=dm["max_position_embeddings"], qk_layernorm=False, num_experts=None,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16, fp16=False, model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
+        transformer_impl="local", use_mcore_models=True, use_legacy_models=False, spec=None,
         # MindSpeed layer knobs
-        noop_layers=None,
-        num_layer_list=None,
+        noop_layers=None, num_layer_list=None,
         # checkpointing
-        ckpt_format="torch",
-        use_dist_ckpt=False,
-        load=load,
-        save=save,
-        finetune=lora,
-        no_load_optim=True,
-        no_load_rng=True,
-        no_save_optim=True,
+        ckpt_format="torch", use_dist_ckpt=False, load=load, save=save, finetune=lora, no_load_optim=True,
+        no_load_rng=True, no_save_optim=True,
         # tokenizer / training
-        tokenizer_type="PretrainedFromHF",
-        tokenizer_name_or_path="/data/models/tiny-hf",
-        micro_batch_size=1,
-        global_batch_size=2,
-        train_iters=LORA_ITER,
-        lr=1e-4,
-        min_lr=1e-6,
-        iteration=iteration,
+        tokenizer_type="PretrainedFromHF", tokenizer_name_or_path="/data/models/tiny-hf", micro_batch_size=1,
+        global_batch_size=2, train_iters=LORA_ITER, lr=1e-4, min_lr=1e-6, iteration=iteration,
         # LoRA (MindSpeed defaults when not fine-tuning with LoRA: r=16, alpha=32, no targets)
-        lora_r=LORA_R if lora else 16,
-        lora_alpha=LORA_ALPHA if lora else 32,
-        lora_target_modules=list(spec["targets"]) if lora else [],
-        lora_ckpt_filter=bool(lora_filter),
-        lora_load=None,
-        lora_fusion=False,
-        lora_register_forward_hook=["word_embeddings", "input_layernorm"],
+        lora_r=LORA_R if lora else 16, lora_alpha=LORA_ALPHA if lora else 32,
+        lora_target_modules=list(spec["targets"]) if lora else [], lora_ckpt_filter=bool(lora_filter),
+        lora_load=None, lora_fusion=False, lora_register_forward_hook=["word_embeddings", "input_layernorm"],
     )
     if spec.get("gen", 2) >= 2:
         # second-generation fixtures: the fields that vary, plus a few more Megatron-LM 0.16.1
@@ -332,28 +284,18 @@ def megatron_args(torch, spec: dict, dm: dict, iteration: int, world_size: int, 
         vpp = spec.get("vpp")
         dist_base = spec.get("base_format", "torch") == "torch_dist"
         fmt = "torch_dist" if (dist_base and not lora) else "torch"
-        a.num_layers = dm["num_layers"]
-        a.kv_channels = dm["kv_channels"]
-        a.add_qkv_bias = qkv_bias
-        a.untie_embeddings_and_output_weights = not spec.get("tied", False)
-        a.qk_layernorm = spec["family"] == "qwen3"
-        a.virtual_pipeline_model_parallel_size = vpp
-        a.num_layers_per_virtual_pipeline_stage = (dm["num_layers"] // spec["pp"] // vpp) if vpp else None
-        a.ckpt_format = fmt
-        a.use_dist_ckpt = fmt != "torch"
-        a.num_virtual_stages_per_pipeline_rank = None
-        a.decoder_first_pipeline_num_layers = spec.get("first_stage_layers")
-        a.decoder_last_pipeline_num_layers = None
-        a.pipeline_model_parallel_layout = None
-        a.account_for_embedding_in_pipeline_split = False
-        a.account_for_loss_in_pipeline_split = False
-        a.overlap_p2p_comm = vpp is not None
-        a.use_distributed_optimizer = False
-        a.auto_detect_ckpt_format = dist_base and lora  # the LoRA run loads a torch_dist base, saves legacy
-        a.ckpt_fully_parallel_save = True
-        a.ckpt_assume_constant_structure = False
-        a.async_save = False
-        a.no_save_rng = False
+        vars(a).update(
+            num_layers=dm["num_layers"], kv_channels=dm["kv_channels"], add_qkv_bias=qkv_bias,
+            untie_embeddings_and_output_weights=not spec.get("tied", False), qk_layernorm=spec["family"] == "qwen3",
+            virtual_pipeline_model_parallel_size=vpp,
+            num_layers_per_virtual_pipeline_stage=(dm["num_layers"] // spec["pp"] // vpp) if vpp else None,
+            ckpt_format=fmt, use_dist_ckpt=fmt != "torch", num_virtual_stages_per_pipeline_rank=None,
+            decoder_first_pipeline_num_layers=spec.get("first_stage_layers"), decoder_last_pipeline_num_layers=None,
+            pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False, overlap_p2p_comm=vpp is not None, use_distributed_optimizer=False,
+            auto_detect_ckpt_format=dist_base and lora,  # the LoRA run loads a torch_dist base, saves legacy
+            ckpt_fully_parallel_save=True, ckpt_assume_constant_structure=False, async_save=False, no_save_rng=False,
+        )
     return a
 
 
@@ -364,35 +306,20 @@ def moe_args(torch, spec: dict, dm: dict, attention: str, topk: int, iteration, 
     like = dict(tp=spec["tp"], pp=1, dtype="float32", family=attention, targets=GQA_TARGETS, gen=2,
                 base_format=spec.get("base_format", "torch"))
     a = megatron_args(torch, like, dm, iteration, world, lora=lora, lora_filter=filtered, load=load, save=save)
-    a.ffn_hidden_size = dm["ffn_hidden_size"]
-    a.data_parallel_size = world // spec["tp"]
-    a.expert_model_parallel_size = spec["ep"]
-    a.expert_tensor_parallel_size = spec["etp"]
-    a.num_experts = spec["num_experts"]
-    a.moe_ffn_hidden_size = dm["moe_ffn_hidden_size"]
-    a.moe_router_topk = topk
-    a.moe_router_pre_softmax = spec["pre_softmax"]
-    a.moe_router_score_function = "softmax"
-    a.moe_router_load_balancing_type = "none"
-    a.moe_aux_loss_coeff = 0.0
-    a.moe_z_loss_coeff = None
-    a.moe_router_topk_scaling_factor = None
-    a.moe_router_num_groups = None
-    a.moe_router_group_topk = None
-    a.moe_router_enable_expert_bias = False
-    a.moe_router_dtype = None
-    a.moe_input_jitter_eps = None
-    a.moe_expert_capacity_factor = None
-    a.moe_pad_expert_input_to_capacity = False
-    a.moe_token_dispatcher_type = "alltoall"
-    a.moe_grouped_gemm = grouped
-    a.moe_use_legacy_grouped_gemm = False
-    a.moe_permute_fusion = False
-    a.moe_layer_freq = copy.deepcopy(spec["moe_layer_freq"])
-    a.moe_shared_expert_intermediate_size = spec["shared"]
-    a.moe_shared_expert_gate = bool(spec["shared_gate"])
-    a.moe_shared_expert_overlap = False
-    a.moe_tp_extend_ep = False  # MindSpeed flag (LoRA refuses it)
+    vars(a).update(
+        ffn_hidden_size=dm["ffn_hidden_size"], data_parallel_size=world // spec["tp"],
+        expert_model_parallel_size=spec["ep"], expert_tensor_parallel_size=spec["etp"],
+        num_experts=spec["num_experts"], moe_ffn_hidden_size=dm["moe_ffn_hidden_size"], moe_router_topk=topk,
+        moe_router_pre_softmax=spec["pre_softmax"], moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+        moe_router_topk_scaling_factor=None, moe_router_num_groups=None, moe_router_group_topk=None,
+        moe_router_enable_expert_bias=False, moe_router_dtype=None, moe_input_jitter_eps=None,
+        moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=False, moe_permute_fusion=False,
+        moe_layer_freq=copy.deepcopy(spec["moe_layer_freq"]), moe_shared_expert_intermediate_size=spec["shared"],
+        moe_shared_expert_gate=bool(spec["shared_gate"]), moe_shared_expert_overlap=False,
+        moe_tp_extend_ep=False,  # MindSpeed flag (LoRA refuses it)
+    )
     return a
 
 
@@ -680,6 +607,10 @@ class Family:
         raise NotImplementedError
 
     def canonical_lora(self, torch, spec: dict, seed: int) -> dict:
+        raise NotImplementedError
+
+    def lora_modules(self, spec: dict) -> dict:
+        """MoE families: {global module path: (in, out)} of every module PEFT wraps (expert_peft_layout)."""
         raise NotImplementedError
 
     def make_args(self, torch, spec, iteration, world, lora, filtered, load, save):

@@ -112,8 +112,10 @@ class MoE(lib.Family):
     def patch_cpu(self, torch):
         lib.patch_moe_cpu(torch)
 
-    def dims(self, spec):
-        return dims(spec)
+    dims = staticmethod(dims)
+    canonical_base = staticmethod(canonical_moe_base)
+    canonical_lora = staticmethod(canonical_moe_lora)
+    lora_modules = staticmethod(lora_modules)
 
     def targets(self, spec):
         return list(TARGETS)
@@ -137,15 +139,6 @@ class MoE(lib.Family):
                                             qk_layernorm=ATTENTION[rk.spec["family"]] == "qwen3",
                                             normalization="RMSNorm")
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-
-    def canonical_base(self, torch, spec, vpad):
-        return canonical_moe_base(torch, spec, vpad)
-
-    def canonical_lora(self, torch, spec, seed):
-        return canonical_moe_lora(torch, spec, seed)
-
-    def lora_modules(self, spec):
-        return lora_modules(spec)
 
     def make_args(self, torch, spec, iteration, world, lora, filtered, load, save):
         return lib.moe_args(torch, spec, dims(spec), ATTENTION[spec["family"]], TOPK, iteration, world, lora,
