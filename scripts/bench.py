@@ -467,13 +467,16 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
         return
-    if args.fp8:
-        r = bench_fp8(args.workdir, args.repeat, args.deepseek_shape)
-        title = "DeepSeek-V3 shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "") + ", FP8"
+    deepseek_title = "DeepSeek-V3 shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "")
+
+    def report_one(title: str, r: dict) -> None:
         print_runs(title, r)
         print_targets(title, r)
         if args.json:
             args.json.write_text(json.dumps([r], indent=2))
+
+    if args.fp8:
+        report_one(deepseek_title + ", FP8", bench_fp8(args.workdir, args.repeat, args.deepseek_shape))
         return
     if args.to_megatron:
         runs = [bench_to_megatron(2, args.workdir, args.repeat, True, args.deepseek_shape,
@@ -499,12 +502,7 @@ def main() -> None:
         p.error("--moe, --deepseek and --peft are separate benchmarks")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.deepseek:
-        r = bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape)
-        title = "DeepSeek-V3 shapes" + (f" ({' '.join(args.deepseek_shape)})" if args.deepseek_shape else "")
-        print_runs(title, r)
-        print_targets(title, r)
-        if args.json:
-            args.json.write_text(json.dumps([r], indent=2))
+        report_one(deepseek_title, bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape))
         return
     if args.peft:
         layouts = ["HF base + PEFT adapter"]

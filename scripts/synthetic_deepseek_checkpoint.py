@@ -274,7 +274,7 @@ def _bytes_data(s: Shard, seed: int) -> io.BytesIO:
 
 def make_args(d: dict, ep: int, *, lora: bool, save: str, load: str, r: int = 8, alpha: int = 16):
     """Megatron-LM 0.16.1 args of a DeepSeek-V3 run (MLA + MoE, local spec) as saved in its checkpoints;
-    the same fields as tests/fixtures_deepseek (make_deepseek_fixtures.make_ds_args)."""
+    the same fields as tests/fixtures_deepseek (scripts/fixturegen/deepseek.py, make_ds_args)."""
     dist = not lora
     return argparse.Namespace(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,

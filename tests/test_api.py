@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 import lora_merge
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 NAME = "tp2pp2_fp32_filtered"
 ROOT = FIXTURES / NAME

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_config_checks import SMALL_QWEN2, fails_in_cli, megatron_args, read, write_config
-from test_errors import assert_nothing_written, copied_args, copy_fixture, rank_files, rewrite
+from helpers import assert_nothing_written, copied_args, copy_fixture, rank_files, rewrite
 
 from lora_merge.errors import MergeError
 from lora_merge.hf_config import read_hf_config

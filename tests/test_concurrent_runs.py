@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 from lora_merge.errors import MergeError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-from test_errors import (
-    assert_nothing_written,
-    copied_args,
-    copy_fixture,
-    rank_files,
-    rewrite,
-)
 
-from conftest import FIXTURES
+from helpers import assert_nothing_written, copied_args, copy_fixture, rank_files, rewrite
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.architectures import ARCHITECTURES

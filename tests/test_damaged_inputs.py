@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BASE_ONLY, FIXTURES, merge_args
+from helpers import BASE_ONLY, FIXTURES, assert_nothing_written, copied_args, copy_fixture, merge_args
 from lora_merge import options
 from lora_merge.runs import to_hf
 from lora_merge.cli import main
-from test_errors import assert_nothing_written, copied_args, copy_fixture
 
 NAME = "tp2_fp32_filtered"
 LORA = FIXTURES / NAME / "lora"

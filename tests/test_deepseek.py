@@ -1,5 +1,5 @@
 """DeepSeek-V3 / V2 (multi-latent attention, dense-then-MoE layers, shared experts, router expert bias)
-against the real Megatron forward pass (tests/fixtures_deepseek, made by scripts/make_deepseek_fixtures.py
+against the real Megatron forward pass (tests/fixtures_deepseek, made by scripts/make_fixtures.py --family deepseek
 with megatron-core 0.16.1 and PEFT 0.7.1) and transformers' own DeepseekV3/DeepseekV2 classes."""
 
 import json
@@ -20,18 +20,9 @@ def cli_args(root: Path, out: Path) -> list[str]:
             "--out", str(out), "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    cache = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp("deepseek") / name
-            assert main(cli_args(DEEPSEEK / name, out)) == 0
-            cache[name] = out
-        return cache[name]
-
-    return get
+@pytest.fixture
+def merged(merged_fixture):
+    return merged_fixture
 
 
 def hf_logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
@@ -85,7 +76,7 @@ def test_mindspeed_fused_qkv_without_q_lora_rank(tmp_path, merged):
     by the documented rule, with one LoRA: q_proj's A shared, B = [B_q; B_kv]. q_proj merges as before;
     kv_a_proj_with_mqa gets W_kv + (alpha/r)·B_kv·A_q, computed here from the fixture's own tensors."""
     from safetensors.torch import load_file
-    from test_errors import rewrite
+    from helpers import rewrite
 
     root = _copy("deepseek_v2_lite_ep2", tmp_path)
     attn, lora = "self_attention.", ".lora_{}.default.weight"
@@ -156,19 +147,9 @@ def test_verify_checks_mla_and_experts_against_the_megatron_base(name, merged, t
     assert victim in capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def base_model_dirs(tmp_path_factory):
-    from conftest import BASE_ONLY
-    cache = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp("deepseek_base") / name
-            assert main(cli_args(DEEPSEEK / name, out) + BASE_ONLY) == 0
-            cache[name] = out
-        return cache[name]
-
-    return get
+@pytest.fixture
+def base_model_dirs(base_model):
+    return base_model
 
 
 def test_inspect_and_dry_run_describe_mla_and_dense_layers(capsys, tmp_path):
@@ -191,7 +172,7 @@ def _failing(args, capsys, *expected):
 
 
 def _with_args(name, tmp_path, **changes) -> Path:
-    from test_errors import rewrite
+    from helpers import rewrite
 
     root = _copy(name, tmp_path)
     for part in ("base", "lora"):
@@ -376,7 +357,7 @@ def test_mindspeed_deepseek_names_are_read(tmp_path):
     """MindSpeed-LLM's DeepSeek spec names the q and kv up-projections linear_qb / linear_kvb and the kv norm
     k_layernorm (its converter's keys), beside the fused linear_qkv; renamed from the fused fixture, the
     real Megatron logits still apply."""
-    from test_errors import rewrite
+    from helpers import rewrite
 
     root = _copy("deepseek_v3_mindspeed_fused_qkv_ep2", tmp_path)
 
@@ -450,7 +431,7 @@ def _as_duplicated(root: Path, edit_rank1=None) -> None:
     TP rank (TELinear, parallel_mode="duplicated"), built from the local-spec fixture by joining the two
     ranks' row blocks, the only difference between the specs."""
     from lora_merge.safe_load import load_pt
-    from test_errors import rewrite
+    from helpers import rewrite
 
     for iteration in [*(root / "base").glob("iter_*"), *(root / "lora").glob("iter_*")]:
         files = sorted(iteration.glob("mp_rank_*/model_optim_rng.pt"))

@@ -1,5 +1,5 @@
 """Merge each real Megatron fixture with the CLI, load the result with transformers, and compare its
-logits with those of the real Megatron forward pass (stored by scripts/make_fixtures.py)."""
+logits with those of the real Megatron forward pass (stored by scripts/make_fixtures.py --family dense)."""
 
 import json
 
@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
 from lora_merge.cli import main
 
 

@@ -2,70 +2,13 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FIXTURES, merge_args
+from helpers import (FIXTURES, assert_nothing_written, copied_args, copy_fixture, merge_args, rank_files, rewrite,
+                     run_failing, set_value)
 from lora_merge.cli import main
-from lora_merge.safe_load import StandIn, load_pt
-
-
-def copy_fixture(name: str, tmp_path: Path) -> Path:
-    dst = tmp_path / name
-    shutil.copytree(FIXTURES / name, dst)
-    return dst
-
-
-def rank_files(ckpt_dir: Path) -> list[Path]:
-    it = (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip()
-    return sorted((ckpt_dir / f"iter_{int(it):07d}").glob("mp_rank_*/model_optim_rng.pt"))
-
-
-def copied_args(root: Path, out: Path) -> list[str]:
-    """CLI arguments merging a copied fixture with its base."""
-    return ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-            "--out", str(out)]
-
-
-def rewrite(path: Path, edit) -> None:
-    """Load a rank file safely, let `edit` change it, save it back (stand-ins saved as plain strings)."""
-    state = load_pt(path, mmap=False)
-    state.pop("rng_state", None)  # holds numpy stand-ins; not needed by the tool
-    args = state.get("args")
-    if args is not None:
-        for key, value in vars(args).items():
-            if isinstance(value, StandIn):
-                setattr(args, key, repr(value))
-    edit(state)
-    torch.save(state, path)
-
-
-def set_value(path: Path, key: str, index, value) -> None:
-    """Rewrite one rank file with model[key][index] = value (the tensor copied first: it may be a view)."""
-    def edit(state):
-        state["model"][key] = state["model"][key].clone()
-        state["model"][key][index] = value
-
-    rewrite(path, edit)
-
-
-def run_failing(args: list[str], capsys, *expected: str) -> str:
-    code = main(args)
-    err = capsys.readouterr().err
-    assert code != 0, err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("lora-merge: warning: ")]
-    assert len(lines) == 1 and lines[0].startswith("lora-merge: error: "), err
-    for text in expected:
-        assert text in lines[0], lines[0]
-    print(f"\n[{code}] {lines[0]}")  # `pytest -s tests/test_errors.py` lists every message
-    return lines[0]
-
-
-def assert_nothing_written(out: Path) -> None:
-    assert not out.exists()
-    assert not list(out.parent.glob(f".{out.name}.*"))
 
 
 def test_missing_lora_alpha_and_r_is_an_error_not_a_default(tmp_path, capsys):

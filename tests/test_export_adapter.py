@@ -9,7 +9,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import BASE_ONLY, FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_info
 from lora_merge.cli import main
 
 # What vLLM's LoRA loader accepts (vllm/lora/models.py + utils.parse_fine_tuned_lora_name): one
@@ -24,19 +24,10 @@ def export(name, out):
     return main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out)])
 
 
-@pytest.fixture(scope="module")
-def base_models(tmp_path_factory):
+@pytest.fixture
+def base_models(base_model):
     """The HF base model of each fixture (LoRA scaled to 0; the e2e tests check it against Megatron)."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            out = tmp_path_factory.mktemp("base") / name
-            assert main(merge_args(name, out) + BASE_ONLY + ["--dtype", "float32"]) == 0
-            cache[name] = out
-        return cache[name]
-
-    return get
+    return lambda name: base_model(name, "--dtype", "float32")
 
 
 def logits(model, ids):
@@ -119,7 +110,7 @@ def test_a_layer_without_lora_gets_zero_factors_with_allow_partial_lora(tmp_path
     """Layer 1 lost its linear_fc2 LoRA: the export stops like the merge, or with --allow-partial-lora writes
     zero factors for that down_proj (PEFT targets down_proj in every layer) and computes what the partial
     merge computes."""
-    from test_errors import copy_fixture, rank_files, rewrite
+    from helpers import copy_fixture, rank_files, rewrite
 
     name = "tp2_fp32_filtered"
     root = copy_fixture(name, tmp_path)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, merge_args
-from test_errors import run_failing
+from helpers import FIXTURES, merge_args, run_failing
 from lora_merge.cli import main
 
 FIXTURE = FIXTURES / "tp2_fp32_filtered"
@@ -65,11 +64,9 @@ def not_ours(tmp_path: Path) -> list[tuple[str, Path]]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    out = tmp_path_factory.mktemp("merged") / "merged"
-    assert main(merge_args("tp2_fp32_filtered", out)) == 0
-    return out
+@pytest.fixture
+def merged(merged_fixture):
+    return merged_fixture("tp2_fp32_filtered")
 
 
 @pytest.mark.parametrize("command", ["merge", "verify", "export-adapter"])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import BASE_ONLY, FIXTURES, fixture_info, merge_args
+from helpers import FIXTURES, fixture_info
 from lora_merge.cli import main
 
 MOE = Path(__file__).parent / "fixtures_moe"
@@ -22,17 +22,9 @@ def _args(root: Path, out: Path, base: Path | None = None) -> list[str]:
                                                       "--out", str(out), "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def hf_bases(tmp_path_factory):
-    cache = {}
-
-    def get(root: Path) -> Path:
-        if root not in cache:
-            out = tmp_path_factory.mktemp("hf_base") / root.name
-            assert main(_args(root, out) + BASE_ONLY) == 0
-            cache[root] = out
-        return cache[root]
-    return get
+@pytest.fixture
+def hf_bases(base_model):
+    return base_model
 
 
 @pytest.mark.parametrize("root", CASES, ids=lambda p: p.name)

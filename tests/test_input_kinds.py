@@ -2,6 +2,7 @@
 model dir, a LoRA that is a Megatron checkpoint or a PEFT adapter; dense and MoE. Nothing may assume the
 base or the LoRA is Megatron's (an HF base has no expert layout, a PEFT adapter no Megatron module names)."""
 
+import functools
 import json
 import re
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import BASE_ONLY, FIXTURES
+from helpers import FIXTURES
 from lora_merge.cli import main
 from test_peft_input import make_adapter
 
@@ -22,20 +23,14 @@ ROOTS = {"legacy": FIXTURES / "tp2pp2_fp32_filtered", "torch_dist": FIXTURES / "
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
+def inputs(tmp_path_factory, base_model):
     """For a fixture: its HF base (the base written in HF form) and a PEFT adapter trained on it."""
-    cache = {}
-
+    @functools.cache
     def get(kind: str) -> dict:
-        if kind not in cache:
-            root = ROOTS[kind]
-            work = tmp_path_factory.mktemp(kind)
-            hf = work / "hf_base"
-            assert main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                         "--out", str(hf), "-q"] + BASE_ONLY) == 0
-            make_adapter(hf, work / "peft", r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"])
-            cache[kind] = {"root": root, "hf": hf, "peft": work / "peft", "work": work}
-        return cache[kind]
+        root, work = ROOTS[kind], tmp_path_factory.mktemp(kind)
+        hf = base_model(root)
+        make_adapter(hf, work / "peft", r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"])
+        return {"root": root, "hf": hf, "peft": work / "peft", "work": work}
     return get
 
 

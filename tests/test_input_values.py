@@ -9,11 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES, merge_args
+from helpers import FIXTURES, copied_args, copy_fixture, merge_args, rank_files, rewrite
 from lora_merge.cli import main
 from lora_merge.value_checks import shown_value
 from test_damaged_inputs import fails
-from test_errors import copied_args, copy_fixture, rank_files, rewrite
 from test_peft_input import NAME, hf_base, make_adapter  # noqa: F401 (hf_base: the fixture)
 
 ROOT = FIXTURES / NAME

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import FIXTURE_NAMES, FIXTURES, fixture_info
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_info
 from lora_merge.cli import main
 
 

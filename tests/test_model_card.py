@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from conftest import BASE_ONLY, FIXTURES, merge_args
+from helpers import BASE_ONLY, FIXTURES, copied_args, copy_fixture, merge_args
 from lora_merge.cli import main
-from test_errors import copied_args, copy_fixture
 
 NAME = "tp2_fp32_filtered"
 

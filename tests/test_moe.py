@@ -1,5 +1,5 @@
 """Mixture-of-Experts merges against the real Megatron forward pass (tests/fixtures_moe, made by
-scripts/make_moe_fixtures.py with megatron-core 0.16.1 and PEFT 0.7.1 as MindSpeed-LLM calls it)."""
+scripts/make_fixtures.py --family moe with megatron-core 0.16.1 and PEFT 0.7.1 as MindSpeed-LLM calls it)."""
 
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import peft_model_loading_every_key
+from helpers import peft_model_loading_every_key
 from lora_merge.cli import main
 
 MOE = Path(__file__).parent / "fixtures_moe"
@@ -20,18 +20,9 @@ def moe_args(name: str, out: Path) -> list[str]:
             "--out", str(out), "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    cache = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp("moe") / name
-            assert main(moe_args(name, out)) == 0
-            cache[name] = out
-        return cache[name]
-
-    return get
+@pytest.fixture
+def merged(merged_fixture):
+    return merged_fixture
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -102,7 +93,7 @@ def test_sparse_rank_grid_must_still_cover_every_rank(tmp_path, capsys):
 
 
 def test_dense_copies_that_differ_between_expert_parallel_files_are_an_error(tmp_path, capsys):
-    from test_errors import rewrite
+    from helpers import rewrite
     root = _copy("qwen3moe_ep2", tmp_path)
     key = "decoder.layers.2.self_attention.linear_proj.weight"
     rewrite(root / "base" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt",
@@ -127,20 +118,10 @@ def test_moe_config_must_match_the_args(tmp_path, capsys, field, value, expected
     _failing(args, capsys, expected)
 
 
-@pytest.fixture(scope="module")
-def base_model_dirs(tmp_path_factory):
+@pytest.fixture
+def base_model_dirs(base_model):
     """Each fixture's base model in HF form (LoRA scaled to nothing; the merge tests check it)."""
-    from conftest import BASE_ONLY
-    cache = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp("moe_base") / name
-            assert main(moe_args(name, out) + BASE_ONLY) == 0
-            cache[name] = out
-        return cache[name]
-
-    return get
+    return base_model
 
 
 ADAPTER_CASES = [(name, "fused") for name in NAMES] + \
@@ -223,7 +204,7 @@ def test_every_parameter_says_how_it_was_split():
 def test_one_expert_without_its_lora_is_an_error(tmp_path, capsys):
     """PEFT adapts every expert; a checkpoint missing one expert's factors lost them on the way (global
     expert 3 is EP rank 1's local expert 1)."""
-    from test_errors import rewrite
+    from helpers import rewrite
     root = _copy("qwen3moe_ep2", tmp_path)
     prefix = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.lora_"
     rewrite(root / "lora" / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt",
@@ -319,7 +300,7 @@ def test_verify_checks_every_expert_against_the_megatron_base(name, merged, tmp_
     ("moe_expert_capacity_factor", 1.0, "token dropping"),
 ])
 def test_routing_the_hf_model_does_not_do_is_refused(tmp_path, capsys, arg, value, expected):
-    from test_errors import rank_files, rewrite
+    from helpers import rank_files, rewrite
     root = _copy("qwen3moe_ep2", tmp_path)
     for part in ("base", "lora"):
         for f in rank_files(root / part):
@@ -332,7 +313,7 @@ def test_routing_the_hf_model_does_not_do_is_refused(tmp_path, capsys, arg, valu
 def _drop_lora(root: Path, prefix: str, infix: str, rank_dir: str = "mp_rank_") -> None:
     """Remove from the LoRA rank files (those of `rank_dir`) the factors of the modules under `prefix` whose
     name holds `infix`."""
-    from test_errors import rank_files, rewrite
+    from helpers import rank_files, rewrite
     for rank_file in (f for f in rank_files(root / "lora") if f.parent.name.startswith(rank_dir)):
         rewrite(rank_file, lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items()
                                                             if not (k.startswith(prefix) and infix in k)}))

@@ -10,10 +10,9 @@ import re
 
 import torch
 
-from conftest import FIXTURES
+from helpers import FIXTURES, copied_args, copy_fixture, rank_files, rewrite
 from lora_merge.cli import main
 from test_end_to_end import hf_logits
-from test_errors import copied_args, copy_fixture, rank_files, rewrite
 
 NAME = "tp2pp2_fp32_filtered"
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, merge_args
-from test_errors import run_failing
+from helpers import FIXTURES, merge_args, run_failing
 from lora_merge.cli import main
 
 FIXTURE = FIXTURES / "tp2_fp32_filtered"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 from lora_merge.cli import main
 from lora_merge.readers.peft import config_selects
 from test_damaged_inputs import fails

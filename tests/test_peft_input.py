@@ -8,18 +8,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BASE_ONLY, FIXTURES, merge_args
+from helpers import BASE_ONLY, FIXTURES, merge_args
 from lora_merge.cli import main
 
 NAME = "tp2pp2_fp32_filtered"  # Qwen2: q/k/v biases, 4 layers
 ROOT = FIXTURES / NAME
 
 
-@pytest.fixture(scope="module")
-def hf_base(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf") / "base"
-    assert main(merge_args(NAME, out) + BASE_ONLY) == 0
-    return out
+@pytest.fixture
+def hf_base(base_model):
+    return base_model(NAME)
 
 
 def make_adapter(base, out, dtype=torch.float32, **config):

@@ -22,6 +22,7 @@ of g; k rows of g; v rows of g]; each TP rank holds NG/TP whole groups. linear_f
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -31,8 +32,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import BASE_ONLY, FIXTURE_NAMES, FIXTURES, fixture_info, merge_args
-from lora_merge.cli import main
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_info
 from lora_merge.safe_load import load_pt
 
 peft = pytest.importorskip("peft")
@@ -188,17 +188,11 @@ def hf_model(name: str, state_dict: dict):
 
 
 @pytest.fixture(scope="module")
-def oracle_inputs(tmp_path_factory):
+def oracle_inputs(base_model):
     """name -> (base state dict from `BASE_ONLY`, adapter, LoRA args); each built once."""
-    cache = {}
-
+    @functools.cache
     def get(name: str):
-        if name not in cache:
-            out = tmp_path_factory.mktemp("alpha0") / name
-            assert main(merge_args(name, out) + BASE_ONLY) == 0
-            adapter, args = build_adapter(name)
-            cache[name] = (read_safetensors_dir(out), adapter, args)
-        return cache[name]
+        return (read_safetensors_dir(base_model(name)), *build_adapter(name))
 
     return get
 

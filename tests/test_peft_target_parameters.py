@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import peft_model_loading_every_key
+from helpers import peft_model_loading_every_key
 from lora_merge.cli import main
 
 peft = pytest.importorskip("peft")
@@ -301,23 +301,10 @@ MEGATRON = {name: TESTS / group / name for group, name in [
     ("fixtures_deepseek", "deepseek_v2_lite_ep2")]}
 
 
-@pytest.fixture(scope="module")
-def megatron_merges(tmp_path_factory):
+@pytest.fixture
+def megatron_merges(merged_fixture, base_model):
     """name -> (the direct merge of the Megatron base + LoRA, the Megatron base alone in HF form)."""
-    from conftest import BASE_ONLY
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            root, out = MEGATRON[name], tmp_path_factory.mktemp(name)
-            args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                    "--no-progress"]
-            assert main(args + ["--out", str(out / "merged")]) == 0
-            assert main(args + ["--out", str(out / "base")] + BASE_ONLY) == 0
-            cache[name] = (out / "merged", out / "base")
-        return cache[name]
-
-    return get
+    return lambda name: (merged_fixture(MEGATRON[name]), base_model(MEGATRON[name]))
 
 
 def export_fused(name: str, out: Path) -> int:

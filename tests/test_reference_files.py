@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from helpers import FIXTURES, assert_nothing_written, copied_args, copy_fixture
 from lora_merge.cli import main
-from test_errors import assert_nothing_written, copied_args, copy_fixture
 
 NAME = "tp2_fp32_filtered"
 LORA = FIXTURES / NAME / "lora"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lora_merge.errors import MergeError
-from conftest import FIXTURES
+from helpers import FIXTURES
 from lora_merge.safe_load import StandIn, load_pt
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import merge_args
+from helpers import merge_args
 from lora_merge.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,10 +6,9 @@ import io
 
 import torch
 
-from conftest import FIXTURES
+from helpers import FIXTURES, copied_args, copy_fixture, rank_files, rewrite
 from lora_merge.cli import main
 from test_end_to_end import hf_logits
-from test_errors import copied_args, copy_fixture, rank_files, rewrite
 
 NAME = "tp2_fp32_filtered"
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FIXTURES, merge_args
-from test_errors import copied_args, copy_fixture, rank_files, rewrite, run_failing, set_value
+from helpers import FIXTURES, copied_args, copy_fixture, merge_args, rank_files, rewrite, run_failing, set_value
 from lora_merge.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

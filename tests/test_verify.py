@@ -8,22 +8,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import BASE_ONLY, FIXTURES, merge_args
+from helpers import FIXTURES, merge_args
 from lora_merge.cli import main
 
 NAME = "tp2_fp32_filtered"
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture
+def setup(merged_fixture, base_model):
     """(reference HF dir with the base weights, good merged output)."""
-    root = tmp_path_factory.mktemp("verify")
-    reference = root / "reference"
     # The base as an HF model: LoRA scaled to nothing. The e2e and PEFT tests check this equals Megatron's base.
-    assert main(merge_args(NAME, reference) + BASE_ONLY) == 0
-    good = root / "good"
-    assert main(merge_args(NAME, good)) == 0
-    return reference, good
+    return base_model(NAME), merged_fixture(NAME)
 
 
 def verify(out, reference, capsys, *extra):

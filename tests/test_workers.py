@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import lora_merge
-from conftest import FIXTURES
+from helpers import FIXTURES, copied_args, copy_fixture, rank_files, set_value
 from lora_merge import merge_pipeline
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.merge_pipeline import OrderedPool
-from test_errors import copied_args, copy_fixture, rank_files, set_value
 
 MOE = Path(__file__).parent / "fixtures_moe"
 

@@ -1,0 +1,534 @@
+"""Mixture-of-Experts fixtures (tests/fixtures_moe): Qwen3-MoE-, Qwen2-MoE- and Mixtral-like GPTModels.
+
+TP x EP ranks (PP = 1); the MLPs are ``MoELayer`` = ``TopKRouter`` + ``SequentialMLP`` experts (local
+spec, ``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, ...)``, or
+``get_gpt_decoder_block_spec`` when ``moe_layer_freq`` mixes dense and MoE layers), optionally a gated
+``SharedExpertMLP``, with the ``alltoall`` token dispatcher and expert parallelism. The canonical global
+tensors hold every expert of layer l as one ``[2F, H]`` / ``[H, F]`` pair (expert TP shards like a dense
+fc1/fc2). Legacy files: ``mp_rank_TT_EEE`` per (tp, ep) rank, each holding the whole non-expert model and
+its local experts; or a torch_dist base. PEFT is wrapped with MindSpeed's ``LoraParallelLinearMoE`` (LoRA
+linears built with ``is_expert=base_layer.is_expert``).
+
+* Every router decision of both forwards is recorded: tokens routed to each expert and the smallest gap
+  between the k-th and (k+1)-th router score (no top-k choice sits on a tie), written to fixture.json.
+* The GroupedMLP fixtures are derived from the SequentialMLP one by the documented layouts (GroupedMLP
+  ``weight1`` / ``weight2`` and MindSpeed's ``LoraParallelGroupedMLP`` ``weight{1,2}_lora_{a,b}``),
+  checked against Megatron's own GroupedMLP resharding (a GroupedMLP model loading the torch_dist base)
+  and by recomputing every expert's output from the rewritten tensors in plain torch.
+* Independent HF check: transformers' own Qwen3MoeForCausalLM / Qwen2MoeForCausalLM / MixtralForCausalLM
+  built from the canonical global tensors (per-expert HF names), against the real Megatron logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+
+from fixturegen import library as lib
+
+MOE_MODEL = dict(lib.TINY, moe_ffn_hidden_size=32)  # ffn_hidden_size: dense layers; moe_ffn: every routed expert
+TOPK = 2
+TARGETS = lib.GQA_TARGETS
+ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama"}  # qkv bias / qk layernorm as these
+
+QWEN3MOE = dict(family="qwen3_moe", tp=1, ep=2, etp=1, num_experts=4, kv_channels=16, moe_layer_freq=1,
+                pre_softmax=False, shared=None, shared_gate=False, base_seed=11000, lora_seed=12000, router_std=0.3)
+# family: qwen3_moe | qwen2_moe | mixtral
+BUILT = {
+    "qwen3moe_ep2": QWEN3MOE,
+    "qwen3moe_dist_ep2": dict(QWEN3MOE, base_format="torch_dist"),
+    # singleton_local_shards: per-layer keys, each expert its own `mlp.experts.experts.{e}.linear_fc1.weight_w/_v`
+    "qwen3moe_dist_singleton_ep2": dict(QWEN3MOE, base_format="torch_dist", singleton=True),
+    "qwen2moe_tp2ep2": dict(QWEN3MOE, family="qwen2_moe", tp=2, etp=2, kv_channels=8, moe_layer_freq=[0, 1, 1, 1],
+                            pre_softmax=True, shared=48, shared_gate=True, base_seed=13000, lora_seed=14000),
+    # ETP=1 under TP=2: experts are not tensor-split, and only the (tp, ep) dirs of ranks with expert-data-
+    # parallel rank 0 exist (world 2: mp_rank_00_000 and mp_rank_01_001), so the dir grid is sparse.
+    "qwen3moe_tp2etp1_ep2": dict(QWEN3MOE, tp=2, base_seed=17000, lora_seed=18000),
+    "mixtral_ep2": dict(QWEN3MOE, family="mixtral", num_experts=8, kv_channels=8, base_seed=15000, lora_seed=16000,
+                        ffn_hidden_size=32, router_seed=15004),
+}
+# derived (no Megatron run): from qwen3moe_ep2's real checkpoint by the documented layouts
+DERIVED = {
+    "qwen3moe_grouped_ep2": dict(source="qwen3moe_ep2", lora="copy"),
+    "qwen3moe_mindspeed_grouped_lora_ep2": dict(source="qwen3moe_ep2", lora="grouped"),
+}
+
+
+def dims(spec: dict) -> dict:
+    d = dict(MOE_MODEL, kv_channels=spec["kv_channels"])
+    if "ffn_hidden_size" in spec:
+        d["ffn_hidden_size"] = spec["ffn_hidden_size"]
+        d["moe_ffn_hidden_size"] = spec["ffn_hidden_size"]
+    return d
+
+
+def layer_pattern(spec):
+    """Megatron's moe_layer_freq -> [1 = MoE, 0 = dense] per layer (an int N: every N-th layer).
+    Megatron-LM's default is the int 1 (all MoE): the torch_dist checkpoint then stacks the layers
+    ([L, ...] keys); a list (e.g. [0, 1, 1, 1]) makes it use per-layer keys."""
+    f, L = spec["moe_layer_freq"], MOE_MODEL["num_layers"]
+    return [1 if i % f == 0 else 0 for i in range(L)] if isinstance(f, int) else list(f)
+
+
+def moe_layers(spec):
+    return [i for i, f in enumerate(layer_pattern(spec)) if f == 1]
+
+
+def canonical_moe_base(torch, spec: dict, vpad: int) -> dict:
+    dm, attention = dims(spec), ATTENTION[spec["family"]]
+    t = lib.canonical_gpt_base(torch, spec["base_seed"], attention == "qwen2", vpad, dm, qk_norm=attention == "qwen3")
+    return lib.add_experts(torch, t, spec, dm, moe_layers(spec), spec["shared"], spec["shared_gate"])
+
+
+def lora_modules(spec: dict) -> dict:
+    """{global module path: (in, out)} of every module PEFT wraps for TARGETS."""
+    dm = dims(spec)
+    H, NH, NG, D = dm["hidden_size"], dm["num_attention_heads"], dm["num_query_groups"], dm["kv_channels"]
+    out = {}
+    for i in range(dm["num_layers"]):
+        p = f"decoder.layers.{i}."
+        out[p + "self_attention.linear_qkv"] = (H, (NH + 2 * NG) * D)
+        out[p + "self_attention.linear_proj"] = (NH * D, H)
+        lib.mlp_lora_modules(out, i, i in moe_layers(spec), dm, spec["num_experts"], spec["shared"])
+    return out
+
+
+def canonical_moe_lora(torch, spec: dict, seed: int) -> dict:
+    return lib.lora_factors(torch, seed, lora_modules(spec))
+
+
+class MoE(lib.Family):
+    name = "moe"
+    out = "tests/fixtures_moe"
+    built = BUILT
+    derived = DERIVED
+    mindspeed_moe_lora = True
+    routed = True
+    grouped_ref = None  # Megatron's own GroupedMLP tensors per rank dir (from qwen3moe_dist_ep2's run)
+
+    def patch_cpu(self, torch):
+        lib.patch_moe_cpu(torch)
+
+    dims = staticmethod(dims)
+    canonical_base = staticmethod(canonical_moe_base)
+    canonical_lora = staticmethod(canonical_moe_lora)
+    lora_modules = staticmethod(lora_modules)
+
+    def targets(self, spec):
+        return list(TARGETS)
+
+    def make_config(self, rk, grouped=False):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        spec, dm, attention, kw = rk.spec, rk.dm, ATTENTION[rk.spec["family"]], {}
+        if attention == "qwen3":
+            kw["qk_layernorm"] = True
+        return TransformerConfig(
+            **lib.config_kwargs(rk), num_query_groups=dm["num_query_groups"], kv_channels=dm["kv_channels"],
+            add_qkv_bias=attention == "qwen2", moe_shared_expert_gate=bool(spec["shared_gate"]),
+            **lib.moe_config_kwargs(rk, TOPK, "softmax", spec["moe_layer_freq"], spec["shared"], grouped), **kw)
+
+    def layer_spec(self, rk, config, grouped=False):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+        if all(f == 1 for f in layer_pattern(rk.spec)):
+            return get_gpt_layer_local_spec(num_experts=rk.spec["num_experts"], moe_grouped_gemm=grouped,
+                                            qk_layernorm=ATTENTION[rk.spec["family"]] == "qwen3",
+                                            normalization="RMSNorm")
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+
+    def make_args(self, torch, spec, iteration, world, lora, filtered, load, save):
+        return lib.moe_args(torch, spec, dims(spec), ATTENTION[spec["family"]], TOPK, iteration, world, lora,
+                            filtered, load, save)
+
+    def routing_stats(self, torch, spec, logits, rmap, bias):
+        """Tokens per expert, smallest k-th vs (k+1)-th gap (abs and relative)."""
+        s = logits.sort(dim=-1, descending=True).values
+        if spec["pre_softmax"]:
+            s = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
+            s_log = logits.sort(dim=-1, descending=True).values
+        else:
+            s_log = s
+        gap = s[:, TOPK - 1] - s[:, TOPK]
+        gap_logit = s_log[:, TOPK - 1] - s_log[:, TOPK]
+        rel = gap_logit / (s_log[:, 0] - s_log[:, -1])
+        # the routing map must be exactly the top-k of the recorded logits
+        top = torch.zeros_like(rmap)
+        top.scatter_(1, logits.topk(TOPK, dim=-1).indices, True)
+        assert torch.equal(top, rmap)
+        return dict(
+            tokens_per_expert=[int(v) for v in rmap.sum(0)],
+            min_gap_router_logit=float(gap_logit.min()),
+            min_gap_score=float(gap.min()),
+            min_rel_gap=float(rel.min()),
+        )
+
+    def after_base_save(self, rk, base_sd):
+        """Megatron's own GroupedMLP layout: a GroupedMLP model (legacy GroupedMLP, construction only:
+        grouped_gemm is not needed to build it) loads the torch_dist base via dist_checkpointing."""
+        if rk.spec.get("base_format") != "torch_dist" or rk.spec.get("singleton", False):
+            return
+        torch = rk.torch
+        from megatron.core import dist_checkpointing
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+        gmodel = rk.build(self.make_config(rk, grouped=True), grouped=True)[0][0]
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                    "dp_cp_group": rk.ps.get_data_parallel_group(with_context_parallel=True)}
+        loaded = dist_checkpointing.load({"model": gmodel.sharded_state_dict(metadata=metadata)},
+                                         str(rk.out / "base" / f"iter_{lib.BASE_ITER:07d}"))
+        gsd = {k: v for k, v in loaded["model"].items() if torch.is_tensor(v)}
+        missing, unexpected = gmodel.load_state_dict(gsd, strict=False)
+        assert not [m for m in missing if not m.endswith("_extra_state")], missing
+        torch.save({k: v.clone() for k, v in gmodel.state_dict().items() if ".mlp.experts." in k},
+                   rk.out / f".megatron_grouped_{rk.dirname}.pt")
+
+    def peft_layout(self, rk):
+        return lib.expert_peft_layout(rk, dense_prefix=False)
+
+    def rank_summary(self, rk):
+        return lib.expert_rank_summary(rk)
+
+    # ---- main process ----
+    def to_build(self, names, out):
+        # the derived fixtures need their source (and the dist one for Megatron's GroupedMLP layout)
+        need = [n for n in BUILT if n in names]
+        if any(n in DERIVED for n in names):
+            for n in ("qwen3moe_ep2", "qwen3moe_dist_ep2"):
+                if n not in need and not (out / n / "fixture.json").exists():
+                    need.append(n)
+        return [n for n in BUILT if n in need]
+
+    def hf_config(self, spec):
+        from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+        dm = dims(spec)
+        common = dict(lib.hf_common(dm), rope_theta=float(dm["rotary_base"]), num_experts_per_tok=TOPK,
+                      output_router_logits=False)
+        mlp_only = [i for i, f in enumerate(layer_pattern(spec)) if f == 0]
+        if spec["family"] == "qwen3_moe":
+            return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], head_dim=dm["kv_channels"],
+                                  attention_bias=False, intermediate_size=dm["ffn_hidden_size"],
+                                  moe_intermediate_size=dm["moe_ffn_hidden_size"], num_experts=spec["num_experts"],
+                                  norm_topk_prob=not spec["pre_softmax"], decoder_sparse_step=1,
+                                  mlp_only_layers=mlp_only, **common)
+        if spec["family"] == "qwen2_moe":
+            assert spec["shared"] and spec["shared_gate"]
+            return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], qkv_bias=True,
+                                  intermediate_size=dm["ffn_hidden_size"],
+                                  moe_intermediate_size=dm["moe_ffn_hidden_size"],
+                                  shared_expert_intermediate_size=spec["shared"], num_experts=spec["num_experts"],
+                                  norm_topk_prob=not spec["pre_softmax"], decoder_sparse_step=1,
+                                  mlp_only_layers=mlp_only, **common)
+        assert not mlp_only and not spec["pre_softmax"] and not spec["shared"]
+        return MixtralConfig(architectures=["MixtralForCausalLM"], head_dim=dm["kv_channels"],
+                             intermediate_size=dm["moe_ffn_hidden_size"], num_local_experts=spec["num_experts"],
+                             router_jitter_noise=0.0, **common)
+
+    def fixture_json(self, torch, name, spec, d, summary, opts):
+        grp = sorted(d.glob(".megatron_grouped_*.pt"))
+        if grp:
+            self.grouped_ref = {f.name[len(".megatron_grouped_"):-3]: torch.load(f, weights_only=True) for f in grp}
+            for f in grp:
+                f.unlink()
+        keys = ("routing_base", "routing_lora")
+        min_rel, counts = lib.routing_checks(name, spec, summary, keys)
+        min_abs = min(v["min_gap_router_logit"] for r in keys for v in summary[r].values())
+        nrep = lib.check_ep_replicas(torch, d, spec)
+        dm = dims(spec)
+        world = math.lcm(spec["tp"], spec["etp"] * spec["ep"])
+        fx = dict(
+            model_type=spec["family"],
+            megatron_family=ATTENTION[spec["family"]],
+            tp=spec["tp"], pp=1, ep=spec["ep"], etp=spec["etp"], world_size=world,
+            dtype="float32", lora="filtered", r=lib.LORA_R, alpha=lib.LORA_ALPHA, targets=TARGETS,
+            num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
+            num_query_groups=dm["num_query_groups"], kv_channels=dm["kv_channels"],
+            ffn_hidden_size=dm["ffn_hidden_size"], moe_ffn_hidden_size=dm["moe_ffn_hidden_size"],
+            vocab_size=dm["vocab_size"], padded_vocab_size=lib.padded_vocab(spec["tp"]),
+            num_experts=spec["num_experts"], experts_per_ep_rank=spec["num_experts"] // spec["ep"],
+            moe_router_topk=TOPK, moe_router_pre_softmax=spec["pre_softmax"], hf_norm_topk_prob=not spec["pre_softmax"],
+            moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_layout="SequentialMLP",
+            moe_layer_freq=spec["moe_layer_freq"], moe_layers=moe_layers(spec),
+            dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
+            moe_shared_expert_intermediate_size=spec["shared"], moe_shared_expert_gate=bool(spec["shared_gate"]),
+            qkv_bias=spec["family"] == "qwen2_moe", qk_layernorm=spec["family"] == "qwen3_moe",
+            router_weight_std=spec["router_std"], base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
+            base_format=spec.get("base_format", "torch"), lora_format="torch",
+            base_iteration=lib.BASE_ITER, lora_iteration=lib.LORA_ITER, stale_lora_iteration=lib.STALE_LORA_ITER,
+            rank_dirs=sorted(x["dir"] for x in summary["ranks"] if x["dir"]),
+            ranks=summary["ranks"],
+            peft_layout=summary["layout"],
+            tokens_per_expert=dict(base=counts["routing_base"], lora=counts["routing_lora"]),
+            routing=dict(base=summary["routing_base"], lora=summary["routing_lora"]),
+            min_topk_margin_router_logit=min_abs, min_topk_margin_relative=min_rel,
+            ep_replica_tensors_checked_equal=nrep,
+            lora_vs_base_max_abs=summary["lora_vs_base_max_abs"],
+            stale_vs_lora_max_abs=summary["stale_vs_lora_max_abs"],
+            replica_logits_max_abs_diff=summary["replica_logits_max_abs_diff"],
+            logits_computed_in="float32",
+        )
+        if spec.get("base_format") == "torch_dist":
+            lst = lib.key_listing(torch, d)["base"]["torch_dist"]
+            fx["torch_dist_moe_keys"] = {k: v for k, v in lst if (".mlp.router." in k or ".mlp.experts." in k)
+                                         and "_extra_state" not in k}
+        if not opts.no_hf_check:
+            base = canonical_moe_base(torch, spec, lib.padded_vocab(spec["tp"]))
+            lora = canonical_moe_lora(torch, spec, spec["lora_seed"])
+            fx["hf_check"] = lib.hf_check(d, lambda tag: hf_state_dict(spec, base, lora if tag == "lora" else None))
+        fx["description"] = describe(spec)
+        return fx
+
+    def derive(self, torch, name, out, opts):
+        res, meg_eq, n_meg = derive(torch, name, out, self.grouped_ref)
+        src = json.loads((out / DERIVED[name]["source"] / "fixture.json").read_text())
+        fx = {k: v for k, v in src.items() if k not in ("description", "hf_check")}
+        fx["derived_from"] = DERIVED[name]["source"]
+        fx["moe_grouped_gemm"] = True
+        fx["expert_layout"] = "GroupedMLP"
+        fx["lora_expert_layout"] = ("LoraParallelGroupedMLP (MindSpeed)" if DERIVED[name]["lora"] == "grouped"
+                                    else "PEFT per-expert (copied from the source fixture)")
+        fx["grouped_check"] = dict(per_rank_file=res, megatron_grouped_mlp_dist_load_equal=meg_eq,
+                                   megatron_grouped_tensors_compared=n_meg)
+        fx["hf_check_of_source"] = src.get("hf_check")
+        if DERIVED[name]["lora"] == "grouped":
+            desc = ("Derived from qwen3moe_ep2's real checkpoint (same model, same LoRA, same logits.pt): base "
+                    "experts rewritten as legacy GroupedMLP (mlp.experts.weight1 [H, E_loc*2F], weight2 "
+                    "[E_loc*F, H]; expert k = weight1.view(E_loc, H, -1)[k] (in->out, columns [gate; up]) and "
+                    "weight2.view(E_loc, -1, H)[k]), and the expert LoRA rewritten as MindSpeed's "
+                    "LoraParallelGroupedMLP (mlp.experts.weight1_lora_a [H, r*E_loc] = view (E_loc, H, r), "
+                    "weight1_lora_b [r, E_loc*2F] = view (E_loc, r, 2F), weight2_lora_a [E_loc*F, r] = view "
+                    "(E_loc, F, r), weight2_lora_b [r*E_loc, H] = view (E_loc, r, H); delta W1[k] (in->out) = "
+                    "(alpha/r) * A1[k] @ B1[k], transposed for HF [out, in]); attention LoRA unchanged (PEFT). "
+                    "LoRA args: moe_grouped_gemm=True, moe_token_dispatcher_type=alltoall_seq.")
+        else:
+            desc = ("Derived from qwen3moe_ep2's real checkpoint (same model, same logits.pt): base experts "
+                    "rewritten as legacy GroupedMLP (mlp.experts.weight1 [H, E_loc*2F] = view (E_loc, H, 2F), "
+                    "weight2 [E_loc*F, H] = view (E_loc, F, H), in->out, weight1 columns [gate; up] per expert); "
+                    "args.moe_grouped_gemm=True. lora/ is qwen3moe_ep2's LoRA copied byte for byte (PEFT "
+                    "per-expert local_experts.{k}.linear_fc1/fc2 LoRA): base and LoRA differ in expert layout, "
+                    "as base and LoRA may differ in TP; the merge happens in HF layout.")
+        desc += (" Checked: every expert's output recomputed in plain torch from the rewritten tensors equals "
+                 "the per-expert one (grouped_check), and weight1/weight2 are bitwise equal to what Megatron's "
+                 "own GroupedMLP holds after dist_checkpointing.load of qwen3moe_dist_ep2's torch_dist base.")
+        fx["description"] = desc
+        (out / name / "fixture.json").write_text(json.dumps(fx, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Independent HF check: the Megatron -> HF mapping (an oracle, written from the HF classes)
+# --------------------------------------------------------------------------------------------
+
+def hf_state_dict(spec, base: dict, lora: dict | None) -> dict:
+    dm = dims(spec)
+    H, NH, NG, D = dm["hidden_size"], dm["num_attention_heads"], dm["num_query_groups"], dm["kv_channels"]
+    out = lib.hf_outer(base, dm)
+    mix = spec["family"] == "mixtral"
+    for i in range(dm["num_layers"]):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = lib.merged_weight(base, lora, p + "self_attention.linear_qkv").view(NG, NH // NG + 2, D, H)
+        out[h + "self_attn.q_proj.weight"] = qkv[:, : NH // NG].reshape(-1, H)
+        out[h + "self_attn.k_proj.weight"] = qkv[:, NH // NG].reshape(-1, H)
+        out[h + "self_attn.v_proj.weight"] = qkv[:, NH // NG + 1].reshape(-1, H)
+        if p + "self_attention.linear_qkv.bias" in base:
+            b = base[p + "self_attention.linear_qkv.bias"].view(NG, NH // NG + 2, D)
+            out[h + "self_attn.q_proj.bias"] = b[:, : NH // NG].reshape(-1)
+            out[h + "self_attn.k_proj.bias"] = b[:, NH // NG].reshape(-1)
+            out[h + "self_attn.v_proj.bias"] = b[:, NH // NG + 1].reshape(-1)
+        if p + "self_attention.q_layernorm.weight" in base:
+            out[h + "self_attn.q_norm.weight"] = base[p + "self_attention.q_layernorm.weight"]
+            out[h + "self_attn.k_norm.weight"] = base[p + "self_attention.k_layernorm.weight"]
+        out[h + "self_attn.o_proj.weight"] = lib.merged_weight(base, lora, p + "self_attention.linear_proj")
+        if i in moe_layers(spec):
+            m = h + ("block_sparse_moe." if mix else "mlp.")
+            out[m + "gate.weight"] = base[p + "mlp.router.weight"]
+            for e in range(spec["num_experts"]):
+                lib.hf_glu(out, base, lora, f"{p}mlp.experts.{e}", f"{m}experts.{e}",
+                           ("w1", "w3", "w2") if mix else ("gate_proj", "up_proj", "down_proj"))
+            if spec["shared"]:
+                lib.hf_glu(out, base, lora, p + "mlp.shared_experts", m + "shared_expert")
+                out[m + "shared_expert_gate.weight"] = base[p + "mlp.shared_experts.gate_weight"]
+        else:
+            lib.hf_glu(out, base, lora, p + "mlp", h + "mlp")
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Derived GroupedMLP fixtures
+# --------------------------------------------------------------------------------------------
+
+def to_grouped_base(torch, sd: dict, E_loc: int, H: int) -> dict:
+    """SequentialMLP rank state dict -> GroupedMLP (legacy) rank state dict, keys in place.
+    weight1 [H, E_loc*2F] = stack_k(fc1_k.T) (E_loc, H, 2F) flattened; weight2 [E_loc*F, H] =
+    stack_k(fc2_k.T) (E_loc, F, H) flattened (GroupedMLP.forward: weight1.view(E_loc, H, -1),
+    weight2.view(E_loc, -1, H))."""
+    def grouped(pre):
+        fc1 = [sd[f"{pre}local_experts.{j}.linear_fc1.weight"] for j in range(E_loc)]
+        fc2 = [sd[f"{pre}local_experts.{j}.linear_fc2.weight"] for j in range(E_loc)]
+        return {pre + "weight1": torch.stack([w.t() for w in fc1]).reshape(H, -1).contiguous(),
+                pre + "weight2": torch.stack([w.t() for w in fc2]).reshape(-1, H).contiguous()}
+
+    return lib.regroup_experts(sd, grouped)
+
+
+def to_grouped_lora(torch, sd: dict, E_loc: int, H: int, r: int) -> dict:
+    """PEFT per-expert LoRA -> MindSpeed LoraParallelGroupedMLP keys (mlp.experts.weight{1,2}_lora_{a,b}).
+    weight1_lora_a [H, r*E_loc] = view (E_loc, H, r), expert k = A1_k.T; weight1_lora_b
+    [r, E_loc*2F] = view (E_loc, r, 2F), expert k = B1_k.T; weight2_lora_a [E_loc*F, r] = view
+    (E_loc, F, r), expert k = A2_k.T; weight2_lora_b [r*E_loc, H] = view (E_loc, r, H), expert k = B2_k.T."""
+    def grouped(pre):
+        def stack(m, ab):  # (E, in, r) for A, (E, r, out) for B
+            return torch.stack([sd[f"{pre}local_experts.{j}.{m}.lora_{ab}.default.weight"].t() for j in range(E_loc)])
+
+        return {pre + "weight1_lora_a": stack("linear_fc1", "A").reshape(H, r * E_loc).contiguous(),
+                pre + "weight1_lora_b": stack("linear_fc1", "B").reshape(r, -1).contiguous(),
+                pre + "weight2_lora_a": stack("linear_fc2", "A").reshape(-1, r).contiguous(),
+                pre + "weight2_lora_b": stack("linear_fc2", "B").reshape(r * E_loc, H).contiguous()}
+
+    return lib.regroup_experts(sd, grouped)
+
+
+def check_grouped(torch, seq_base, seq_lora, g_base, g_lora, E_loc, H, r, s):
+    """Recompute every local expert's output from the grouped tensors (as GroupedMLP /
+    LoraParallelGroupedMLP.forward do) and from the per-expert ones; max abs difference."""
+    F_ = torch.nn.functional
+    gen = torch.Generator().manual_seed(7)
+    worst_base = worst_lora = 0.0
+    n = 0
+    for k in g_base:
+        if not k.endswith("mlp.experts.weight1"):
+            continue
+        pre = k[: -len("weight1")]
+        w1 = g_base[pre + "weight1"].view(E_loc, H, -1)
+        w2 = g_base[pre + "weight2"].view(E_loc, -1, H)
+        for j in range(E_loc):
+            x = torch.randn(9, H, generator=gen, dtype=torch.float64).float()
+            fc1 = seq_base[f"{pre}local_experts.{j}.linear_fc1.weight"]
+            fc2 = seq_base[f"{pre}local_experts.{j}.linear_fc2.weight"]
+
+            def mlp(x, f1, f2):
+                a, b = (x @ f1.t()).chunk(2, dim=-1)
+                return (F_.silu(a) * b) @ f2.t()
+
+            ref = mlp(x, fc1, fc2)
+            a, b = (x @ w1[j]).chunk(2, dim=-1)
+            got = (F_.silu(a) * b) @ w2[j]
+            worst_base = max(worst_base, (got - ref).abs().max().item())
+            if g_lora is not None:
+                L = lambda m, ab: seq_lora[f"{pre}local_experts.{j}.{m}.lora_{ab}.default.weight"]  # noqa: E731
+                ref = mlp(x, fc1 + s * L("linear_fc1", "B") @ L("linear_fc1", "A"),
+                          fc2 + s * L("linear_fc2", "B") @ L("linear_fc2", "A"))
+                a1 = g_lora[pre + "weight1_lora_a"].view(E_loc, -1, r)[j]
+                b1 = g_lora[pre + "weight1_lora_b"].view(E_loc, r, -1)[j]
+                a2 = g_lora[pre + "weight2_lora_a"].view(E_loc, -1, r)[j]
+                b2 = g_lora[pre + "weight2_lora_b"].view(E_loc, r, -1)[j]
+                h1 = x @ w1[j] + (x @ a1) @ b1 * s
+                a, b = h1.chunk(2, dim=-1)
+                hh = F_.silu(a) * b
+                got = hh @ w2[j] + (hh @ a2) @ b2 * s
+                worst_lora = max(worst_lora, (got - ref).abs().max().item())
+            n += 1
+    return dict(experts_checked=n, max_abs_diff_base=worst_base,
+                max_abs_diff_with_lora=worst_lora if g_lora is not None else None)
+
+
+def derive(torch, name: str, out: Path, grouped_ref: dict | None):
+    """qwen3moe_grouped_ep2 / qwen3moe_mindspeed_grouped_lora_ep2 from qwen3moe_ep2."""
+    dspec = DERIVED[name]
+    src = out / dspec["source"]
+    spec = BUILT[dspec["source"]]
+    dm = dims(spec)
+    H, E_loc, r = dm["hidden_size"], spec["num_experts"] // spec["ep"], lib.LORA_R
+    d = lib.fresh_dir(out / name)
+    for f in ("hf_ref", "logits.pt"):
+        (shutil.copytree if (src / f).is_dir() else shutil.copy)(src / f, d / f)
+    checks = {}
+    megatron_equal = []
+
+    def grouped_base(rd_name, ck):
+        seq = ck["model"]
+        ck["model"] = to_grouped_base(torch, seq, E_loc, H)
+        ck["args"] = copy.deepcopy(ck["args"])
+        ck["args"].moe_grouped_gemm = True
+        ck["args"].save = ck["args"].save.replace(dspec["source"], name)
+        if grouped_ref is not None and rd_name in grouped_ref:
+            for k, v in grouped_ref[rd_name].items():
+                megatron_equal.append(bool(torch.equal(ck["model"][k], v)))
+                assert torch.equal(ck["model"][k], v), (rd_name, k)
+        checks[rd_name] = dict(base=(seq, ck["model"]))
+
+    lib.rewrite_rank_files(torch, src / "base", d / "base", lib.BASE_ITER, grouped_base)
+    (d / "base" / "latest_checkpointed_iteration.txt").write_text(str(lib.BASE_ITER))
+    s = lib.LORA_ALPHA / lib.LORA_R
+    for it in (lib.STALE_LORA_ITER, lib.LORA_ITER):
+        if dspec["lora"] == "copy":
+            for rd in sorted((src / "lora" / f"iter_{it:07d}").iterdir()):
+                od = d / "lora" / f"iter_{it:07d}" / rd.name
+                od.mkdir(parents=True)
+                shutil.copy(rd / "model_optim_rng.pt", od / "model_optim_rng.pt")
+            continue
+
+        def grouped_lora(rd_name, ck, it=it):
+            seq_lora = ck["model"]
+            ck["model"] = to_grouped_lora(torch, seq_lora, E_loc, H, r)
+            a = ck["args"] = copy.deepcopy(ck["args"])
+            a.moe_grouped_gemm = True
+            a.moe_token_dispatcher_type = "alltoall_seq"  # what MindSpeed requires for MoE + LoRA
+            a.load = a.load.replace(dspec["source"], name)
+            a.save = a.save.replace(dspec["source"], name)
+            if it == lib.LORA_ITER:
+                checks[rd_name]["lora"] = (seq_lora, ck["model"])
+
+        lib.rewrite_rank_files(torch, src / "lora", d / "lora", it, grouped_lora)
+    (d / "lora" / "latest_checkpointed_iteration.txt").write_text(str(lib.LORA_ITER))
+    res = {}
+    for rdn, c in checks.items():
+        seq_b, g_b = c["base"]
+        seq_l, g_l = c.get("lora", (None, None))
+        res[rdn] = check_grouped(torch, seq_b, seq_l, g_b, g_l, E_loc, H, r, s)
+    return res, (all(megatron_equal) if megatron_equal else None), len(megatron_equal)
+
+
+def describe(spec) -> str:
+    dm = dims(spec)
+    fam = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}[spec["family"]]
+    ml = moe_layers(spec)
+    parts = [
+        f"{fam}-like Megatron-Core GPTModel (local spec, MoELayer = TopKRouter + SequentialMLP, alltoall "
+        f"dispatcher), TP={spec['tp']} EP={spec['ep']} ETP={spec['etp']} PP=1, float32; {dm['num_layers']} layers "
+        f"(MoE layers {ml}" + (f", dense layers {[i for i in range(dm['num_layers']) if i not in ml]} with ffn "
+                               f"{dm['ffn_hidden_size']}" if len(ml) < dm['num_layers'] else "") +
+        f"), hidden {dm['hidden_size']}, heads {dm['num_attention_heads']}, query groups {dm['num_query_groups']}, "
+        f"head_dim {dm['kv_channels']}, {spec['num_experts']} experts ({spec['num_experts'] // spec['ep']} per EP "
+        f"rank; global expert = ep_rank*{spec['num_experts'] // spec['ep']} + local), expert ffn "
+        f"{dm['moe_ffn_hidden_size']}, top-{TOPK}, moe_router_pre_softmax={spec['pre_softmax']} (HF "
+        f"norm_topk_prob={not spec['pre_softmax']})"
+        + (", qkv bias" if spec["family"] == "qwen2_moe" else "")
+        + (", q/k layernorm" if spec["family"] == "qwen3_moe" else "")
+        + (f", shared expert (ffn {spec['shared']}) with sigmoid gate (shared_experts.gate_weight [1, H])"
+           if spec["shared"] else ", no shared expert")
+        + f", vocab {dm['vocab_size']} (padded {lib.padded_vocab(spec['tp'])}).",
+    ]
+    if spec.get("base_format") == "torch_dist":
+        parts.append("base/ = torch_dist (dist_checkpointing.save as Megatron-LM does; experts under "
+                     "decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, 2F, H] etc., stacked layers, "
+                     "TE norm names).")
+    else:
+        parts.append("base/ = legacy, one mp_rank_TT_EEE file per (tp, ep) rank (PP=1): all non-expert "
+                     "tensors (identical across EP ranks) plus the local experts "
+                     "mlp.experts.local_experts.{k}.linear_fc1/linear_fc2.")
+    parts.append(
+        f"lora/ = PEFT 0.7.1 LoRA as MindSpeed-LLM applies it (LoraParallelLinearMoE: expert LoRA linears "
+        f"built with is_expert=True), filtered, legacy, iter {lib.LORA_ITER} + stale "
+        f"iter_{lib.STALE_LORA_ITER:07d}; targets {TARGETS} wrap every expert's linear_fc1/linear_fc2"
+        + (" and the shared expert's" if spec["shared"] else "") + " (not the router). "
+        "logits.pt = real Megatron forward with (logits_lora) and without (logits_base) LoRA.")
+    return " ".join(parts)
+
+
+FAMILY = MoE()

@@ -1,0 +1,116 @@
+"""What the test modules share: where the fixtures are, the arguments that merge one, and the helpers that copy
+a fixture, rewrite its rank files and check a refused run. The fixtures that merge a fixture once per session
+are in conftest.py."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from lora_merge.cli import main
+from lora_merge.safe_load import StandIn, load_pt
+
+TESTS = Path(__file__).parent
+FIXTURES = TESTS / "fixtures"
+FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "fixture.json").is_file())
+FIXTURE_DIRS = (FIXTURES, TESTS / "fixtures_moe", TESTS / "fixtures_deepseek")
+
+# Options that write the base model in HF form: alpha 0 is refused (a likely mistake), and 1e-30·B·A is far
+# below the rounding step of every weight, so W + 1e-30·B·A rounds back to W bit for bit.
+BASE_ONLY = ["--lora-alpha", "1e-30"]
+
+
+def fixture_root(fixture: str | Path) -> Path:
+    """A fixture's folder: a path as given, or a name looked up in tests/fixtures, fixtures_moe, fixtures_deepseek."""
+    if isinstance(fixture, Path):
+        return fixture
+    for d in FIXTURE_DIRS:
+        if (d / fixture / "fixture.json").is_file():
+            return d / fixture
+    raise KeyError(f"no fixture {fixture!r} in {', '.join(d.name for d in FIXTURE_DIRS)}")
+
+
+def fixture_info(fixture: str | Path) -> dict:
+    return json.loads((fixture_root(fixture) / "fixture.json").read_text())
+
+
+def merge_args(fixture: str | Path, out: Path, with_base: bool | None = None) -> list[str]:
+    """CLI arguments merging a fixture; unfiltered LoRA fixtures run without --base by default."""
+    root = fixture_root(fixture)
+    if with_base is None:
+        with_base = fixture_info(root)["lora"] == "filtered"
+    args = ["--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out), "--no-progress"]
+    return (["--base", str(root / "base")] if with_base else []) + args
+
+
+def peft_model_loading_every_key(base_dir: Path, adapter: Path):
+    """PEFT's model of `adapter` on the HF model in `base_dir`, after checking that PEFT loads every key of
+    the adapter (none unexpected) and finds every factor it expects (none missing)."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    probe = PeftModel(base(), PeftConfig.from_pretrained(adapter))
+    loaded = probe.load_adapter(adapter, adapter_name="probe")
+    assert not loaded.unexpected_keys, loaded.unexpected_keys[:4]
+    assert not [k for k in loaded.missing_keys if ".probe." in k or k.endswith(".probe")], loaded.missing_keys[:4]
+    return PeftModel.from_pretrained(base(), adapter).eval()
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def rank_files(ckpt_dir: Path) -> list[Path]:
+    it = (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    return sorted((ckpt_dir / f"iter_{int(it):07d}").glob("mp_rank_*/model_optim_rng.pt"))
+
+
+def copied_args(root: Path, out: Path) -> list[str]:
+    """CLI arguments merging a copied fixture with its base."""
+    return ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(out)]
+
+
+def rewrite(path: Path, edit) -> None:
+    """Load a rank file safely, let `edit` change it, save it back (stand-ins saved as plain strings)."""
+    state = load_pt(path, mmap=False)
+    state.pop("rng_state", None)  # holds numpy stand-ins; not needed by the tool
+    args = state.get("args")
+    if args is not None:
+        for key, value in vars(args).items():
+            if isinstance(value, StandIn):
+                setattr(args, key, repr(value))
+    edit(state)
+    torch.save(state, path)
+
+
+def set_value(path: Path, key: str, index, value) -> None:
+    """Rewrite one rank file with model[key][index] = value (the tensor copied first: it may be a view)."""
+    def edit(state):
+        state["model"][key] = state["model"][key].clone()
+        state["model"][key][index] = value
+
+    rewrite(path, edit)
+
+
+def run_failing(args: list[str], capsys, *expected: str) -> str:
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code != 0, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("lora-merge: warning: ")]
+    assert len(lines) == 1 and lines[0].startswith("lora-merge: error: "), err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    print(f"\n[{code}] {lines[0]}")  # `pytest -s tests/test_errors.py` lists every message
+    return lines[0]
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*"))
