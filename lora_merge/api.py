@@ -22,9 +22,9 @@ from lora_merge import options as limits
 from lora_merge.readers.describe import describe_dir
 from lora_merge.errors import MergeError, UsageError
 from lora_merge.megatron_target import MegatronTarget
-from lora_merge.model_shape import DTYPES
+from lora_merge.model.model_shape import DTYPES
 from lora_merge.options import DEFAULT_SHARD_BYTES, MAX_WORKERS, MIN_SHARD_BYTES, argument_name, parse_size  # noqa: F401
-from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.model.parallel_layout import ParallelLayout
 from lora_merge.peft_adapter import EXPERT_FORMATS
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.runs.export import ExportResult, run_export

@@ -27,7 +27,7 @@ from lora_merge import options
 from lora_merge.options import MAX_WORKERS
 from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS,
                                 VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
-from lora_merge.writers.staged_dir import PUBLISHED
+from lora_merge.files.staged_dir import PUBLISHED
 
 if TYPE_CHECKING:
     from lora_merge.api import MergeResult
@@ -297,7 +297,7 @@ def expert_layout(inp) -> str:
 
 
 def print_plan(console: Console, opts, result: MergeResult) -> None:
-    from lora_merge.writers.staged_dir import gigabytes, space_needed
+    from lora_merge.files.staged_dir import gigabytes, space_needed
 
     inp, plan = result.inputs, result.plan
     s = inp.shape
@@ -411,7 +411,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _run_to_megatron(api, opts, console: Console) -> int:
-    from lora_merge.megatron_args import DEFAULT_VOCAB_DIVISOR
+    from lora_merge.model.megatron_args import DEFAULT_VOCAB_DIVISOR
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):

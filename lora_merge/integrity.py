@@ -18,7 +18,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.stage_clock import charge_thread
-from lora_merge.pages import release_pages
+from lora_merge.files.pages import release_pages
 
 # How far (in input bytes, in plan order) the checker may run ahead of the merge: enough to overlap,
 # little enough that what it reads is still in the page cache when the merge gets there.

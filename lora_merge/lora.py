@@ -15,8 +15,8 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite
-from lora_merge.layout import Rule, check_shards, unshard_replicated, unshard_row
-from lora_merge.model_shape import ModelShape
+from lora_merge.model.layout import Rule, check_shards, unshard_replicated, unshard_row
+from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import LoraModule
 from lora_merge.value_checks import (MAX_ALPHA, MAX_RANK, finite_number, is_number, lora_scale, positive_int,
                                      shown_value)

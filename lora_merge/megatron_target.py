@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lora_merge.errors import MergeError
-from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.model.parallel_layout import ParallelLayout
 from lora_merge.value_checks import shown_value
 from lora_merge.writers.megatron_args import vocab_padding
 

@@ -28,7 +28,7 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
-from lora_merge.layout import QuantizedRowBlock
+from lora_merge.model.layout import QuantizedRowBlock
 from lora_merge.lora import LowRankDelta, megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_merge.architectures import Architecture, iter_rules, pick_name
+from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (DEFAULT_CONFIG, SCALE_SUFFIX, not_converted_modules, partial_block_note,
                             quantized_by_default_unless_excluded, scale_shape, skip_patterns)
-from lora_merge.layout import AsStored, Rule, Skip, check_shards, single
+from lora_merge.model.layout import AsStored, Rule, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes
-from lora_merge.model_shape import ModelShape
+from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
 from lora_merge.readers.hf_model import Fp8Ref
 from lora_merge.value_checks import shown_value

@@ -37,14 +37,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lora_merge.architectures import Architecture, iter_rules
+from lora_merge.model.architectures import Architecture, iter_rules
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite, check_records
-from lora_merge.layout import GatedColumn, RowParallel
+from lora_merge.model.layout import GatedColumn, RowParallel
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
-from lora_merge.model_shape import ModelShape
+from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.writers.staged_dir import output_file_mode
+from lora_merge.files.staged_dir import output_file_mode
 
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16

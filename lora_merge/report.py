@@ -8,8 +8,8 @@ from pathlib import Path
 
 from lora_merge.version import __version__
 from lora_merge.interrupts import ignore_signals
-from lora_merge.writers.ownership import REPORT_FORMAT, REPORT_MARKER
-from lora_merge.writers.staged_dir import SideFile
+from lora_merge.files.ownership import REPORT_FORMAT, REPORT_MARKER
+from lora_merge.files.staged_dir import SideFile
 from lora_merge.merge_plan import MergePlan
 from lora_merge.readers.checkpoint import Checkpoint
 from lora_merge.verification import VerifyReport

@@ -29,20 +29,20 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.architectures import Architecture, iter_rules, pick_name
+from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
                             skip_patterns)
-from lora_merge.layout import RowBlock, Skip
+from lora_merge.model.layout import RowBlock, Skip
 from lora_merge.lora import LoraSettings, hf_factors
 from lora_merge.merge_plan import fitted_pieces
-from lora_merge.model_shape import ModelShape
+from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
 from lora_merge.readers.peft import PeftAdapter
 from lora_merge.readers.safetensors_dir import SafetensorsDir, plain_file_name, read_bounded
 from lora_merge.readers.safetensors_file import Damaged, shown_name
 from lora_merge.readers.safetensors_file import shown as shown_value
-from lora_merge.small_files import read_json
+from lora_merge.files.small_files import read_json
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.cli import main
-from lora_merge.safe_load import StandIn, load_pt
+from lora_merge.files.safe_load import StandIn, load_pt
 
 TESTS = Path(__file__).parent
 FIXTURES = TESTS / "fixtures"

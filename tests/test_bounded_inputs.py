@@ -18,10 +18,10 @@ from test_config_checks import SMALL_QWEN2, fails_in_cli, megatron_args, read, w
 from helpers import assert_nothing_written, copied_args, copy_fixture, rank_files, rewrite
 
 from lora_merge.errors import MergeError
-from lora_merge.hf_config import read_hf_config
-from lora_merge.megatron_args import check_against_args
+from lora_merge.model.hf_config import read_hf_config
+from lora_merge.model.megatron_args import check_against_args
 from lora_merge.shown import shown
-from lora_merge.small_files import CAPS, read_json
+from lora_merge.files.small_files import CAPS, read_json
 
 REPO = Path(__file__).resolve().parent.parent
 TIME_LIMIT_S = 30  # a run that reads /dev/zero or walks 2^40 leaves would never end inside it
@@ -113,7 +113,7 @@ def test_the_cap_is_checked_before_reading(tmp_path, monkeypatch):
 
 
 def test_shown_bounds_every_value_whatever_it_costs_to_repr():
-    from lora_merge.safe_load import stand_in_class
+    from lora_merge.files.safe_load import stand_in_class
 
     started = time.monotonic()
     assert shown(reference_bomb()).startswith("[[[[") and len(shown(reference_bomb())) <= 83

@@ -32,8 +32,8 @@ def _dead_pid() -> int:
 
 
 def test_a_live_runs_staging_dir_survives_cleanup_by_this_thread_and_others(tmp_path):
-    from lora_merge.writers.staged_dir import StagedOutput, remove_abandoned_staging
-    from lora_merge.writers.targets import InputPaths
+    from lora_merge.files.staged_dir import StagedOutput, remove_abandoned_staging
+    from lora_merge.files.targets import InputPaths
 
     out = tmp_path / "out"
     with pytest.raises(RuntimeError):
@@ -49,8 +49,8 @@ def test_a_live_runs_staging_dir_survives_cleanup_by_this_thread_and_others(tmp_
 
 
 def test_a_report_temp_file_of_a_live_run_survives_cleanup(tmp_path):
-    from lora_merge.writers.staged_dir import SideFile, _prefix, remove_abandoned_side_files
-    from lora_merge.writers.targets import InputPaths
+    from lora_merge.files.staged_dir import SideFile, _prefix, remove_abandoned_side_files
+    from lora_merge.files.targets import InputPaths
 
     report = tmp_path / "report.json"
     side = SideFile(report)
@@ -111,8 +111,8 @@ def test_three_threads_merging_to_one_out(tmp_path, monkeypatch):
 HOLDER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from lora_merge.writers.staged_dir import StagedOutput
-    from lora_merge.writers.targets import InputPaths
+    from lora_merge.files.staged_dir import StagedOutput
+    from lora_merge.files.targets import InputPaths
 
     out, dead_pid, mark = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     with StagedOutput(out, False, InputPaths()) as stage:
@@ -128,8 +128,8 @@ HOLDER = textwrap.dedent("""
 
 
 def test_a_live_run_in_another_pid_namespace_keeps_its_staging_dir(tmp_path):
-    from lora_merge.writers.staged_dir import remove_abandoned_staging
-    from lora_merge.writers.targets import InputPaths
+    from lora_merge.files.staged_dir import remove_abandoned_staging
+    from lora_merge.files.targets import InputPaths
 
     out, mark = tmp_path / "merged", tmp_path / "mark"
     mark.mkdir()
@@ -160,8 +160,8 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_staging_dir(tmp_path):
 def test_a_staging_dir_without_a_lock_is_left_alone(tmp_path):
     """An earlier version's staging dir, or one whose run has only just created it, cannot be proven
     abandoned: it is never removed (its pid proves nothing)."""
-    from lora_merge.writers.staged_dir import _host, remove_abandoned_staging
-    from lora_merge.writers.targets import InputPaths
+    from lora_merge.files.staged_dir import _host, remove_abandoned_staging
+    from lora_merge.files.targets import InputPaths
 
     unproven = tmp_path / f".out.partial-{_host()}-{_dead_pid()}-abcd"
     unproven.mkdir()

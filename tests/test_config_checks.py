@@ -14,9 +14,9 @@ import transformers
 from helpers import assert_nothing_written, copied_args, copy_fixture, rank_files, rewrite
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
-from lora_merge.architectures import ARCHITECTURES
-from lora_merge.hf_config import read_hf_config, tokenizer_vocab_size
-from lora_merge.megatron_args import check_against_args
+from lora_merge.model.architectures import ARCHITECTURES
+from lora_merge.model.hf_config import read_hf_config, tokenizer_vocab_size
+from lora_merge.model.megatron_args import check_against_args
 
 SMALL_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
                "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -171,7 +171,7 @@ def test_keys_transformers_does_not_read_are_kept_with_a_note_in_cli(tmp_path, c
 def test_a_key_the_model_reads_that_lora_merge_does_not_know_is_refused_unless_default(tmp_path, monkeypatch):
     """A newer transformers adding a switch to a config class cannot slip past: its default is accepted,
     any other value refused with the key named."""
-    import lora_merge.hf_config as hf_config
+    import lora_merge.model.hf_config as hf_config
 
     real = hf_config._class_keys
     monkeypatch.setattr(hf_config, "_class_keys", lambda cls: {**real(cls), "new_switch": False})
@@ -280,7 +280,7 @@ def test_keys_transformers_does_not_read_are_a_note(tmp_path, config, key):
 def test_the_rope_transformers_applies_must_be_the_one_stated(tmp_path, monkeypatch):
     """transformers 5 can move a top-level original_max_position_embeddings into the scaled RoPE it
     applies; where what it applies differs from what config.json states, the merge stops."""
-    import lora_merge.rope as rope
+    import lora_merge.model.rope as rope
 
     real = rope.transformers_rope
     monkeypatch.setattr(rope, "transformers_rope", lambda config, path: {

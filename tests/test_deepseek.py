@@ -105,7 +105,7 @@ def test_mindspeed_fused_qkv_without_q_lora_rank(tmp_path, merged):
                                              "linear_fc2"]
 
     source = load_file(next(merged("deepseek_v2_lite_ep2").glob("*.safetensors")))
-    from lora_merge.safe_load import load_pt
+    from lora_merge.files.safe_load import load_pt
     base = load_pt(DEEPSEEK / "deepseek_v2_lite_ep2" / "base" / "iter_0000001" / "mp_rank_00_000" /
                    "model_optim_rng.pt", mmap=False)["model"]
     for f in _all_rank_files(root / "base"):
@@ -430,7 +430,7 @@ def _as_duplicated(root: Path, edit_rank1=None) -> None:
     """TransformerEngine's layout of the same model: the down-projections (and their LoRA B) whole on every
     TP rank (TELinear, parallel_mode="duplicated"), built from the local-spec fixture by joining the two
     ranks' row blocks, the only difference between the specs."""
-    from lora_merge.safe_load import load_pt
+    from lora_merge.files.safe_load import load_pt
     from helpers import rewrite
 
     for iteration in [*(root / "base").glob("iter_*"), *(root / "lora").glob("iter_*")]:

@@ -148,7 +148,7 @@ def test_stale_iteration_is_not_used_and_a_missing_one_is_an_error(tmp_path, cap
 def test_not_enough_disk_space_stops_before_writing(tmp_path, capsys, monkeypatch):
     import collections
 
-    from lora_merge.writers import staged_dir
+    from lora_merge.files import staged_dir
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(staged_dir.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))

@@ -223,9 +223,9 @@ def module_names() -> set[str]:
     of them, and the modules of transformers' own model built from the fixture's config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lora_merge.architectures import architecture_for, iter_rules
-    from lora_merge.hf_config import read_hf_config
-    from lora_merge.layout import Skip
+    from lora_merge.model.architectures import architecture_for, iter_rules
+    from lora_merge.model.hf_config import read_hf_config
+    from lora_merge.model.layout import Skip
 
     names, built = set(), set()
     refs = [p for root in ("fixtures", "fixtures_moe", "fixtures_deepseek") for p in (TESTS / root).glob("*/hf_ref")]

@@ -201,7 +201,7 @@ def test_help_version_and_usage_errors_answer_without_importing_torch(argv):
 
 def test_light_option_values_agree_with_the_modules_that_use_them():
     from lora_merge import options
-    from lora_merge.model_shape import DTYPES
+    from lora_merge.model.model_shape import DTYPES
     from lora_merge.peft_adapter import EXPERT_FORMATS, VLLM_DEFAULT_MAX_LORA_RANK
 
     assert options.DTYPE_NAMES == tuple(DTYPES)

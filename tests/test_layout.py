@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.layer_numbering import numbering_from_args
-from lora_merge.layout import (GatedColumn, QkvColumn, RowParallel, VocabParallel, check_shards, split_qkv,
+from lora_merge.model.layer_numbering import numbering_from_args
+from lora_merge.model.layout import (GatedColumn, QkvColumn, RowParallel, VocabParallel, check_shards, split_qkv,
                                unshard_replicated)
-from lora_merge.model_shape import ModelShape
+from lora_merge.model.model_shape import ModelShape
 
 
 def shape_for(heads, groups, head_dim=2, hidden=3, ffn=4, vocab=10):
@@ -201,8 +201,8 @@ def test_deepseek_distill_qwen_32b_vocab_at_tp8():
 def test_another_naming_replaces_the_rules_it_names_only_where_the_checkpoint_uses_it():
     """MindSpeed fuses two projections into one parameter: the fused rule is used in a layer whose
     checkpoint has its name and replaces the separate ones there; elsewhere the separate rules stand."""
-    from lora_merge.architectures.base import Architecture, iter_rules
-    from lora_merge.layout import Replicated
+    from lora_merge.model.architectures.base import Architecture, iter_rules
+    from lora_merge.model.layout import Replicated
 
     a = Replicated("attn.a.weight", ("hidden", "hidden"), hf="a.weight")
     b = Replicated("attn.b.weight", ("hidden", "hidden"), hf="b.weight")
@@ -219,7 +219,7 @@ def test_another_naming_replaces_the_rules_it_names_only_where_the_checkpoint_us
 def test_replicated_rows_split_a_fused_replicated_linear_and_its_lora_b_alike():
     """MindSpeed's fused MLA down-projection [q_a; kv_a] is replicated on every rank; its LoRA has one A
     (shared) and a B whose rows split exactly like the weight's."""
-    from lora_merge.layout import ReplicatedRows
+    from lora_merge.model.layout import ReplicatedRows
     from lora_merge.lora import hf_factors
     from lora_merge.readers.checkpoint import LoraModule, Pieces, TensorRef
 

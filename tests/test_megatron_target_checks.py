@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import lora_merge
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
-from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.model.parallel_layout import ParallelLayout
 
 TESTS = Path(__file__).parent
 DENSE = TESTS / "fixtures/tp2pp2_fp32_filtered"  # 4 layers, 8 heads / 4 groups, vocab 250

@@ -239,8 +239,8 @@ def test_an_unused_identical_copy_is_not_read(tmp_path, merged):
     written and only rank 0's (CRC-checked as it is read) is used: damage to the unused copy cannot reach
     the output, and the output is byte for byte the same."""
     from test_trust import _flip_in_member
-    from lora_merge.safe_load import load_archive
-    from lora_merge.torch_archive import MappedFile, TorchArchive
+    from lora_merge.files.safe_load import load_archive
+    from lora_merge.files.torch_archive import MappedFile, TorchArchive
 
     root = _copy("qwen3moe_ep2", tmp_path)
     victim = root / "base" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt"

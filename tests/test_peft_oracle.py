@@ -5,8 +5,8 @@ For every fixture:
     holding the weights our CLI writes with `BASE_ONLY` (scale 0, i.e. the base). That base is trusted
     on its own: its logits must match the real Megatron base logits (`logits_base` in logits.pt) to 1e-4;
   * the HF adapter is built here, straight from the LoRA checkpoint's rank files, with explicit loops over
-    TP ranks / query groups / heads written in this file (no lora_merge.layout / lora_merge.lora code; only
-    lora_merge.safe_load.load_pt to read the pickles). It is trusted on its own: PEFT with the adapter
+    TP ranks / query groups / heads written in this file (no lora_merge.model.layout / lora_merge.lora code; only
+    lora_merge.files.safe_load.load_pt to read the pickles). It is trusted on its own: PEFT with the adapter
     *unmerged* must reproduce the real Megatron LoRA logits (`logits_lora`) to 1e-4, and those must differ
     from the base logits by > 0.5, so the comparison below cannot pass vacuously;
   * PEFT's `merge_and_unload()` of that model + adapter is the oracle: every tensor of our default merge (not
@@ -33,7 +33,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import FIXTURE_NAMES, FIXTURES, fixture_info
-from lora_merge.safe_load import load_pt
+from lora_merge.files.safe_load import load_pt
 
 peft = pytest.importorskip("peft")
 

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_merge.architectures import architecture_for, iter_rules
-from lora_merge.hf_config import read_hf_config
-from lora_merge.layout import DUPLICATED_OR_COLUMN, Skip, VocabParallel, expected_shard_shape
-from lora_merge.placement import hf_segments
+from lora_merge.model.architectures import architecture_for, iter_rules
+from lora_merge.model.hf_config import read_hf_config
+from lora_merge.model.layout import DUPLICATED_OR_COLUMN, Skip, VocabParallel, expected_shard_shape
+from lora_merge.model.placement import hf_segments
 
 TESTS = Path(__file__).parent
 REFS = {"qwen2": TESTS / "fixtures/tp2_fp32_filtered/hf_ref", "qwen3": TESTS / "fixtures/qwen3_tp2_fp32/hf_ref",

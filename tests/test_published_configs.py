@@ -19,7 +19,7 @@ import torch
 
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
-from lora_merge.hf_config import read_hf_config
+from lora_merge.model.hf_config import read_hf_config
 
 PUBLISHED = Path(__file__).parent / "data" / "published_configs"
 TESTS = Path(__file__).parent

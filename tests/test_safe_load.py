@@ -8,7 +8,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from helpers import FIXTURES
-from lora_merge.safe_load import StandIn, load_pt
+from lora_merge.files.safe_load import StandIn, load_pt
 
 
 class _Evil:

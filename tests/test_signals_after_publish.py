@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
             time.sleep(0.005)
 
     from lora_merge import cli
-    from lora_merge.writers import staged_dir
+    from lora_merge.files import staged_dir
     real_publish, real_summary = staged_dir.StagedOutput._publish, cli.print_summary
 
     def publish_then_wait(self):

@@ -280,8 +280,8 @@ def test_every_published_config_is_recorded_in_args_our_readers_accept(tmp_path,
     """From an HF source the args are derived from the config (RoPE scaling of every kind, MoE routing, MLA);
     target_args checks them against the config with the check every Megatron input gets, so writing one the
     readers would refuse fails here."""
-    from lora_merge.hf_config import read_hf_config
-    from lora_merge.parallel_layout import ParallelLayout
+    from lora_merge.model.hf_config import read_hf_config
+    from lora_merge.model.parallel_layout import ParallelLayout
     from lora_merge.writers.megatron_args import target_args, vocab_padding
 
     config = json.loads((PUBLISHED / f"{name}.json").read_text())

@@ -9,9 +9,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from lora_merge.torch_archive import MappedFile, TorchArchive as ReadArchive
-from lora_merge.writers import torch_zip
-from lora_merge.writers.torch_zip import TensorSlot, TorchArchive
+from lora_merge.files.torch_archive import MappedFile, TorchArchive as ReadArchive
+from lora_merge.files import torch_zip
+from lora_merge.files.torch_zip import TensorSlot, TorchArchive
 
 
 def values():

@@ -181,7 +181,7 @@ def test_failing_verify_publishes_nothing_and_lists_every_problem(tmp_path, caps
 
 
 def test_report_that_cannot_be_written_stops_the_run_before_publishing(tmp_path, capsys, monkeypatch):
-    from lora_merge.writers import staged_dir
+    from lora_merge.files import staged_dir
 
     def full_disk(self, final, text):
         raise OSError(28, "No space left on device", str(final))
@@ -205,7 +205,7 @@ def test_a_report_inside_the_output_is_published_with_it(tmp_path):
 
 
 def test_no_message_claims_nothing_was_written_after_publishing(tmp_path, capsys, monkeypatch):
-    from lora_merge.writers import staged_dir
+    from lora_merge.files import staged_dir
 
     real_link = os.link
 
@@ -257,7 +257,7 @@ def test_two_runs_with_the_same_output_publish_exactly_once(synthetic, tmp_path)
 
 
 def test_publishing_never_replaces_a_directory_that_appeared(tmp_path):
-    from lora_merge.writers import staged_dir
+    from lora_merge.files import staged_dir
 
     for renameat2 in (staged_dir._renameat2, None):  # the syscall, and the fallback without it
         src, dst = tmp_path / "src", tmp_path / "dst"
@@ -302,7 +302,7 @@ def test_signals_remove_the_staging_dir(synthetic, tmp_path, sig, code):
 def test_leftovers_of_killed_runs_are_removed_before_the_space_check(tmp_path, monkeypatch):
     import collections
 
-    from lora_merge.writers import staged_dir
+    from lora_merge.files import staged_dir
 
     out = tmp_path / "out"
     stale = tmp_path / f".out.partial-{staged_dir._host()}-{_dead_pid()}-xyz"
@@ -375,8 +375,8 @@ def _flip_in_member(path: Path, member: str, offset: int = 7) -> None:
 
 def _largest_weight_member(path: Path) -> str:
     """The largest member holding a model tensor (rng and optimizer state are not read by a merge)."""
-    from lora_merge.torch_archive import MappedFile, TorchArchive
-    from lora_merge.safe_load import load_archive
+    from lora_merge.files.torch_archive import MappedFile, TorchArchive
+    from lora_merge.files.safe_load import load_archive
 
     archive = TorchArchive(MappedFile(path))
     model = load_archive(archive)["model"]
@@ -391,7 +391,7 @@ def test_a_flipped_bit_in_tensor_data_fails_the_run_naming_file_and_record(tmp_p
     if crc == "zlib":
         import zlib
 
-        from lora_merge import torch_archive
+        from lora_merge.files import torch_archive
         monkeypatch.setattr(torch_archive, "crc32", zlib.crc32)
     root = copy_fixture("tp2_fp32_filtered", tmp_path)
     victim = rank_files(root / which)[1]
@@ -414,7 +414,7 @@ def test_a_flipped_bit_in_a_pickle_fails_the_run(tmp_path, capsys):
 
 
 def test_a_flipped_bit_in_a_torch_dist_chunk_fails_the_run(tmp_path, capsys):
-    from lora_merge.torch_archive import MappedFile, TorchArchive
+    from lora_merge.files.torch_archive import MappedFile, TorchArchive
     from lora_merge.readers.torch_dist import read_metadata
 
     root = copy_fixture("dist_tp2pp2_fp32", tmp_path)
@@ -663,7 +663,7 @@ def test_a_report_named_like_an_output_file_is_refused_up_front(tmp_path, capsys
 
 
 def test_an_archive_listing_absurdly_many_members_is_refused(tmp_path, capsys, monkeypatch):
-    from lora_merge import torch_archive
+    from lora_merge.files import torch_archive
 
     monkeypatch.setattr(torch_archive, "MAX_MEMBERS", 10)  # the real cap is 200000; the fixtures hold ~40
     out = tmp_path / "out"

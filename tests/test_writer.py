@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lora_merge.writers import output_file
-from lora_merge.writers.output_file import OutputFile
+from lora_merge.files import output_file
+from lora_merge.files.output_file import OutputFile
 from lora_merge.writers.safetensors_stream import PlannedTensor, ShardedSafetensorsWriter
 
 

@@ -21,7 +21,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.readers.experts import is_expert_name
-from lora_merge.pages import release_pages  # noqa: F401  (re-exported for the readers)
+from lora_merge.files.pages import release_pages  # noqa: F401  (re-exported for the readers)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import Checkpoint, TensorRef
 from lora_merge.shown import shown
-from lora_merge.small_files import json_kind, read_json
+from lora_merge.files.small_files import json_kind, read_json
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "ffn_hidden_size", "padded_vocab_size", "add_qkv_bias", "qk_layernorm", "swiglu",
@@ -150,7 +150,7 @@ def describe(ckpt: Checkpoint, verbose: bool = False) -> list[str]:
                                      "chunk x stage: " + " | ".join(",".join(map(str, row)) for row in counts))
     lines.append(f"  parallel: {layout}")
     if ckpt.experts is not None:
-        from lora_merge.moe_shape import megatron_moe_layers
+        from lora_merge.model.moe_shape import megatron_moe_layers
         moe_layers = sorted(megatron_moe_layers(args, int(getattr(args, "num_layers", 0) or 0), str(ckpt.path)))
         lines.append(f"  experts: {ckpt.experts}; MoE layers {moe_layers}")
     arch = [f"{k}={getattr(args, k)}" for k in ARCH_ARGS if getattr(args, k, None) not in (None, [], "")]

@@ -16,10 +16,10 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import SCALE_SUFFIX, Fp8Format, Fp8Weight, check_scales, read_fp8_config, scale_shape
-from lora_merge.pages import release_pages
+from lora_merge.files.pages import release_pages
 from lora_merge.readers.checkpoint import TensorRef
 from lora_merge.readers.safetensors_file import tensor_refs
-from lora_merge.small_files import read_json
+from lora_merge.files.small_files import read_json
 INDEX = "model.safetensors.index.json"
 DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from the config, not weights
 

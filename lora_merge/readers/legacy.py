@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.layer_numbering import numbering_from_args
+from lora_merge.model.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import LORA_KEY, Checkpoint, LoraCollector, TensorRef, all_ranks
 from lora_merge.readers.experts import ExpertLayout, expert_layout, expert_params
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
-from lora_merge.torch_archive import MappedFile, TorchArchive
-from lora_merge.safe_load import load_archive
+from lora_merge.files.torch_archive import MappedFile, TorchArchive
+from lora_merge.files.safe_load import load_archive
 from lora_merge.shown import shown
 
 RANK_FILE = "model_optim_rng.pt"

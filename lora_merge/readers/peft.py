@@ -34,9 +34,9 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.readers.safetensors_file import shown_name, tensor_refs
-from lora_merge.safe_load import load_pt
+from lora_merge.files.safe_load import load_pt
 from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, finite_number, is_int, lora_scale, positive_int, shown_value
-from lora_merge.small_files import read_text
+from lora_merge.files.small_files import read_text
 
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
@@ -291,7 +291,7 @@ def model_modules(arch, shape) -> tuple[set[str], set[str], set[str]]:
     """(every module of the transformers model that holds a weight, with their parents; its Linear modules
     but the output layer, which "all-linear" selects; the ones whose being a Linear depends on the
     transformers version: routers, and routed experts, which transformers 5 fuses into parameters)."""
-    from lora_merge.architectures.base import iter_rules
+    from lora_merge.model.architectures.base import iter_rules
 
     weights = {}
     for rule, _, prefix in iter_rules(arch, shape):
@@ -372,8 +372,8 @@ def model_parameters(arch, shape) -> dict[str, list[tuple[str, ExpertParam | Mat
     """The parameters PEFT can wrap, by transformers 5 module name, each module's in registration order (the
     order PEFT nests its wrappers in): every MoE layer's fused experts (gate_up_proj, then down_proj) and
     every 2-D weight that is not a routed expert's."""
-    from lora_merge.architectures.base import HF_LAYER, iter_rules
-    from lora_merge.layout import GatedColumn, RowParallel
+    from lora_merge.model.architectures.base import HF_LAYER, iter_rules
+    from lora_merge.model.layout import GatedColumn, RowParallel
 
     fused = arch.config.fused_experts if arch.config is not None else None
     gated = [r for r in arch.layer_rules if r.per_expert and isinstance(r, GatedColumn)]

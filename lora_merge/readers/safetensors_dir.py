@@ -131,7 +131,7 @@ class SafetensorsDir:
         scales' shape must fit it."""
         if self._block is None:
             from lora_merge.fp8 import read_fp8_config
-            from lora_merge.small_files import read_json
+            from lora_merge.files.small_files import read_json
 
             config = read_json(self.directory / "config.json") if (self.directory / "config.json").is_file() else {}
             q = config.get("quantization_config") if isinstance(config, dict) else None

@@ -25,7 +25,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import TensorRef, require_float
-from lora_merge.torch_archive import MappedFile
+from lora_merge.files.torch_archive import MappedFile
 
 # safetensors refuses headers above 100 MB; checking first means a hostile length is never allocated.
 MAX_HEADER_BYTES = 100_000_000

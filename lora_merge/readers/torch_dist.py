@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.layer_numbering import numbering_from_args
+from lora_merge.model.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import GLOBAL, Checkpoint, LoraCollector, Pieces, TensorRef, joined_ref, release_pages
 from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
-from lora_merge.torch_archive import MappedFile, Record, TorchArchive
-from lora_merge.safe_load import StandIn, load_archive, load_pt, stand_in_class
+from lora_merge.files.torch_archive import MappedFile, Record, TorchArchive
+from lora_merge.files.safe_load import StandIn, load_archive, load_pt, stand_in_class
 from lora_merge.shown import shown
-from lora_merge.small_files import read_bytes
+from lora_merge.files.small_files import read_bytes
 
 METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.merge_plan import build_plan
-from lora_merge.model_shape import DTYPES
+from lora_merge.model.model_shape import DTYPES
 from lora_merge.peft_adapter import adapter_config, build_adapter, write_adapter
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.report import hash_files, report_text
@@ -17,9 +17,9 @@ from lora_merge.runs.inputs import LORA, check_input_dirs, given_paths, input_pa
 from lora_merge.runs.options import ExportOptions
 from lora_merge.runs.to_hf import _base_model, _inside
 from lora_merge.writers.model_card import adapter_card, checked_base_model_id
-from lora_merge.writers.ownership import PEFT_ADAPTER
-from lora_merge.writers.staged_dir import StagedOutput, check_output_target, remove_abandoned_side_files
-from lora_merge.writers.targets import check_report_path
+from lora_merge.files.ownership import PEFT_ADAPTER
+from lora_merge.files.staged_dir import StagedOutput, check_output_target, remove_abandoned_side_files
+from lora_merge.files.targets import check_report_path
 
 
 @dataclass

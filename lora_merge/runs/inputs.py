@@ -8,20 +8,20 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.architectures import Architecture, architecture_for
+from lora_merge.model.architectures import Architecture, architecture_for
 from lora_merge.errors import MergeError, UsageError
-from lora_merge.hf_config import check_same_model, read_hf_config
+from lora_merge.model.hf_config import check_same_model, read_hf_config
 from lora_merge.lora import LoraSettings, resolve_settings
-from lora_merge.megatron_args import check_against_args
+from lora_merge.model.megatron_args import check_against_args
 from lora_merge.merge_plan import check_lora_targets
-from lora_merge.model_shape import DTYPES, ModelShape
+from lora_merge.model.model_shape import DTYPES, ModelShape
 from lora_merge.options import argument_name
 from lora_merge.readers.detect import (HF_DIR, PEFT_DIR, check_input_dir, input_kind, is_megatron_checkpoint,
                                       open_checkpoint)
 from lora_merge.readers.hf_model import read_hf_model
 from lora_merge.readers.peft import read_peft_adapter
 from lora_merge.readers.source import Source
-from lora_merge.writers.targets import InputPaths
+from lora_merge.files.targets import InputPaths
 
 # What each path argument names, for the message when it is missing or not a path.
 LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"

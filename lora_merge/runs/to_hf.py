@@ -22,9 +22,9 @@ from lora_merge.verification import VerifyReport, check_output_files, verify_out
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
 from lora_merge.writers.model_card import checked_base_model_id, model_card, resolve_base_model
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
-from lora_merge.writers.staged_dir import (StagedOutput, check_free_space, check_output_target,
+from lora_merge.files.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
-from lora_merge.writers.targets import check_report_path
+from lora_merge.files.targets import check_report_path
 
 
 @dataclass

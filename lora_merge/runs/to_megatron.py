@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.layout import AsStored
+from lora_merge.model.layout import AsStored
 from lora_merge.merge_plan import build_plan
 from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
@@ -19,7 +19,7 @@ from lora_merge.runs.stream import stream_into
 from lora_merge.writers.megatron_args import target_args
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
 from lora_merge.writers.row_scatter import Block
-from lora_merge.writers.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
+from lora_merge.files.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
 
 MEGATRON_CHECKPOINT = "Megatron checkpoint"
 # What the space check's margin covers beyond the counted bytes (the legacy rank files are counted exactly)

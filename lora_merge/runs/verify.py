@@ -11,8 +11,8 @@ from lora_merge.runs.inputs import (baseline_dir, check_input_dirs, check_merged
 from lora_merge.runs.options import VerifyOptions
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import reference_files
-from lora_merge.writers.staged_dir import remove_abandoned_side_files
-from lora_merge.writers.targets import check_report_path
+from lora_merge.files.staged_dir import remove_abandoned_side_files
+from lora_merge.files.targets import check_report_path
 
 
 def run_verify(opts: VerifyOptions) -> VerifyReport:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.small_files import read_bytes
+from lora_merge.files.small_files import read_bytes
 from lora_merge.writers.model_card import card_reports
 
 COPY_CHUNK = 1 << 20

@@ -15,12 +15,12 @@ from argparse import Namespace
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.megatron_args import DEFAULT_VOCAB_DIVISOR, check_against_args
-from lora_merge.mla_shape import megatron_mla_args
-from lora_merge.model_shape import ModelShape
-from lora_merge.moe_shape import megatron_moe_args
-from lora_merge.rope import megatron_rope_args
-from lora_merge.parallel_layout import ParallelLayout
+from lora_merge.model.megatron_args import DEFAULT_VOCAB_DIVISOR, check_against_args
+from lora_merge.model.mla_shape import megatron_mla_args
+from lora_merge.model.model_shape import ModelShape
+from lora_merge.model.moe_shape import megatron_moe_args
+from lora_merge.model.rope import megatron_rope_args
+from lora_merge.model.parallel_layout import ParallelLayout
 from lora_merge.value_checks import is_int, shown_value
 
 # Arguments that describe the source run's layout or its training state, not the model: replaced or dropped.

@@ -78,9 +78,9 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
 from lora_merge.errors import MergeError
-from lora_merge.moe_shape import megatron_moe_layers
-from lora_merge.writers.output_file import ALIGN as ALIGN_DIRECT, OutputFile
-from lora_merge.writers.torch_zip import ArchiveStream, TensorSlot, TorchArchive, pwrite_all
+from lora_merge.model.moe_shape import megatron_moe_layers
+from lora_merge.files.output_file import ALIGN as ALIGN_DIRECT, OutputFile
+from lora_merge.files.torch_zip import ArchiveStream, TensorSlot, TorchArchive, pwrite_all
 from lora_merge.writers.row_scatter import RowScatter, Target, target_shard_shapes, tensor_dtype
 
 try:
@@ -634,8 +634,8 @@ class MegatronDistOutput(RowScatter):
     Same interface as the legacy writer: `start(dir)`, `write`, `finish()`, `abort()`."""
 
     def __init__(self, arch, shape, dtypes: dict, args, padded_vocab: int):
-        from lora_merge.architectures import iter_rules
-        from lora_merge.layout import Skip
+        from lora_merge.model.architectures import iter_rules
+        from lora_merge.model.layout import Skip
 
         super().__init__(shape)
         self.args, self.out, self.writer = args, None, None

@@ -3,7 +3,7 @@
     release/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt   {args, checkpoint_version: 3.0, iteration: 0,
     latest_checkpointed_iteration.txt ("release")         model | model0, model1, … (virtual pipeline chunks)}
 
-Every rank file is planned from shapes before any data exists (writers/torch_zip), so each HF row piece goes
+Every rank file is planned from shapes before any data exists (files/torch_zip), so each HF row piece goes
 straight to its places: `placement` says which TP shard rows it becomes, the layout which file and model
 chunk holds that shard (layers by stage and chunk, experts by EP rank, numbered locally as Megatron numbers
 them). Names are Megatron-Core's local spec (what MindSpeed-LLM builds on Ascend, and what a
@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from lora_merge.architectures import Architecture, iter_rules
-from lora_merge.architectures.base import MEGATRON_LAYER
+from lora_merge.model.architectures import Architecture, iter_rules
+from lora_merge.model.architectures.base import MEGATRON_LAYER
 from lora_merge.errors import MergeError
-from lora_merge.layout import Skip, VocabParallel
-from lora_merge.model_shape import ModelShape
-from lora_merge.parallel_layout import ParallelLayout, RankFile
+from lora_merge.model.layout import Skip, VocabParallel
+from lora_merge.model.model_shape import ModelShape
+from lora_merge.model.parallel_layout import ParallelLayout, RankFile
 from lora_merge.readers.experts import is_expert_name
 from lora_merge.writers.row_scatter import Block, RowScatter, Target, target_shard_shapes, tensor_dtype
-from lora_merge.writers.output_file import ALIGN, OutputFile
-from lora_merge.writers.torch_zip import ArchiveStream, TensorSlot, TorchArchive
+from lora_merge.files.output_file import ALIGN, OutputFile
+from lora_merge.files.torch_zip import ArchiveStream, TensorSlot, TorchArchive
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.layout import DUPLICATED_OR_COLUMN, VocabParallel, expected_shard_shape
-from lora_merge.placement import Segment, hf_segments
+from lora_merge.model.layout import DUPLICATED_OR_COLUMN, VocabParallel, expected_shard_shape
+from lora_merge.model.placement import Segment, hf_segments
 
 ZEROS = memoryview(bytes(8 << 20))
 

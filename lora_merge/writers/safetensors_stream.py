@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.writers.background import OrderedWorker
-from lora_merge.writers.output_file import OutputFile
+from lora_merge.files.output_file import OutputFile
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",

@@ -1,7 +1,7 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention, routed experts and one gated shared expert."""
 
-from lora_merge.architectures.base import PeftQuirks
-from lora_merge.architectures.moe import QWEN_MOE_KEYS, moe_config, moe_decoder, qwen_moe, routed_experts, shared_expert
+from lora_merge.model.architectures.base import PeftQuirks
+from lora_merge.model.architectures.moe import QWEN_MOE_KEYS, moe_config, moe_decoder, qwen_moe, routed_experts, shared_expert
 
 
 def read_moe(fields, num_layers):

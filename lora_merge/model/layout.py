@@ -21,7 +21,7 @@ from lora_merge.fp8 import Fp8Weight
 from lora_merge.integrity import check_finite
 
 if TYPE_CHECKING:
-    from lora_merge.model_shape import ModelShape
+    from lora_merge.model.model_shape import ModelShape
 
 
 def named_dims(shape: ModelShape) -> dict[str, int]:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.writers.ownership import report_refusal
+from lora_merge.files.ownership import report_refusal
 
 
 class InputPaths:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from lora_merge.errors import MergeError
-from lora_merge.layer_numbering import LayerNumbering, numbering_from_args
+from lora_merge.model.layer_numbering import LayerNumbering, numbering_from_args
 from lora_merge.value_checks import MAX_SIZE, is_int, shown_value
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 from lora_merge.errors import MergeError
-from lora_merge.layer_numbering import noop_layers
-from lora_merge.mla_shape import check_mla_args
-from lora_merge.model_shape import ModelShape
-from lora_merge.moe_shape import check_moe_args
-from lora_merge.rope import check_rope_scaling
+from lora_merge.model.layer_numbering import noop_layers
+from lora_merge.model.mla_shape import check_mla_args
+from lora_merge.model.model_shape import ModelShape
+from lora_merge.model.moe_shape import check_moe_args
+from lora_merge.model.rope import check_rope_scaling
 from lora_merge.value_checks import finite_number, positive_int
 from lora_merge.shown import shown
 

@@ -8,12 +8,12 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
-from lora_merge.architectures.base import Architecture, HfConfig, iter_rules, pick_name  # noqa: F401
+from lora_merge.model.architectures.base import Architecture, HfConfig, iter_rules, pick_name  # noqa: F401
 from lora_merge.errors import MergeError
 from lora_merge.shown import shown
 
 if TYPE_CHECKING:
-    from lora_merge.model_shape import ModelShape
+    from lora_merge.model.model_shape import ModelShape
 
 def _registered() -> dict[str, Architecture]:
     found: dict[str, Architecture] = {}

@@ -4,8 +4,8 @@ building blocks of the Mixture-of-Experts tables too."""
 
 from __future__ import annotations
 
-from lora_merge.architectures.base import Architecture
-from lora_merge.layout import GatedColumn, QkvColumn, Replicated, RowParallel, Skip, VocabParallel
+from lora_merge.model.architectures.base import Architecture
+from lora_merge.model.layout import GatedColumn, QkvColumn, Replicated, RowParallel, Skip, VocabParallel
 
 EMBEDDING = (
     VocabParallel("embedding.word_embeddings.weight", ("vocab", "hidden"), hf="model.embed_tokens.weight"),

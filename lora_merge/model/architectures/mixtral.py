@@ -1,9 +1,9 @@
 """Mixtral: Mistral attention, every layer routed experts under `block_sparse_moe` (w1 gate, w3 up, w2 down),
 the top-k probabilities always renormalised."""
 
-from lora_merge.architectures.base import PeftQuirks
-from lora_merge.architectures.moe import moe_config, moe_decoder, routed_experts
-from lora_merge.moe_shape import MoeShape
+from lora_merge.model.architectures.base import PeftQuirks
+from lora_merge.model.architectures.moe import moe_config, moe_decoder, routed_experts
+from lora_merge.model.moe_shape import MoeShape
 
 
 def read_moe(fields, num_layers):

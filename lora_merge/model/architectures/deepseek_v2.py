@@ -3,11 +3,11 @@ experts with shared experts; softmax over all experts, top-k without renormalisa
 class never renormalises, whatever norm_topk_prob says), scaled weights; group-limited choice scores a
 group by its best expert."""
 
-from lora_merge.architectures.base import HfConfig, PeftQuirks
-from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
+from lora_merge.model.architectures.base import HfConfig, PeftQuirks
+from lora_merge.model.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
                                           expected_values, read_mla, shared_experts_count)
 from lora_merge.errors import MergeError
-from lora_merge.moe_shape import MoeShape
+from lora_merge.model.moe_shape import MoeShape
 from lora_merge.shown import shown
 
 

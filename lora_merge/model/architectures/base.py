@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from lora_merge.errors import MergeError
-from lora_merge.layout import Rule
+from lora_merge.model.layout import Rule
 
 if TYPE_CHECKING:
-    from lora_merge.model_shape import ModelShape
+    from lora_merge.model.model_shape import ModelShape
 
 MEGATRON_LAYER = "decoder.layers.{i}."
 HF_LAYER = "model.layers.{i}."

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.layout import Rule, stored_split
+from lora_merge.model.layout import Rule, stored_split
 
 
 @dataclass(frozen=True)

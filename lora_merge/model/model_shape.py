@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_merge.mla_shape import MlaShape
-from lora_merge.moe_shape import MoeShape
+from lora_merge.model.mla_shape import MlaShape
+from lora_merge.model.moe_shape import MoeShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -30,8 +30,8 @@ from lora_merge.interrupts import ignore_signals
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.readers.detect import what_is
-from lora_merge.writers.ownership import MERGED_MODEL, PEFT_ADAPTER, card_kind, report_refusal
-from lora_merge.writers.targets import InputPaths
+from lora_merge.files.ownership import MERGED_MODEL, PEFT_ADAPTER, card_kind, report_refusal
+from lora_merge.files.targets import InputPaths
 
 # What this process has published, so that an interruption or error afterwards is reported truthfully.
 PUBLISHED: list[Path] = []

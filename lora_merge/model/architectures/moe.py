@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lora_merge.architectures.base import Architecture, HfConfig
-from lora_merge.architectures.dense import ATTENTION, DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
+from lora_merge.model.architectures.base import Architecture, HfConfig
+from lora_merge.model.architectures.dense import ATTENTION, DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
 from lora_merge.errors import MergeError
-from lora_merge.layout import GatedColumn, Replicated, RowParallel
-from lora_merge.moe_shape import MoeShape
+from lora_merge.model.layout import GatedColumn, Replicated, RowParallel
+from lora_merge.model.moe_shape import MoeShape
 from lora_merge.shown import shown
 
 # Qwen's MoE configs: which layers have experts, and how many experts of what size.

@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.architectures import ARCHITECTURES, HfConfig
+from lora_merge.model.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import read_fp8_config
 from lora_merge.interrupts import raise_if_received
-from lora_merge.model_shape import DTYPES, ModelShape, RopeScaling
-from lora_merge.rope import hf_rope
+from lora_merge.model.model_shape import DTYPES, ModelShape, RopeScaling
+from lora_merge.model.rope import hf_rope
 from lora_merge.shown import shown
-from lora_merge.small_files import json_kind, read_json
+from lora_merge.files.small_files import json_kind, read_json
 from lora_merge.value_checks import is_int, is_number
 
 # Keys every config class takes (PretrainedConfig: metadata, labels, token ids, output switches, the

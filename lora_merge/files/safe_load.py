@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.torch_archive import MappedFile, TorchArchive
+from lora_merge.files.torch_archive import MappedFile, TorchArchive
 
 # Namespaces whose classes only ever carry data in a checkpoint. Whatever a name in them is, it gets a
 # stand-in, so trusting a namespace never means running its code.

@@ -1,7 +1,7 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention, routed experts, no shared expert."""
 
-from lora_merge.architectures.base import PeftQuirks
-from lora_merge.architectures.moe import QWEN_MOE_KEYS, moe_config, moe_decoder, qwen_moe, routed_experts
+from lora_merge.model.architectures.base import PeftQuirks
+from lora_merge.model.architectures.moe import QWEN_MOE_KEYS, moe_config, moe_decoder, qwen_moe, routed_experts
 
 ARCHITECTURE = moe_decoder(
     moe_config("qwen3_moe",

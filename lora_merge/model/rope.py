@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.model_shape import ModelShape, RopeScaling
+from lora_merge.model.model_shape import ModelShape, RopeScaling
 from lora_merge.value_checks import is_number as _is_number
 from lora_merge.shown import shown
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.pages import release_pages
+from lora_merge.files.pages import release_pages
 
 # Real pickles are a few MB even for a rank file with optimizer state (tensors are separate members).
 MAX_PICKLE_BYTES = 64 << 20

@@ -8,12 +8,12 @@ stays fp32, as in the released checkpoints.
 
 import torch
 
-from lora_merge.architectures.base import HfConfig, PeftQuirks
-from lora_merge.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
+from lora_merge.model.architectures.base import HfConfig, PeftQuirks
+from lora_merge.model.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
                                           expected_values, read_mla, shared_experts_count)
 from lora_merge.errors import MergeError
-from lora_merge.layout import Replicated
-from lora_merge.moe_shape import MoeShape
+from lora_merge.model.layout import Replicated
+from lora_merge.model.moe_shape import MoeShape
 from lora_merge.shown import shown
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lora_merge.architectures.base import Architecture, HfConfig
-from lora_merge.architectures.dense import DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
-from lora_merge.architectures.moe import routed_experts, shared_expert
+from lora_merge.model.architectures.base import Architecture, HfConfig
+from lora_merge.model.architectures.dense import DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
+from lora_merge.model.architectures.moe import routed_experts, shared_expert
 from lora_merge.errors import MergeError
-from lora_merge.layout import ColumnParallel, DuplicatedOrColumn, Replicated, ReplicatedRows, RowParallel
-from lora_merge.mla_shape import MlaShape
+from lora_merge.model.layout import ColumnParallel, DuplicatedOrColumn, Replicated, ReplicatedRows, RowParallel
+from lora_merge.model.mla_shape import MlaShape
 from lora_merge.shown import shown
 
 ATTN = "self_attention."
