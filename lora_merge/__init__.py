@@ -11,14 +11,15 @@ before torch is imported).
 from lora_merge.version import __version__  # noqa: F401  (written in lora_merge/version.py only)
 
 _API = {"merge", "to_megatron", "ConvertResult", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
-__all__ = sorted(_API | {"MergeError", "UsageError", "__version__"})
+_ERRORS = {"MergeError", "UsageError", "UnsupportedInput", "DamagedInput", "OutputConflict"}
+__all__ = sorted(_API | _ERRORS | {"__version__"})
 
 
 def __getattr__(name: str):
     if name in _API:
         from lora_merge import api
         return getattr(api, name)
-    if name in ("MergeError", "UsageError"):
+    if name in _ERRORS:
         from lora_merge import errors
         return getattr(errors, name)
     raise AttributeError(f"module 'lora_merge' has no attribute {name!r}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.shown import shown
 
 SCALE_SUFFIX = "_scale_inv"  # weight_scale_inv beside each quantized weight
@@ -50,7 +50,7 @@ def read_fp8_config(q, path) -> Fp8Format:
     method = q.get("quant_method")
     if method != "fp8":
         name = method if isinstance(method, str) else "unknown method"
-        raise MergeError(f"{path}: has a quantization_config ({name}): a model quantized that way is not read; "
+        raise UnsupportedInput(f"{path}: has a quantization_config ({name}): a model quantized that way is not read; "
                          "block-scaled FP8 (quant_method fp8, weight_block_size [128, 128]) is, and unquantized "
                          "float weights are")
     fmt = q.get("fmt", "e4m3")

@@ -25,7 +25,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, OutputConflict
 from lora_merge.interrupts import ignore_signals
 from lora_merge.writers.hf_files import COPIED_SUBDIRS
 from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
@@ -49,22 +49,22 @@ def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool 
     earlier output of this `kind`. `early`: only the user's input paths are known yet (a full check follows)."""
     inputs.check(out, "output directory")
     if os.path.ismount(out):  # checked first: --force could never help, and publishing would fail at the end
-        raise MergeError(f"{out}: is a mount point; the output is published by renaming a directory into its "
+        raise OutputConflict(f"{out}: is a mount point; the output is published by renaming a directory into its "
                          f"place, which a mount point cannot be: name a directory inside it, e.g. {out / 'merged'}")
     if out.is_symlink():
-        raise MergeError(f"{out}: is a symlink; give the directory itself")
+        raise OutputConflict(f"{out}: is a symlink; give the directory itself")
     if os.path.lexists(out) and not out.is_dir():
-        raise MergeError(f"{out}: exists and is {what_is(out)}, not a directory; not replacing it even with --force")
+        raise OutputConflict(f"{out}: exists and is {what_is(out)}, not a directory; not replacing it even with --force")
     if out.is_dir() and (not early or not force):
         _check_replaceable(out, kind)  # before suggesting --force: only where it would help
     if os.path.lexists(out) and not force:
-        raise MergeError(f"{out}: already exists (pass --force to replace it)")
+        raise OutputConflict(f"{out}: already exists (pass --force to replace it)")
     if not out.parent.is_dir():
-        raise MergeError(f"{out.parent}: parent directory of the output does not exist")
+        raise OutputConflict(f"{out.parent}: parent directory of the output does not exist")
     if len(os.fsencode(_prefix(out.name))) + 24 > 255:
-        raise MergeError(f"{out}: the name is too long to stage the output next to it; choose a shorter name")
+        raise OutputConflict(f"{out}: the name is too long to stage the output next to it; choose a shorter name")
     if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise MergeError(f"{out.parent}: the output's parent directory is not writable")
+        raise OutputConflict(f"{out.parent}: the output's parent directory is not writable")
 
 
 # What an output of this tool holds: shards and index, configs and reports (*.json), the reference's
@@ -79,23 +79,23 @@ def _check_replaceable(out: Path, kind: str) -> None:
     try:
         entries = list(os.scandir(out))
     except OSError as exc:
-        raise MergeError(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
+        raise OutputConflict(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
     if not entries:
         return
     refuse = (f"{out}: exists and is not an earlier {kind} written by lora-merge ({{}}); not replacing it even "
               "with --force: remove it yourself if it is not needed, or choose another --out")
     found = card_kind(out)
     if found is None:
-        raise MergeError(refuse.format("no README.md model card of lora-merge"))
+        raise OutputConflict(refuse.format("no README.md model card of lora-merge"))
     if found != kind:
-        raise MergeError(refuse.format(f"it is a {found} written by lora-merge"))
+        raise OutputConflict(refuse.format(f"it is a {found} written by lora-merge"))
     names = {e.name for e in entries}
     listed = _card_listed(out)  # the reference's other files (tiktoken.model, LICENSE, ...) an output copied
     foreign = sorted(e.name for e in entries if not _output_entry(e, listed))
     if foreign:
-        raise MergeError(refuse.format(f"it also holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}"))
+        raise OutputConflict(refuse.format(f"it also holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}"))
     if KIND_MARKER[kind] not in names:
-        raise MergeError(refuse.format(f"no {KIND_MARKER[kind]}"))
+        raise OutputConflict(refuse.format(f"no {KIND_MARKER[kind]}"))
 
 
 def _output_entry(entry: os.DirEntry, listed: set[str]) -> bool:
@@ -249,14 +249,14 @@ class SideFile:
             if force:
                 refusal = report_refusal(self.final)  # again: something else may have appeared since the start
                 if refusal:
-                    raise MergeError(f"{refusal} (it appeared while this run was writing); this run's report was "
+                    raise OutputConflict(f"{refusal} (it appeared while this run was writing); this run's report was "
                                      "discarded")
                 os.replace(self.tmp, self.final)
             else:
                 try:
                     os.link(self.tmp, self.final)  # fails if `final` exists, atomically
                 except FileExistsError as err:
-                    raise MergeError(f"{self.final}: appeared while this run was writing; it was left as it is and "
+                    raise OutputConflict(f"{self.final}: appeared while this run was writing; it was left as it is and "
                                      "this run's report discarded (pass --force to replace an earlier report of "
                                      "lora-merge)") from err
                 os.unlink(self.tmp)
@@ -266,7 +266,7 @@ class SideFile:
         except OSError as err:
             left = self.discard()
             where = f"it is left at {self.tmp}" if left else "this run's report was discarded"
-            raise MergeError(f"{self.final}: the report could not be moved into place ({err.strerror}); "
+            raise OutputConflict(f"{self.final}: the report could not be moved into place ({err.strerror}); "
                              f"{where}") from err
         self._release()
 
@@ -381,7 +381,7 @@ class StagedOutput:
         try:
             rename_noreplace(self.dir, self.out)
         except FileExistsError as err:
-            raise MergeError(f"{self.out}: appeared while this run was writing (another run with the same --out?); "
+            raise OutputConflict(f"{self.out}: appeared while this run was writing (another run with the same --out?); "
                              "it was left as it is and this run's output discarded") from err
         PUBLISHED.append(self.out)
         _fsync_dir(self.out.parent)

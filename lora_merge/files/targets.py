@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import OutputConflict
 from lora_merge.files.ownership import report_refusal
 
 
@@ -57,7 +57,7 @@ class InputPaths:
         if problem:
             real = _resolve(target)
             via = f" (resolved: {real})" if str(real) != str(Path(target).absolute()) else ""
-            raise MergeError(f"{target}: the {what}{via} {problem}; choose a path outside every input "
+            raise OutputConflict(f"{target}: the {what}{via} {problem}; choose a path outside every input "
                              "(--force never overrides this)")
 
 
@@ -77,28 +77,28 @@ def check_report_path(report: Path | None, force: bool, inputs: InputPaths, out:
     inputs.check(report, "report file")
     inside_out = out is not None and _resolve(report).parent == _resolve(out)
     if out is not None and not inside_out and (_resolve(report) == _resolve(out) or _resolve(out) in _resolve(report).parents):
-        raise MergeError(f"{report}: the report would be the output directory or inside a subdirectory of it; "
+        raise OutputConflict(f"{report}: the report would be the output directory or inside a subdirectory of it; "
                          "name a file directly inside --out, or elsewhere")
     if os.path.lexists(report) and not inside_out:  # one inside --out goes with the output it is part of
         if os.path.isdir(report) and not os.path.islink(report):
-            raise MergeError(f"{report}: the report path is a directory; name a file")
+            raise OutputConflict(f"{report}: the report path is a directory; name a file")
         if early:
             return
         refusal = report_refusal(report)
         if refusal:
-            raise MergeError(refusal)
+            raise OutputConflict(refusal)
         if not force:
-            raise MergeError(f"{report}: already exists: an earlier report of lora-merge (pass --force to replace it)")
+            raise OutputConflict(f"{report}: already exists: an earlier report of lora-merge (pass --force to replace it)")
     parent = _resolve(report).parent
     if inside_out:
         if OUTPUT_NAME.match(report.name):
-            raise MergeError(f"{report}: the output writes a file of that name itself; name the report e.g. "
+            raise OutputConflict(f"{report}: the output writes a file of that name itself; name the report e.g. "
                              "merge-report.json")
         return  # written into the staging directory, published with the output
     if not parent.is_dir():
-        raise MergeError(f"{report}: the report's directory {parent} does not exist")
+        raise OutputConflict(f"{report}: the report's directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise MergeError(f"{report}: the report's directory {parent} is not writable")
+        raise OutputConflict(f"{report}: the report's directory {parent} is not writable")
 
 
 # Names the output may hold besides a report (shards, index, configs, tokenizer files).

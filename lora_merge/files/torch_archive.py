@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, DamagedInput
 from lora_merge.files.pages import release_pages
 
 # Real pickles are a few MB even for a rank file with optimizer state (tensors are separate members).
@@ -72,7 +72,7 @@ class MappedFile:
             f.seek(start)
             data = f.read(nbytes)
         if len(data) != nbytes:
-            raise MergeError(f"{self.path}: ends at byte {self.size}, before the data at {start}+{nbytes} (truncated?)")
+            raise DamagedInput(f"{self.path}: ends at byte {self.size}, before the data at {start}+{nbytes} (truncated?)")
         return data
 
 
@@ -101,7 +101,7 @@ class Record:
             if not self.file.in_memory:
                 release_pages(view)
         if crc != self.crc:
-            raise MergeError(f"{self.file.path}: record {self.name} fails its CRC32 check (stored {self.crc:08x}, "
+            raise DamagedInput(f"{self.file.path}: record {self.name} fails its CRC32 check (stored {self.crc:08x}, "
                              f"read {crc:08x}): the file is damaged; copy it again from the original")
 
 
@@ -142,12 +142,12 @@ class TorchArchive:
         self.length = file.size - offset if length is None else length
         self.where = where or str(file.path)
         if offset < 0 or self.length <= 0 or offset + self.length > file.size:
-            raise MergeError(f"{self.where}: lies past the end of {file.path} ({file.size} bytes; truncated?)")
+            raise DamagedInput(f"{self.where}: lies past the end of {file.path} ({file.size} bytes; truncated?)")
         self.records = self._read_directory()
         self._by_storage: dict[int, Record] = {}
         pickles = [name for name in self.records if name.endswith("data.pkl")]
         if len(pickles) != 1:
-            raise MergeError(f"{self.where}: not a torch.save archive (expected one data.pkl, found {len(pickles)})")
+            raise DamagedInput(f"{self.where}: not a torch.save archive (expected one data.pkl, found {len(pickles)})")
         self.pickle = self.records[pickles[0]]
         self.prefix = pickles[0][: -len("data.pkl")]
 
@@ -156,7 +156,7 @@ class TorchArchive:
             with open(self.file.path, "rb") as f:
                 end = zipfile._EndRecData(_FileSlice(f, self.offset, self.length))
                 if end and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:
-                    raise MergeError(f"{self.where}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members; "
+                    raise DamagedInput(f"{self.where}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members; "
                                      f"a torch checkpoint holds one per tensor storage (refusing more than {MAX_MEMBERS})")
                 with zipfile.ZipFile(_FileSlice(f, self.offset, self.length)) as archive:
                     infos = archive.infolist()
@@ -165,32 +165,32 @@ class TorchArchive:
             raise
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
                 UnicodeDecodeError) as exc:
-            raise MergeError(f"{self.where}: not a readable torch checkpoint ({exc})") from exc
+            raise DamagedInput(f"{self.where}: not a readable torch checkpoint ({exc})") from exc
 
     def _record(self, f, info: zipfile.ZipInfo) -> Record:
         what = f"{self.where}: member {info.filename}"
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
-            raise MergeError(f"{what} is compressed or encrypted; torch stores members uncompressed, so this "
+            raise DamagedInput(f"{what} is compressed or encrypted; torch stores members uncompressed, so this "
                              "file was not written by torch.save (refused: its declared size cannot be trusted)")
         if info.compress_size != info.file_size:
-            raise MergeError(f"{what} declares {info.file_size} bytes but stores {info.compress_size}")
+            raise DamagedInput(f"{what} declares {info.file_size} bytes but stores {info.compress_size}")
         f.seek(self.offset + info.header_offset)
         header = f.read(_LOCAL_HEADER.size)
         if len(header) != _LOCAL_HEADER.size:
-            raise MergeError(f"{what} lies past the end of the file (truncated?)")
+            raise DamagedInput(f"{what} lies past the end of the file (truncated?)")
         fields = _LOCAL_HEADER.unpack(header)
         if fields[0] != _LOCAL_SIGNATURE or fields[3] != zipfile.ZIP_STORED:
-            raise MergeError(f"{what}: its local header is damaged or disagrees with the central directory")
+            raise DamagedInput(f"{what}: its local header is damaged or disagrees with the central directory")
         start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         if start + info.file_size > self.length:
-            raise MergeError(f"{what} runs past the end of the archive ({start + info.file_size} > {self.length} "
+            raise DamagedInput(f"{what} runs past the end of the archive ({start + info.file_size} > {self.length} "
                              "bytes; truncated?)")
         return Record(self.file, info.filename, self.offset + start, info.file_size, info.CRC)
 
     def read_checked(self, record: Record) -> bytes:
         data = self.file.pread(record.start, record.size)
         if crc32(data) != record.crc:
-            raise MergeError(f"{self.file.path}: record {record.name} fails its CRC32 check: the file is damaged; "
+            raise DamagedInput(f"{self.file.path}: record {record.name} fails its CRC32 check: the file is damaged; "
                              "copy it again from the original")
         return data
 
@@ -217,13 +217,13 @@ class TorchArchive:
                 return storages[key]
             dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
             if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
-                raise MergeError(f"{self.where}: storage {key} has an unreadable type or size")
+                raise DamagedInput(f"{self.where}: storage {key} has an unreadable type or size")
             record = self.records.get(f"{self.prefix}data/{key}")
             if record is None:
-                raise MergeError(f"{self.where}: storage {key} has no member {self.prefix}data/{key}")
+                raise DamagedInput(f"{self.where}: storage {key} has no member {self.prefix}data/{key}")
             nbytes = numel * dtype.itemsize
             if nbytes != record.size:
-                raise MergeError(f"{self.where}: storage {key} declares {nbytes} bytes but its member holds "
+                raise DamagedInput(f"{self.where}: storage {key} declares {nbytes} bytes but its member holds "
                                  f"{record.size}")
             storage = self.file.storage()[record.start: record.start + nbytes]
             if nbytes:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.model.architectures import ARCHITECTURES, HfConfig
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.fp8 import read_fp8_config
 from lora_merge.interrupts import raise_if_received
 from lora_merge.model.model_shape import DTYPES, ModelShape, RopeScaling
@@ -83,7 +83,7 @@ def read_hf_config(hf_dir: Path, notes: list[str] | None = None) -> tuple[ModelS
     if not isinstance(raw, dict):
         raise MergeError(f"{path}: the top level is a JSON {json_kind(raw)}; expected an object of config fields")
     if "text_config" in raw and "num_hidden_layers" not in raw:
-        raise MergeError(f"{path}: multimodal configs are not supported")
+        raise UnsupportedInput(f"{path}: multimodal configs are not supported")
     spec = _architecture(raw, path, notes)
     _check_plain_fields(raw, path)
     try:
@@ -427,9 +427,9 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
     if spec.qkv_bias is False and fields.get("attention_bias", False):
         # In HF Llama/Mistral/Qwen3 attention_bias also gives o_proj a bias, which Megatron's
         # add_qkv_bias does not have: writing one would be inventing weights.
-        raise MergeError(f"{path}: attention_bias=true for {spec.model_type} (q/k/v *and* o_proj biases) is not supported")
+        raise UnsupportedInput(f"{path}: attention_bias=true for {spec.model_type} (q/k/v *and* o_proj biases) is not supported")
     if fields.get("mlp_bias", False):
-        raise MergeError(f"{path}: mlp_bias=true is not supported")
+        raise UnsupportedInput(f"{path}: mlp_bias=true is not supported")
     window = fields.raw.get("sliding_window")  # as stated: transformers 4.x does not check its type
     if spec.family == "qwen" and window not in (None, 0) and not (is_int(window) and window > 0):
         raise MergeError(f"{path}: 'sliding_window' must be a positive integer or null, found {shown(window)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.model.layer_numbering import noop_layers
 from lora_merge.model.mla_shape import check_mla_args
 from lora_merge.model.model_shape import ModelShape
@@ -64,7 +64,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, size, arg, where)
     if arg("mtp_num_layers"):
-        raise MergeError(f"{where}: args.mtp_num_layers={shown(arg('mtp_num_layers'))}: the checkpoint has multi-token-"
+        raise UnsupportedInput(f"{where}: args.mtp_num_layers={shown(arg('mtp_num_layers'))}: the checkpoint has multi-token-"
                          "prediction layers (mtp.*), which this tool cannot map yet and will not drop; merge a "
                          "checkpoint trained without MTP")
     if arg("swiglu") is False:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.model.model_shape import ModelShape, RopeScaling
 from lora_merge.value_checks import is_number as _is_number
 from lora_merge.shown import shown
@@ -45,7 +45,7 @@ def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
         raise MergeError(f"{path}: transformers reads rope_theta={shown(theta)}, config.json states {shown(stated_theta)}")
     partial = applied.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial is not None and partial != 1.0:
-        raise MergeError(f"{path}: partial_rotary_factor={shown(partial)}: partial RoPE is not supported (Megatron "
+        raise UnsupportedInput(f"{path}: partial_rotary_factor={shown(partial)}: partial RoPE is not supported (Megatron "
                          "args.rotary_percent must be 1.0); expected 1.0")
     return (None if theta is None else float(theta)), applied_scaling
 
@@ -55,7 +55,7 @@ def transformers_rope(config, path: Path) -> dict:
     its rope_theta."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        raise MergeError(f"{path}: per-layer-type RoPE parameters are not supported: Megatron applies one RoPE to every layer")
+        raise UnsupportedInput(f"{path}: per-layer-type RoPE parameters are not supported: Megatron applies one RoPE to every layer")
     merged = {**(getattr(config, "rope_scaling", None) or {}), **(params or {})}
     if "rope_theta" not in merged and getattr(config, "rope_theta", None) is not None:
         merged["rope_theta"] = config.rope_theta
@@ -80,7 +80,7 @@ def _rope(cfg: dict, path: Path, max_positions: int, notes: list[str]) -> tuple[
     theta = _agreeing(path, "rope_theta", _inner({"": cfg, **sections}, "rope_theta", path))
     partial = _agreeing(path, "partial_rotary_factor", _inner({"": cfg, **sections}, "partial_rotary_factor", path))
     if partial is not None and partial != 1.0:
-        raise MergeError(f"{path}: partial_rotary_factor={partial:g}: partial RoPE is not supported (Megatron "
+        raise UnsupportedInput(f"{path}: partial_rotary_factor={partial:g}: partial RoPE is not supported (Megatron "
                          "args.rotary_percent must be 1.0); expected 1.0")
     scalings = {name: _scaling(d, name, path, max_positions, notes) for name, d in sections.items()}
     if len(set(scalings.values())) > 1:
@@ -310,7 +310,7 @@ def _mindspeed_rope_scaling(shape: ModelShape, args, kind: str, where: str):
                  "beta_slow": ("rope_scaling_beta_slow", "beta_slow"),
                  "original_max_position_embeddings": ("rope_scaling_original_max_position_embeddings",)}
     else:
-        raise MergeError(f"{where}: {label} is not supported: only llama3 and yarn scaling can be matched to a HF "
+        raise UnsupportedInput(f"{where}: {label} is not supported: only llama3 and yarn scaling can be matched to a HF "
                          "config")
     params = {}
     for param, candidates in names.items():

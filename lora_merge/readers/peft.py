@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.readers.safetensors_file import shown_name, tensor_refs
 from lora_merge.files.safe_load import load_pt
@@ -110,7 +110,7 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
         for marker, what in ((".lora_embedding_", "LoRA on embeddings"), (".lora_magnitude_vector", "DoRA"),
                              (".modules_to_save.", "modules_to_save")):
             if marker in name:
-                raise MergeError(f"{weights}: {key}: {what} is not supported; only plain LoRA on Linear layers")
+                raise UnsupportedInput(f"{weights}: {key}: {what} is not supported; only plain LoRA on Linear layers")
         if m := KEY.match(name):
             pairs.setdefault(m.group("module"), {})[m.group("ab")] = ref
         elif name.endswith(".bias") and config.get("bias") in ("all", "lora_only"):
@@ -155,7 +155,7 @@ def _config(path: Path) -> dict:
     if kind != "LORA":
         raise MergeError(f"{path}: peft_type {kind!r}; only LORA adapters can be merged")
     if config.get("use_dora"):
-        raise MergeError(f"{path}: use_dora=true: DoRA is not supported")
+        raise UnsupportedInput(f"{path}: use_dora=true: DoRA is not supported")
     if config.get("modules_to_save"):
         raise MergeError(f"{path}: modules_to_save={config['modules_to_save']!r}: fully trained module copies are not "
                          "supported")
@@ -165,9 +165,9 @@ def _config(path: Path) -> dict:
     for key, what in (("layer_replication", "layer replication (layers duplicated in the adapted model)"),
                       ("trainable_token_indices", "trainable tokens (embedding rows trained outside LoRA)")):
         if config.get(key):
-            raise MergeError(f"{path}: {key}={config[key]!r}: {what} is not supported")
+            raise UnsupportedInput(f"{path}: {key}={config[key]!r}: {what} is not supported")
     if config.get("lora_bias"):
-        raise MergeError(f"{path}: lora_bias=true (a bias on lora_B) is not supported")
+        raise UnsupportedInput(f"{path}: lora_bias=true (a bias on lora_B) is not supported")
     _check_values(config, path)
     return config
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import DamagedInput, MergeError
 from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.files.torch_archive import MappedFile
 
@@ -143,7 +143,7 @@ def tensor_refs(path: Path, what: str, fp8: bool = False) -> dict[str, TensorRef
     try:
         header = read_header(path)
     except Damaged as exc:
-        raise MergeError(f"{path}: {exc}; {what} must be intact") from None
+        raise DamagedInput(f"{path}: {exc}; {what} must be intact") from None
     mapped = MappedFile(path)
     refs = {}
     for name, entry in header.entries.items():

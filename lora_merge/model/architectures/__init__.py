@@ -9,7 +9,7 @@ import pkgutil
 from typing import TYPE_CHECKING
 
 from lora_merge.model.architectures.base import Architecture, HfConfig, iter_rules, pick_name  # noqa: F401
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.shown import shown
 
 if TYPE_CHECKING:
@@ -33,5 +33,5 @@ def architecture_for(shape: ModelShape) -> Architecture:
     try:
         return ARCHITECTURES[shape.model_type]
     except KeyError:
-        raise MergeError(f"HF config model_type {shown(shape.model_type)} is not supported "
+        raise UnsupportedInput(f"HF config model_type {shown(shape.model_type)} is not supported "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})") from None
