@@ -13,7 +13,10 @@ import re
 import stat
 from pathlib import Path
 
+from lora_merge.errors import OutputConflict
 from lora_merge.readers.detect import what_is
+from lora_merge.writers.hf_files import COPIED_SUBDIRS
+from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 
 # The first key of every report (written first by json.dumps: dicts keep their order). Reports written before
 # the marker existed start with "tool": "lora-merge VERSION" followed by "inputs": recognised too.
@@ -95,3 +98,59 @@ def card_kind(directory: Path) -> str | None:
     if _KIND_TAG[PEFT_ADAPTER] in tags and header.get("library_name") == "peft":
         return PEFT_ADAPTER
     return None
+
+
+# The file each kind of output cannot be without.
+KIND_MARKER = {MERGED_MODEL: "config.json", PEFT_ADAPTER: "adapter_config.json"}
+# What an output of this tool holds: shards and index, configs and reports (*.json), the reference's
+# tokenizer, chat template and remote code. Anything else in a directory means it is someone's own.
+OUTPUT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|adapter_model\.safetensors|[^/]+\.json|[^/]+\.py|"
+                         r"merges\.txt|tokenizer\.model|chat_template\.jinja|README\.md)$")
+
+
+def check_replaceable(out: Path, kind: str) -> None:
+    """--force replaces an empty directory, or an earlier output of lora-merge of this kind: its README.md is
+    our model card of that kind, it holds the kind's config, and nothing a lora-merge output does not hold."""
+    try:
+        entries = list(os.scandir(out))
+    except OSError as exc:
+        raise OutputConflict(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
+    if not entries:
+        return
+    refuse = (f"{out}: exists and is not an earlier {kind} written by lora-merge ({{}}); not replacing it even "
+              "with --force: remove it yourself if it is not needed, or choose another --out")
+    found = card_kind(out)
+    if found is None:
+        raise OutputConflict(refuse.format("no README.md model card of lora-merge"))
+    if found != kind:
+        raise OutputConflict(refuse.format(f"it is a {found} written by lora-merge"))
+    names = {e.name for e in entries}
+    listed = _card_listed(out)  # the reference's other files (tiktoken.model, LICENSE, ...) an output copied
+    foreign = sorted(e.name for e in entries if not _output_entry(e, listed))
+    if foreign:
+        raise OutputConflict(refuse.format(f"it also holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}"))
+    if KIND_MARKER[kind] not in names:
+        raise OutputConflict(refuse.format(f"no {KIND_MARKER[kind]}"))
+
+
+def _output_entry(entry: os.DirEntry, listed: set[str]) -> bool:
+    """Whether an entry of an existing directory is one a lora-merge output holds."""
+    if entry.is_file(follow_symlinks=False):
+        return bool(OUTPUT_FILE.match(entry.name)) or entry.name in listed
+    if entry.name in COPIED_SUBDIRS and entry.is_dir(follow_symlinks=False):
+        try:
+            return all(f"{entry.name}/{inner}" in listed for inner in os.listdir(entry.path))
+        except OSError:
+            return False
+    return False
+
+
+def _card_listed(out: Path) -> set[str]:
+    """The files the model card of an earlier output lists (it lists every file the run wrote)."""
+    card = out / "README.md"
+    try:
+        if not card.is_file() or card.is_symlink() or card.stat().st_size > MAX_CARD_BYTES:
+            return set()
+        return set(card_files(card.read_text(encoding="utf-8", errors="replace")) or ())
+    except OSError:
+        return set()

@@ -18,7 +18,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import re
 import shutil
 import socket
 import stat
@@ -27,16 +26,13 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
 from lora_merge.interrupts import ignore_signals
-from lora_merge.writers.hf_files import COPIED_SUBDIRS
-from lora_merge.writers.model_card import MAX_CARD_BYTES, card_files
 from lora_merge.readers.detect import what_is
-from lora_merge.files.ownership import MERGED_MODEL, PEFT_ADAPTER, card_kind, report_refusal
+from lora_merge.files.ownership import MERGED_MODEL, check_replaceable, report_refusal
 from lora_merge.files.targets import InputPaths
 
 # What this process has published, so that an interruption or error afterwards is reported truthfully.
 PUBLISHED: list[Path] = []
-# The file each kind of output cannot be without.
-KIND_MARKER = {MERGED_MODEL: "config.json", PEFT_ADAPTER: "adapter_config.json"}
+
 # Inside a staging directory, held locked by its run (removed just before publishing).
 STAGING_LOCK = ".lora-merge-staging.lock"
 # Errors that only writing causes: one of these without a file name happened while writing the output.
@@ -56,7 +52,7 @@ def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool 
     if os.path.lexists(out) and not out.is_dir():
         raise OutputConflict(f"{out}: exists and is {what_is(out)}, not a directory; not replacing it even with --force")
     if out.is_dir() and (not early or not force):
-        _check_replaceable(out, kind)  # before suggesting --force: only where it would help
+        check_replaceable(out, kind)  # before suggesting --force: only where it would help
     if os.path.lexists(out) and not force:
         raise OutputConflict(f"{out}: already exists (pass --force to replace it)")
     if not out.parent.is_dir():
@@ -65,49 +61,6 @@ def check_output_target(out: Path, force: bool, inputs: InputPaths, early: bool 
         raise OutputConflict(f"{out}: the name is too long to stage the output next to it; choose a shorter name")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise OutputConflict(f"{out.parent}: the output's parent directory is not writable")
-
-
-# What an output of this tool holds: shards and index, configs and reports (*.json), the reference's
-# tokenizer, chat template and remote code. Anything else in a directory means it is someone's own.
-OUTPUT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|adapter_model\.safetensors|[^/]+\.json|[^/]+\.py|"
-                         r"merges\.txt|tokenizer\.model|chat_template\.jinja|README\.md)$")
-
-
-def _check_replaceable(out: Path, kind: str) -> None:
-    """--force replaces an empty directory, or an earlier output of lora-merge of this kind: its README.md is
-    our model card of that kind, it holds the kind's config, and nothing a lora-merge output does not hold."""
-    try:
-        entries = list(os.scandir(out))
-    except OSError as exc:
-        raise OutputConflict(f"{out}: cannot list it to replace it ({exc.strerror})") from exc
-    if not entries:
-        return
-    refuse = (f"{out}: exists and is not an earlier {kind} written by lora-merge ({{}}); not replacing it even "
-              "with --force: remove it yourself if it is not needed, or choose another --out")
-    found = card_kind(out)
-    if found is None:
-        raise OutputConflict(refuse.format("no README.md model card of lora-merge"))
-    if found != kind:
-        raise OutputConflict(refuse.format(f"it is a {found} written by lora-merge"))
-    names = {e.name for e in entries}
-    listed = _card_listed(out)  # the reference's other files (tiktoken.model, LICENSE, ...) an output copied
-    foreign = sorted(e.name for e in entries if not _output_entry(e, listed))
-    if foreign:
-        raise OutputConflict(refuse.format(f"it also holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}"))
-    if KIND_MARKER[kind] not in names:
-        raise OutputConflict(refuse.format(f"no {KIND_MARKER[kind]}"))
-
-
-def _output_entry(entry: os.DirEntry, listed: set[str]) -> bool:
-    """Whether an entry of an existing directory is one a lora-merge output holds."""
-    if entry.is_file(follow_symlinks=False):
-        return bool(OUTPUT_FILE.match(entry.name)) or entry.name in listed
-    if entry.name in COPIED_SUBDIRS and entry.is_dir(follow_symlinks=False):
-        try:
-            return all(f"{entry.name}/{inner}" in listed for inner in os.listdir(entry.path))
-        except OSError:
-            return False
-    return False
 
 
 def current_umask() -> int:
@@ -130,17 +83,6 @@ def output_file_mode() -> int:
     created that way), so that files written by libraries that choose 0600 (safetensors' save_file) are
     no more private than the rest."""
     return 0o666 & ~current_umask()
-
-
-def _card_listed(out: Path) -> set[str]:
-    """The files the model card of an earlier output lists (it lists every file the run wrote)."""
-    card = out / "README.md"
-    try:
-        if not card.is_file() or card.is_symlink() or card.stat().st_size > MAX_CARD_BYTES:
-            return set()
-        return set(card_files(card.read_text(encoding="utf-8", errors="replace")) or ())
-    except OSError:
-        return set()
 
 
 def gigabytes(nbytes: int) -> str:
@@ -368,7 +310,7 @@ class StagedOutput:
 
     def _publish(self) -> None:
         if self.force and self.out.is_dir() and not self.out.is_symlink():
-            _check_replaceable(self.out, self.kind)
+            check_replaceable(self.out, self.kind)
             try:
                 rename_exchange(self.dir, self.out)
             except FileNotFoundError:  # removed meanwhile: publish as new
