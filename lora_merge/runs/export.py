@@ -13,9 +13,9 @@ from lora_merge.model.model_shape import DTYPES
 from lora_merge.peft_adapter import adapter_config, build_adapter, write_adapter
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.report import hash_files, report_text
-from lora_merge.runs.inputs import LORA, check_input_dirs, given_paths, input_paths, open_inputs, refuse_peft_lora
+from lora_merge.runs.inputs import (LORA, card_base_model, check_input_dirs, given_paths, input_paths, inside_dir,
+                                    open_inputs, refuse_peft_lora)
 from lora_merge.runs.options import ExportOptions
-from lora_merge.runs.to_hf import _base_model, _inside
 from lora_merge.writers.model_card import adapter_card, checked_base_model_id
 from lora_merge.files.ownership import PEFT_ADAPTER
 from lora_merge.files.staged_dir import StagedOutput, check_output_target, remove_abandoned_side_files
@@ -57,13 +57,13 @@ def run_export(opts: ExportOptions) -> ExportResult:
     tensors = adapter.tensors
     for warning in adapter.warnings:
         opts.warn(warning)
-    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
+    base_model, base_model_warning = card_base_model(opts, inp, opts.hf_ref)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     with StagedOutput(opts.out, opts.force, inputs, kind=PEFT_ADAPTER) as stage:
         files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, base_model))
         hashes = hash_files(stage.dir, files)
-        later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
+        later = (opts.report.name,) if inside_dir(opts.report, opts.out) else ()
         with (stage.dir / "README.md").open("x") as f:
             f.write(adapter_card(opts.out.name, inp.lora, inp.settings, adapter.target_modules + adapter.target_parameters,
                                  hashes, base_model, later))

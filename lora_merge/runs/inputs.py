@@ -3,6 +3,7 @@ base, the LoRA), the paths the run reads (which no output may touch), and what t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from lora_merge.readers.hf_model import read_hf_model
 from lora_merge.readers.peft import read_peft_adapter
 from lora_merge.readers.source import Source
 from lora_merge.files.targets import InputPaths
+from lora_merge.writers.model_card import checked_base_model_id, resolve_base_model
 
 # What each path argument names, for the message when it is missing or not a path.
 LORA = "the LoRA dir (a Megatron checkpoint or a PEFT adapter)"
@@ -200,3 +202,17 @@ def verified_base_dir(base: Path | None, lora: Path | None, hf_ref: Path | None)
     if base is None and lora is not None and input_kind(lora) == PEFT_DIR and has_weights(hf_ref):
         return hf_ref
     return base
+
+
+def inside_dir(path: Path | None, directory: Path) -> bool:
+    return path is not None and os.path.realpath(path.parent) == os.path.realpath(directory)
+
+
+def card_base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | None]:
+    """The Hub id for the card's base_model (and the adapter's base_model_name_or_path), and the warning to
+    give when only local paths are known: once the output is complete (it is about the published card, and
+    would only clutter a failure) but before it is published, as every warning is, so that a `warn` that
+    raises (or `warnings.simplefilter("error")`) stops the run with nothing published."""
+    explicit = checked_base_model_id(opts.base_model_id)
+    hf_base = inp.base.path if inp.base is not None and inp.base.hf_named else None
+    return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)

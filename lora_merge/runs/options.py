@@ -3,7 +3,6 @@ line calls the API, so its values are checked by the same code), and never chang
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,13 +13,10 @@ from lora_merge.options import DEFAULT_SHARD_BYTES
 FP8 = "fp8"  # --dtype fp8 (or float8_e4m3fn): block-FP8 linear weights, as DeepSeek's and Qwen's releases
 
 
-def warn_with_warnings(message: str) -> None:
-    warnings.warn(message, stacklevel=4)
-
-
 @dataclass(kw_only=True)
 class InputOptions:
-    """The inputs of every run and how their LoRA settings may be overridden; `warn` takes each warning."""
+    """The inputs of every run and how their LoRA settings may be overridden; `warn` takes each warning (the
+    API's default hands it to `warnings.warn`)."""
 
     hf_ref: Path | None
     base: Path | None = None
@@ -28,7 +24,7 @@ class InputOptions:
     lora_r: int | None = None
     lora_alpha: float | None = None
     allow_partial_lora: bool = False
-    warn: Callable[[str], None] = warn_with_warnings
+    warn: Callable[[str], None]
 
 
 @dataclass(kw_only=True)

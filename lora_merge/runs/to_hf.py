@@ -3,7 +3,6 @@ sharded safetensors, the reference's files, `--verify`, the card and the report,
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,13 +13,13 @@ from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings
 from lora_merge.merge_plan import MergePlan, build_plan, plan_fp8_output
 from lora_merge.report import hash_files, report_text
-from lora_merge.runs.inputs import (Inputs, baseline_dir, check_input_dirs, given_paths, input_paths,
-                                    open_inputs, output_dtype)
+from lora_merge.runs.inputs import (baseline_dir, card_base_model, check_input_dirs, given_paths, input_paths,
+                                    inside_dir, open_inputs, output_dtype)
 from lora_merge.runs.options import FP8, MergeOptions
 from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
-from lora_merge.writers.model_card import checked_base_model_id, model_card, resolve_base_model
+from lora_merge.writers.model_card import checked_base_model_id, model_card
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.files.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
@@ -71,25 +70,11 @@ def _settings_fields(settings: LoraSettings | None) -> dict:
     return dict(r=settings.r, alpha=settings.alpha, scale=settings.scale, settings_source=settings.source)
 
 
-def _inside(path: Path | None, directory: Path) -> bool:
-    return path is not None and os.path.realpath(path.parent) == os.path.realpath(directory)
-
-
-def _base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str | None]:
-    """The Hub id for the card's base_model (and the adapter's base_model_name_or_path), and the warning to
-    give when only local paths are known: once the output is complete (it is about the published card, and
-    would only clutter a failure) but before it is published, as every warning is, so that a `warn` that
-    raises (or `warnings.simplefilter("error")`) stops the run with nothing published."""
-    explicit = checked_base_model_id(opts.base_model_id)
-    hf_base = inp.base.path if inp.base is not None and inp.base.hf_named else None
-    return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
-
-
 def _reference_files(opts, reference: Path) -> ReferenceFiles:
     """What of the reference the output holds; a file that cannot be copied stops the run here, before any
     shard is written, and so does a report named like one of them."""
     found = reference_files(reference)
-    if _inside(opts.report, opts.out) and (opts.report.name in found.copied or opts.report.name == "config.json"):
+    if inside_dir(opts.report, opts.out) and (opts.report.name in found.copied or opts.report.name == "config.json"):
         raise MergeError(f"{opts.report}: the output holds the reference's {opts.report.name} under that name; "
                          "name the report e.g. merge-report.json")
     for note in found.notes():
@@ -116,7 +101,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     quantization = plan_fp8_output(plan, inp.base, inp.hf_config.get("quantization_config")) if fp8 else None
     for note in plan.notes:
         opts.warn(note)
-    base_model, base_model_warning = _base_model(opts, inp, opts.hf_ref)
+    base_model, base_model_warning = card_base_model(opts, inp, opts.hf_ref)
     hf_config = {**inp.hf_config, **plan.config_changes}
     hf_config.pop("quantization_config", None)  # an FP8 base's: the output is FP8 only where it says so
     dtype_name = str(dtype).removeprefix("torch.")
@@ -160,7 +145,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
             hashes = writer.sha256 | hash_files(staging, [f for f in files if f not in writer.sha256])
         else:
             hashes = dict.fromkeys(files)  # listed, not hashed (--no-sha256)
-        later = (opts.report.name,) if _inside(opts.report, opts.out) else ()
+        later = (opts.report.name,) if inside_dir(opts.report, opts.out) else ()
         with (staging / "README.md").open("x") as f:
             f.write(model_card(opts.out.name, inp.base, inp.lora, hf_config, inp.settings,
                                dtype_name, plan.merged_modules, hashes, base_model, later))
