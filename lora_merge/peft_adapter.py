@@ -24,64 +24,143 @@ Routed experts come in one of two namings (`EXPERT_FORMATS`):
 It walks the table for the LoRA modules alone rather than consuming a merge plan: an adapter needs no base
 weights (`--base` is optional), and a plan is made of them. Where a --base is given with an unfiltered LoRA,
 the export makes the plan too, for its check that the two bases are one (runs/export.py).
+
+The adapter is planned from the LoRA's headers (every tensor's name, shape and dtype, what is missing, which
+experts fuse) before any factor is read, then streamed into one safetensors file a layer at a time: memory
+holds one layer's factors (all of a DeepSeek-V3 layer's 256 experts at r=8: ~110 MB), not the adapter (6.6 GB).
+The file's tensors are in the order `safetensors.save_file` gives them (dtype, widest first, then name), so
+the bytes are those a PEFT `save_pretrained` of the same tensors writes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from safetensors.torch import save_file
 
-from lora_merge.model.architectures import Architecture, iter_rules
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite, check_records
-from lora_merge.model.layout import GatedColumn, RowParallel
 from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
+from lora_merge.model.architectures import Architecture, iter_rules
+from lora_merge.model.layout import GatedColumn, RowParallel, Rule
 from lora_merge.model.model_shape import ModelShape
-from lora_merge.readers.checkpoint import Checkpoint
-from lora_merge.files.staged_dir import output_file_mode
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule
+from lora_merge.writers.safetensors_stream import PlannedTensor
 
 PEFT_PREFIX = "base_model.model."
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 EXPERT_FORMATS = ("per-expert", "fused")
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+# safetensors.save_file orders a file's tensors by dtype (widest float first), then by name
+_FILE_DTYPE_ORDER = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class _Module:
+    """One adapted Megatron module; its HF lora_A/lora_B tensors are made together."""
+
+    rule: Rule
+    name: str  # Megatron module name
+    hf_prefix: str  # "model.layers.{i}." or ""
+    factors: LoraModule
+
+
+@dataclass(frozen=True)
+class _FusedExperts:
+    """One layer's fused expert parameter: for each expert in order, the per-expert modules whose factors it
+    stacks (gate and up, which share A; or down)."""
+
+    owner: str  # key prefix of its lora_A/lora_B
+    layer: int
+    fused: str
+    experts: tuple[tuple[str, ...], ...]
+
+
 @dataclass
-class Adapter:
-    tensors: dict[str, torch.Tensor]
+class AdapterPlan:
+    """The adapter file's tensors, planned from headers (in file order), and how to make them a unit (one
+    layer, or the modules outside layers) at a time."""
+
+    tensors: list[PlannedTensor]
     target_modules: list[str]
-    target_parameters: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    target_parameters: list[str]
+    warnings: list[str]
+    units: dict[str, str]  # tensor name -> its unit
+    modules: dict[str, list[_Module]]  # unit -> the Megatron modules read for it
+    zeros: dict[str, list[PlannedTensor]]  # unit -> zero factors of modules without LoRA (--allow-partial-lora)
+    fused: dict[str, list[_FusedExperts]]  # unit -> fused expert parameters
+    shape: ModelShape
+    dtype: torch.dtype | None
+    where: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def produce(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in file order; one unit's tensors are held at a time (a unit met again, as with
+        factors of several dtypes, is made again)."""
+        unit, made = None, {}
+        for planned in self.tensors:
+            if self.units[planned.name] != unit or planned.name not in made:
+                unit = self.units[planned.name]
+                made = {}  # released before the next unit is read
+                made = self._make(unit)
+            yield planned.name, made.pop(planned.name)
+
+    def _make(self, unit: str) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for module in self.modules.get(unit, ()):
+            check_records(module.factors.refs)
+            for hf_name, (b, a) in hf_factors(module.rule, module.factors, self.shape, module.name).items():
+                key = PEFT_PREFIX + module.hf_prefix + hf_name.removesuffix(".weight")
+                for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b)):
+                    # q/k/v share A: one copy each; grouped experts are transposed views, saved row-major
+                    dtype = self.dtype or factor.dtype
+                    tensors[name] = factor.to(dtype).clone(memory_format=torch.contiguous_format)
+                    check_finite(tensors[name], name, "non-finite values (NaN or Inf) in the LoRA factor"
+                                 + ("" if dtype == factor.dtype else f" as {str(dtype).removeprefix('torch.')}"))
+        for planned in self.zeros.get(unit, ()):
+            tensors[planned.name] = torch.zeros(planned.shape, dtype=planned.dtype)
+        for group in self.fused.get(unit, ()):
+            tensors.update(_fuse(group, tensors, self.where))
+        return tensors
 
 
-def build_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
-                  dtype: torch.dtype | None, expert_format: str = "per-expert", allow_partial: bool = False) -> Adapter:
-    tensors = adapter_tensors(lora, shape, arch, settings, dtype)
-    warnings = complete_targets(tensors, lora, shape, arch, settings.r, allow_partial)
-    experts = expert_keys(tensors, arch)
-    if not experts:
-        return Adapter(tensors, target_modules(tensors), warnings=warnings)
-    if expert_format == "fused":
-        adapter = fuse_experts(tensors, experts, arch, shape, str(lora.path))
-        adapter.warnings[:0] = warnings
-        return adapter
-    peft = arch.config.peft  # what PEFT does with this model type's adapters (its architecture module says)
-    if peft.drops_per_expert:
-        warnings.append(f"PEFT (0.20 and later) does not convert per-expert {arch.name} adapters onto transformers 5's fused "
-                        "experts and drops them without an error; load this adapter with vLLM, or export with "
-                        "--expert-format fused for PEFT")
-    if peft.remaps_every_mlp_target:
-        warnings += unconverted_mlp_warning(tensors, experts, arch)
-    return Adapter(tensors, target_modules(tensors), warnings=warnings)
+def plan_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
+                 dtype: torch.dtype | None, expert_format: str = "per-expert", allow_partial: bool = False) -> AdapterPlan:
+    where = str(lora.path)
+    planned, units, modules = _plan_factors(lora, shape, arch, settings, dtype)
+    zeros, warnings = complete_targets(planned, units, lora, shape, arch, settings.r, allow_partial)
+    experts = expert_keys(planned, arch)
+    fused: dict[str, list[_FusedExperts]] = {}
+    modules_targeted, parameters = target_modules(planned), []
+    if experts and expert_format == "fused":
+        fused, modules_targeted, parameters = plan_fused_experts(planned, units, experts, arch, shape, where)
+    elif experts:
+        peft = arch.config.peft  # what PEFT does with this model type's adapters (its architecture module says)
+        if peft.drops_per_expert:
+            warnings.append(f"PEFT (0.20 and later) does not convert per-expert {arch.name} adapters onto transformers 5's "
+                            "fused experts and drops them without an error; load this adapter with vLLM, or export "
+                            "with --expert-format fused for PEFT")
+        if peft.remaps_every_mlp_target:
+            warnings += unconverted_mlp_warning(planned, experts, arch)
+    order = sorted(planned.values(), key=lambda t: (_FILE_DTYPE_ORDER.index(t.dtype), t.name))
+    return AdapterPlan(order, modules_targeted, parameters, warnings, units, modules, zeros, fused, shape, dtype, where)
 
 
-def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
-                    dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """PEFT-named lora_A/lora_B tensors for every adapted HF projection, in HF layout (experts per expert)."""
-    tensors = {}
+def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
+                  dtype: torch.dtype | None):
+    """PEFT-named lora_A [r, in] and lora_B [out, r] of every adapted HF projection, in HF layout (experts
+    per expert), from the factors' headers; their units; the modules by unit."""
+    planned: dict[str, PlannedTensor] = {}
+    units: dict[str, str] = {}
+    modules: dict[str, list[_Module]] = {}
     remaining = dict(lora.lora)
     for rule, names, prefix in iter_rules(arch, shape, lora.has):
         module = names[0].removesuffix(".weight")
@@ -89,22 +168,20 @@ def adapter_tensors(lora: Checkpoint, shape: ModelShape, arch: Architecture, set
             continue
         factors = remaining.pop(module)
         check_factor_shapes(rule, factors, shape, settings.r, module)
-        check_records(factors.refs)
-        for hf_name, (b, a) in hf_factors(rule, factors, shape, module).items():
+        modules.setdefault(prefix, []).append(_Module(rule, module, prefix, factors))
+        for hf_name, (out_dim, in_dim) in rule.hf_shapes(shape).items():
             key = PEFT_PREFIX + prefix + hf_name.removesuffix(".weight")
-            for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b)):
-                # q/k/v share A: one copy each; grouped experts are transposed views, saved row-major
-                tensors[name] = factor.to(dtype or factor.dtype).clone(memory_format=torch.contiguous_format)
-                check_finite(tensors[name], name, "non-finite values (NaN or Inf) in the LoRA factor"
-                             + ("" if dtype is None or dtype == factor.dtype else
-                                f" as {str(dtype).removeprefix('torch.')}"))
+            for name, dims, ref in ((f"{key}.lora_A.weight", (settings.r, in_dim), factors.a[0]),
+                                    (f"{key}.lora_B.weight", (out_dim, settings.r), factors.b[0])):
+                planned[name] = PlannedTensor(name, dims, dtype or ref.dtype)
+                units[name] = prefix
     if remaining:
         raise MergeError(f"{lora.path}: LoRA weights for modules that have no HF counterpart: "
                          f"{', '.join(sorted(remaining)[:3])}")
-    return tensors
+    return planned, units, modules
 
 
-def expert_keys(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, tuple[int, int, str]]:
+def expert_keys(tensors, arch: Architecture) -> dict[str, tuple[int, int, str]]:
     """Adapter keys of routed experts: key -> (layer, expert, role), role "gate", "up" or "down"."""
     patterns = []
     for rule in arch.layer_rules:
@@ -123,61 +200,80 @@ def expert_keys(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[st
     return found
 
 
-def fuse_experts(tensors: dict[str, torch.Tensor], experts: dict, arch: Architecture, shape: ModelShape,
-                 where: str) -> Adapter:
-    """The per-expert factors as one LoRA per fused expert parameter (see the module docstring)."""
-    factors: dict[tuple[int, str], dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
+def plan_fused_experts(planned: dict[str, PlannedTensor], units: dict[str, str], experts: dict, arch: Architecture,
+                       shape: ModelShape, where: str):
+    """The per-expert factors planned as one LoRA per fused expert parameter (see the module docstring):
+    `planned` and `units` rewritten in place; returns the fused groups by unit, the target modules and the
+    target parameters."""
+    by_layer: dict[tuple[int, str], dict[int, dict[str, str]]] = {}
     for key, (layer, expert, role) in experts.items():
         if key.endswith(".lora_A.weight"):
-            module = key.removesuffix(".lora_A.weight")
             fused = "down_proj" if role == "down" else "gate_up_proj"
-            factors.setdefault((layer, fused), {}).setdefault(expert, {})[role] = (
-                tensors[f"{module}.lora_B.weight"], tensors[key])
-    out = {k: v for k, v in tensors.items() if k not in experts}
+            by_layer.setdefault((layer, fused), {}).setdefault(expert, {})[role] = key.removesuffix(".lora_A.weight")
     path, count = arch.config.fused_experts, shape.moe.num_experts
-    present = {fused for _, fused in factors}
+    present = {fused for _, fused in by_layer}
     nested = present == {"gate_up_proj", "down_proj"}
-    layers = {layer for layer, _ in factors}
+    layers = {layer for layer, _ in by_layer}
     for fused in sorted(present):
-        lacking = sorted(layers - {layer for layer, f in factors if f == fused})
+        lacking = sorted(layers - {layer for layer, f in by_layer if f == fused})
         if lacking:  # PEFT would expect this parameter's LoRA in every layer's experts
             raise MergeError(f"{where}: layers {lacking[:5]} have no expert LoRA for {fused}, the other MoE layers "
                              "do; a fused adapter adapts it in every layer (use --expert-format per-expert)")
-    for (layer, fused), by_expert in sorted(factors.items()):
+    groups: dict[str, list[_FusedExperts]] = {}
+    others = {k: v for k, v in planned.items() if k not in experts}
+    for (layer, fused), by_expert in sorted(by_layer.items()):
         absent = sorted(set(range(count)) - set(by_expert))
         if absent:
             raise MergeError(f"{where}: layer {layer}: experts {absent[:5]} have no LoRA for {fused}; a fused adapter "
                              "needs every expert (use --expert-format per-expert)")
-        a_list, b_list = [], []
-        for expert in range(count):
-            roles = by_expert[expert]
-            parts = [roles[r] for r in (("down",) if fused == "down_proj" else ("gate", "up"))]
-            a = parts[0][1]
-            if any(not torch.equal(part[1], a) for part in parts[1:]):  # Megatron's fc1 LoRA shares one A
-                raise MergeError(f"{where}: layer {layer} expert {expert}: gate and up LoRA have different A factors; "
-                                 "they cannot be one fused LoRA (use --expert-format per-expert)")
-            a_list.append(a)
-            b_list.append(torch.cat([b for b, _ in parts], dim=0))  # gate_up_proj holds [gate; up] rows
-        a_stack, b_stack = torch.stack(a_list), torch.stack(b_list)  # [E, r, in], [E, out, r]
+        roles = ("down",) if fused == "down_proj" else ("gate", "up")
+        members = tuple(tuple(by_expert[e][r] for r in roles) for e in range(count))
         # PEFT wraps the experts module of every layer once per entry of the global target_parameters,
         # gate_up_proj innermost: with both listed, its LoRA lives under `base_layer` in every layer.
-        owner = f"{PEFT_PREFIX}model.layers.{layer}.{path}"
-        if fused == "gate_up_proj" and nested:
-            owner += ".base_layer"
-        out[f"{owner}.lora_A.weight"] = a_stack.reshape(-1, a_stack.shape[-1]).contiguous()
-        out[f"{owner}.lora_B.weight"] = b_stack.permute(1, 2, 0).reshape(b_stack.shape[1], -1).contiguous()
-    others = {k: v for k, v in tensors.items() if k not in experts}
+        owner = f"{PEFT_PREFIX}model.layers.{layer}.{path}" + (".base_layer" if fused == "gate_up_proj" and nested else "")
+        first_a, first_bs = planned[f"{members[0][0]}.lora_A.weight"], [planned[f"{m}.lora_B.weight"] for m in members[0]]
+        r, cols = first_a.shape
+        unit = units[f"{members[0][0]}.lora_A.weight"]
+        for name, dims, dtype in ((f"{owner}.lora_A.weight", (count * r, cols), first_a.dtype),
+                                  (f"{owner}.lora_B.weight", (sum(b.shape[0] for b in first_bs), r * count),
+                                   first_bs[0].dtype)):
+            others[name] = PlannedTensor(name, dims, dtype)
+            units[name] = unit
+        groups.setdefault(unit, []).append(_FusedExperts(owner, layer, fused, members))
+    targeted = {k: v for k, v in planned.items() if k not in experts}
+    planned.clear()
+    planned.update(others)
     parameters = [f"{path}.{p}" for p in ("gate_up_proj", "down_proj") if p in present]
-    modules = target_modules(others)
+    modules = target_modules(targeted)
     if arch.config.peft.converts_expert_targets:
         leaves = {name.removesuffix(".weight").rsplit(".", 1)[-1] for rule in arch.layer_rules if rule.per_expert
                   for name in rule.hf_names()}
         parameters += [f"{leaf}.weight" for leaf in modules if leaf in leaves]  # dense MLPs, shared experts
         modules = [leaf for leaf in modules if leaf not in leaves]
-    return Adapter(out, modules, parameters)
+    return groups, modules, parameters
 
 
-def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arch: Architecture) -> list[str]:
+def _fuse(group: _FusedExperts, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """One layer's per-expert factors (taken out of `tensors`) as the fused parameter's lora_A [E·r, in],
+    expert-major, and lora_B [out, r·E], rank-major."""
+    a_list, b_list = [], []
+    for expert, members in enumerate(group.experts):
+        a = tensors.pop(f"{members[0]}.lora_A.weight")
+        bs = []
+        for member in members:
+            if member != members[0] and not torch.equal(tensors.pop(f"{member}.lora_A.weight"), a):
+                # Megatron's fc1 LoRA shares one A
+                raise MergeError(f"{where}: layer {group.layer} expert {expert}: gate and up LoRA have different A "
+                                 "factors; they cannot be one fused LoRA (use --expert-format per-expert)")
+            bs.append(tensors.pop(f"{member}.lora_B.weight"))
+        a_list.append(a)
+        b_list.append(torch.cat(bs, dim=0))  # gate_up_proj holds [gate; up] rows
+    a_stack, b_stack = torch.stack(a_list), torch.stack(b_list)  # [E, r, in], [E, out, r]
+    return {f"{group.owner}.lora_A.weight": a_stack.reshape(-1, a_stack.shape[-1]).contiguous(),
+            f"{group.owner}.lora_B.weight": b_stack.permute(1, 2, 0).reshape(b_stack.shape[1], -1).contiguous()}
+
+
+def unconverted_mlp_warning(tensors: dict, experts: dict, arch: Architecture) -> list[str]:
     """What PEFT (0.21) on transformers 5 drops of this adapter: the LoRA of every non-expert module named like
     an expert projection (the dense layers' MLP, the shared experts)."""
     expert_leaves = {key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in experts}
@@ -194,19 +290,20 @@ def unconverted_mlp_warning(tensors: dict[str, torch.Tensor], experts: dict, arc
             "loads"]
 
 
-def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
+def target_modules(tensors: dict) -> list[str]:
+    """The leaf module names of the lora_A keys of `tensors` (planned or made)."""
     return sorted({key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in tensors if key.endswith(".lora_A.weight")})
 
 
-def complete_targets(tensors: dict[str, torch.Tensor], lora: Checkpoint, shape: ModelShape, arch: Architecture,
-                     r: int, allow_partial: bool) -> list[str]:
+def complete_targets(planned: dict[str, PlannedTensor], units: dict[str, str], lora: Checkpoint, shape: ModelShape,
+                     arch: Architecture, r: int, allow_partial: bool) -> tuple[dict[str, list[PlannedTensor]], list[str]]:
     """PEFT adapts every module whose name ends with a target (a shared expert's down_proj makes every
     routed expert's and every dense MLP's down_proj one too), and vLLM packs each expert's three
     projections together; a module without factors loads with fresh ones or not at all. So every such
-    module of the model must be in the adapter: missing ones are refused, or with `allow_partial` written as
-    zero factors, which leave it unchanged exactly as a merge with --allow-partial-lora does. Returns the
-    warnings to show."""
-    targets = set(target_modules(tensors))
+    module of the model must be in the adapter: missing ones are refused, or with `allow_partial` planned as
+    zero factors (added to `planned`), which leave it unchanged exactly as a merge with --allow-partial-lora
+    does. Returns the zero factors by unit and the warnings to show."""
+    targets = set(target_modules(planned))
     expected, missing = 0, {}
     for rule, _, prefix in iter_rules(arch, shape, lora.has):
         for hf_name in rule.hf_names():
@@ -215,23 +312,26 @@ def complete_targets(tensors: dict[str, torch.Tensor], lora: Checkpoint, shape: 
                 continue
             expected += 1
             key = PEFT_PREFIX + prefix + module
-            if f"{key}.lora_A.weight" not in tensors:
-                missing[key] = rule.hf_shapes(shape)[hf_name]
+            if f"{key}.lora_A.weight" not in planned:
+                missing[key] = (prefix, rule.hf_shapes(shape)[hf_name])
     if not missing:
-        return []
+        return {}, []
     where = str(lora.path)
     shown = ", ".join(_module_label(k) for k in list(missing)[:4]) + (" …" if len(missing) > 4 else "")
     if not allow_partial:
         raise MergeError(f"{where}: no LoRA for {len(missing)} of the {expected} modules the adapter targets "
                          f"({shown}); PEFT and vLLM would load them with missing factors (pass "
                          "--allow-partial-lora to write zero factors for them, which leave them unchanged)")
-    for key, (out_dim, in_dim) in missing.items():
-        like = next(t for k, t in tensors.items() if k.endswith(f".{key.rsplit('.', 1)[-1]}.lora_A.weight"))
-        tensors[f"{key}.lora_A.weight"] = torch.zeros(r, in_dim, dtype=like.dtype)
-        tensors[f"{key}.lora_B.weight"] = torch.zeros(out_dim, r, dtype=like.dtype)
-    return [f"{where}: {len(missing)} of the {expected} modules the adapter targets have no LoRA in the checkpoint "
-            f"({shown}); written with zero factors, so they stay unchanged as in a merge with --allow-partial-lora "
-            "and PEFT and vLLM find every module they expect"]
+    zeros: dict[str, list[PlannedTensor]] = {}
+    for key, (prefix, (out_dim, in_dim)) in missing.items():
+        like = next(t for k, t in planned.items() if k.endswith(f".{key.rsplit('.', 1)[-1]}.lora_A.weight"))
+        for name, dims in ((f"{key}.lora_A.weight", (r, in_dim)), (f"{key}.lora_B.weight", (out_dim, r))):
+            planned[name] = PlannedTensor(name, dims, like.dtype)
+            units[name] = prefix
+            zeros.setdefault(prefix, []).append(planned[name])
+    return zeros, [f"{where}: {len(missing)} of the {expected} modules the adapter targets have no LoRA in the checkpoint "
+                   f"({shown}); written with zero factors, so they stay unchanged as in a merge with --allow-partial-lora "
+                   "and PEFT and vLLM find every module they expect"]
 
 
 def _module_label(key: str) -> str:
@@ -239,7 +339,7 @@ def _module_label(key: str) -> str:
     return f"layer {m.group(1)} {m.group(2)}" if m else key.removeprefix(PEFT_PREFIX)
 
 
-def adapter_config(settings: LoraSettings, adapter: Adapter, base_model: str | None) -> dict:
+def adapter_config(settings: LoraSettings, adapter: AdapterPlan, base_model: str | None) -> dict:
     """`base_model`: the base model's Hub id, or None: a local path would not exist where the adapter is
     used (and would publish the machine's layout); PEFT loads the adapter onto the model it is given either
     way, only AutoPeftModel needs the id."""
@@ -267,10 +367,7 @@ def adapter_config(settings: LoraSettings, adapter: Adapter, base_model: str | N
     return config
 
 
-def write_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> list[str]:
-    weights = out_dir / "adapter_model.safetensors"
-    save_file(tensors, weights, metadata={"format": "pt"})
-    os.chmod(weights, output_file_mode())  # save_file creates 0600; the merged output's files follow the umask
-    with (out_dir / "adapter_config.json").open("x") as f:
+def write_config(out_dir: Path, config: dict) -> str:
+    with (out_dir / CONFIG_FILE).open("x") as f:
         f.write(json.dumps(config, indent=2) + "\n")
-    return ["adapter_model.safetensors", "adapter_config.json"]
+    return CONFIG_FILE

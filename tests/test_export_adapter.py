@@ -9,7 +9,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from helpers import FIXTURE_NAMES, FIXTURES, fixture_info
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_info, fixture_root
 from lora_merge.cli import main
 
 # What vLLM's LoRA loader accepts (vllm/lora/models.py + utils.parse_fine_tuned_lora_name): one
@@ -137,3 +137,49 @@ def test_a_layer_without_lora_gets_zero_factors_with_allow_partial_lora(tmp_path
     ids = torch.load(FIXTURES / name / "logits.pt", weights_only=True)["input_ids"]
     ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     assert (logits(model, ids) - logits(ours, ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name, expert_format", [("qwen3_tp2_fp32", "per-expert"), ("qwen3moe_tp2etp1_ep2", "per-expert"),
+                                                 ("qwen3moe_tp2etp1_ep2", "fused"), ("deepseek_v3_ep2", "fused")])
+def test_the_adapter_streams_one_layer_at_a_time_into_the_bytes_safetensors_writes(name, expert_format, tmp_path):
+    """The adapter file is written as it is made, each layer's factors read once and released before the next
+    layer's; its bytes are those safetensors' own save_file writes for the same tensors."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from lora_merge.peft_adapter import ADAPTER_FILE, AdapterPlan, plan_adapter
+    from lora_merge.runs.inputs import open_inputs
+
+    root = fixture_root(name)
+    opts = SimpleNamespace(lora_r=None, lora_alpha=None, allow_partial_lora=False, warn=lambda message: None)
+    inp = open_inputs(root / "hf_ref", None, root / "lora", opts, need_base=False)
+    plan = plan_adapter(inp.lora, inp.shape, inp.arch, inp.settings, None, expert_format)
+    made, held = [], []
+    real_make = AdapterPlan._make
+
+    def make(self, unit):
+        made.append(unit)
+        return real_make(self, unit)
+
+    tensors = {}
+    AdapterPlan._make = make
+    try:
+        produced = plan.produce()
+        for tensor_name, tensor in produced:
+            held.append(sum(t.nbytes for t in produced.gi_frame.f_locals["made"].values()))
+            tensors[tensor_name] = tensor
+    finally:
+        AdapterPlan._make = real_make
+    assert len(made) == len(set(made)) == len(plan.modules) > 1  # every unit made once
+    largest_unit = max(sum(t.nbytes for t in plan.tensors if plan.units[t.name] == unit) for unit in made)
+    assert max(held) < largest_unit <= plan.total_bytes // 2
+    assert [t.name for t in plan.tensors] == list(tensors)
+    assert [(t.shape, t.dtype) for t in plan.tensors] == [(tuple(v.shape), v.dtype) for v in tensors.values()]
+
+    out = tmp_path / "adapter"
+    args = ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(out),
+            "--expert-format", expert_format]
+    assert main(args) == 0
+    save_file(tensors, tmp_path / "oracle.safetensors", metadata={"format": "pt"})
+    assert (out / ADAPTER_FILE).read_bytes() == (tmp_path / "oracle.safetensors").read_bytes()

@@ -345,7 +345,7 @@ def test_a_layer_without_expert_down_proj_lora_is_refused_though_its_shared_expe
     from types import SimpleNamespace
     from lora_merge.runs.inputs import open_inputs
     from lora_merge.errors import MergeError
-    from lora_merge.peft_adapter import build_adapter
+    from lora_merge.peft_adapter import plan_adapter
 
     root = _copy("qwen2moe_tp2ep2", tmp_path)
     _drop_lora(root, "decoder.layers.2.mlp.experts.", ".linear_fc2.lora_")
@@ -353,7 +353,7 @@ def test_a_layer_without_expert_down_proj_lora_is_refused_though_its_shared_expe
     inp = open_inputs(root / "hf_ref", None, root / "lora", opts, need_base=False)
     with pytest.raises(MergeError, match=r"no LoRA for 4 of the \d+ modules the adapter targets "
                                          r"\(layer 2 mlp\.experts\.0\.down_proj, .*--allow-partial-lora"):
-        build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, None, expert_format)
+        plan_adapter(inp.lora, inp.shape, inp.arch, inp.settings, None, expert_format)
 
 
 def test_fused_adapter_of_a_layer_without_expert_down_proj_lora_loads_whole_in_peft(tmp_path, capsys,

@@ -1,5 +1,6 @@
-"""A Megatron LoRA written as an unmerged PEFT adapter: the inputs opened, the factors brought to HF names and
-layout, the adapter, its config and card staged and published."""
+"""A Megatron LoRA written as an unmerged PEFT adapter: the inputs opened, the adapter planned from headers,
+its factors brought to HF names and layout and streamed into the adapter file, its config and card staged and
+published."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import torch
 
 from lora_merge.merge_plan import build_plan
 from lora_merge.model.model_shape import DTYPES
-from lora_merge.peft_adapter import adapter_config, build_adapter, write_adapter
+from lora_merge.peft_adapter import ADAPTER_FILE, adapter_config, plan_adapter, write_config
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (LORA, card_base_model, check_input_dirs, given_paths, input_paths, inside_dir,
                                     open_inputs, refuse_peft_lora)
 from lora_merge.runs.options import ExportOptions
+from lora_merge.runs.stream import stream_tensors
 from lora_merge.writers.model_card import adapter_card, checked_base_model_id
+from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.files.ownership import PEFT_ADAPTER
-from lora_merge.files.staged_dir import StagedOutput, check_output_target, remove_abandoned_side_files
+from lora_merge.files.staged_dir import (StagedOutput, check_free_space, check_output_target,
+                                         remove_abandoned_side_files)
 from lora_merge.files.targets import check_report_path
 
 
@@ -52,17 +56,21 @@ def run_export(opts: ExportOptions) -> ExportResult:
         # an unfiltered LoRA holds the base it was trained on: a --base with other weights is refused, as the
         # merge refuses it (the plan's checks compare the two; nothing of the plan is run)
         build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, torch.float32)
-    adapter = build_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
-                            opts.allow_partial_lora)
-    tensors = adapter.tensors
+    adapter = plan_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
+                           opts.allow_partial_lora)
     for warning in adapter.warnings:
         opts.warn(warning)
     base_model, base_model_warning = card_base_model(opts, inp, opts.hf_ref)
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
+    check_free_space(opts.out, adapter.total_bytes, 0)
     with StagedOutput(opts.out, opts.force, inputs, kind=PEFT_ADAPTER) as stage:
-        files = write_adapter(stage.dir, tensors, adapter_config(inp.settings, adapter, base_model))
-        hashes = hash_files(stage.dir, files)
+        # one file whatever its size: PEFT reads adapter_model.safetensors alone
+        writer = ShardedSafetensorsWriter(stage.dir, adapter.tensors, adapter.total_bytes + 1, hash_files=True,
+                                          single_file=ADAPTER_FILE)
+        files = stream_tensors(writer, stage.dir, adapter.produce())
+        files.append(write_config(stage.dir, adapter_config(inp.settings, adapter, base_model)))
+        hashes = writer.sha256 | hash_files(stage.dir, [f for f in files if f not in writer.sha256])
         later = (opts.report.name,) if inside_dir(opts.report, opts.out) else ()
         with (stage.dir / "README.md").open("x") as f:
             f.write(adapter_card(opts.out.name, inp.lora, inp.settings, adapter.target_modules + adapter.target_parameters,
@@ -72,7 +80,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
             stage.side_file(opts.report, report_text(inp, opts.hf_ref, None, {}, hashes, None))
         if base_model_warning:  # once the adapter is complete, before it is published
             opts.warn(base_model_warning)
-    return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(tensors),
-                        bytes=sum(t.nbytes for t in tensors.values()), r=inp.settings.r, alpha=inp.settings.alpha,
+    return ExportResult(out=opts.out, lora=inp.lora.describe(), tensors=len(adapter.tensors),
+                        bytes=adapter.total_bytes, r=inp.settings.r, alpha=inp.settings.alpha,
                         target_modules=adapter.target_modules, target_parameters=adapter.target_parameters,
                         files=files)

@@ -52,9 +52,9 @@ def split_into_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> lis
     return shards
 
 
-def shard_file_names(count: int) -> list[str]:
+def shard_file_names(count: int, single: str = "model.safetensors") -> list[str]:
     if count == 1:
-        return ["model.safetensors"]
+        return [single]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
@@ -74,10 +74,12 @@ class ShardedSafetensorsWriter:
     """Write the planned tensors, in plan order, into HF-style sharded safetensors files."""
 
     def __init__(self, directory: Path, tensors: list[PlannedTensor], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None, hash_files: bool = False):
+                 metadata: dict[str, str] | None = None, hash_files: bool = False,
+                 single_file: str = "model.safetensors"):
+        """`single_file`: the name of the file when all fits in one (PEFT's adapter_model.safetensors)."""
         self.directory = directory
         self.shards = split_into_shards(tensors, max_shard_bytes)
-        self.file_names = shard_file_names(len(self.shards))
+        self.file_names = shard_file_names(len(self.shards), single_file)
         self.metadata = metadata or {"format": "pt"}
         self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._next = 0  # index in _order of the tensor being written
