@@ -4,8 +4,9 @@ class never renormalises, whatever norm_topk_prob says), scaled weights; group-l
 group by its best expert."""
 
 from lora_merge.model.architectures.base import HfConfig, PeftQuirks
-from lora_merge.model.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
-                                          expected_values, read_mla, shared_experts_count)
+from lora_merge.model.architectures.mla import MLA_KEYS, deepseek_decoder, read_mla
+from lora_merge.model.architectures.moe import (DEEPSEEK_MOE_KEYS, dense_layer_count, expected_values,
+                                                shared_experts_count)
 from lora_merge.errors import MergeError
 from lora_merge.model.moe_shape import MoeShape
 from lora_merge.shown import shown

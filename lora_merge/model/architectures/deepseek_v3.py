@@ -1,18 +1,12 @@
 """DeepSeek-V3 / R1: multi-latent attention, dense MLPs then routed experts with a shared expert; sigmoid
 scores with the aux-free expert bias, group-limited choice (a group scores by its best two experts),
 renormalised and scaled weights.
-
-The router's expert bias only chooses experts, so rounding it could change which experts a token gets: it
-stays fp32, as in the released checkpoints.
 """
 
-import torch
-
 from lora_merge.model.architectures.base import HfConfig, PeftQuirks
-from lora_merge.model.architectures.mla import (DEEPSEEK_MOE_KEYS, MLA_KEYS, deepseek_decoder, dense_layer_count,
-                                          expected_values, read_mla, shared_experts_count)
+from lora_merge.model.architectures.mla import MLA_KEYS, deepseek_decoder, read_mla
+from lora_merge.model.architectures.moe import DEEPSEEK_MOE_KEYS, EXPERT_BIAS, expected_values, sigmoid_moe
 from lora_merge.errors import MergeError
-from lora_merge.model.layout import Replicated
 from lora_merge.model.moe_shape import MoeShape
 from lora_merge.shown import shown
 
@@ -26,13 +20,7 @@ def read_mla_v3(fields):
 
 def read_moe(fields, num_layers: int) -> MoeShape:
     expected_values(fields, "deepseek_v3", {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1})
-    groups = fields.positive_int("n_group"), fields.positive_int("topk_group")
-    ffn = fields.positive_int("moe_intermediate_size")
-    return MoeShape(fields.positive_int("n_routed_experts"), fields.positive_int("num_experts_per_tok"), ffn,
-                    shared_experts_count(fields) * ffn, False, fields.flag("norm_topk_prob"),
-                    frozenset(range(dense_layer_count(fields), num_layers)), score="sigmoid", expert_bias=True,
-                    groups=groups if groups[0] > 1 else None, group_score_top=2,
-                    scaling=fields.number("routed_scaling_factor"))
+    return sigmoid_moe(fields, num_layers)
 
 
 CONFIG = HfConfig(
@@ -42,6 +30,4 @@ CONFIG = HfConfig(
     peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
 )
 
-ARCHITECTURE = deepseek_decoder(
-    CONFIG, Replicated("mlp.router.expert_bias", ("experts",), hf="mlp.gate.e_score_correction_bias", layers="moe",
-                       keep_dtype=torch.float32))
+ARCHITECTURE = deepseek_decoder(CONFIG, EXPERT_BIAS)

@@ -1,5 +1,5 @@
-"""Building blocks of the DeepSeek architectures (V2, V3/R1): multi-latent attention in both namings, and
-a decoder of dense MLP layers below `first_k_dense_replace`, then routed experts with shared experts.
+"""Building blocks of the DeepSeek architectures (V2, V3/R1): multi-latent attention in both namings, in
+DeepSeek's MoE decoder (moe.deepseek_moe_decoder).
 
 MLA in Megatron-Core's naming (`linear_q_down_proj`, `linear_kv_down_proj`, …) or MindSpeed-LLM's, which
 fuses the down-projections into one replicated `linear_qkv` = [q_a_proj; kv_a_proj_with_mqa], or
@@ -10,15 +10,10 @@ duplicated mode) and in MindSpeed (a plain Linear), but column-parallel in Megat
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from lora_merge.model.architectures.base import Architecture, HfConfig
-from lora_merge.model.architectures.dense import DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
-from lora_merge.model.architectures.moe import routed_experts, shared_expert
-from lora_merge.errors import MergeError
+from lora_merge.model.architectures.moe import deepseek_moe_decoder
 from lora_merge.model.layout import ColumnParallel, DuplicatedOrColumn, Replicated, ReplicatedRows, RowParallel
 from lora_merge.model.mla_shape import MlaShape
-from lora_merge.shown import shown
 
 ATTN = "self_attention."
 Q_DOWN, KV_DOWN, Q_PROJ = ATTN + "linear_q_down_proj.weight", ATTN + "linear_kv_down_proj.weight", ATTN + "linear_q_proj.weight"
@@ -48,49 +43,12 @@ MLA_ATTENTION = (
 
 MLA_KEYS = frozenset({"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                       "qk_head_dim"})
-# DeepSeek's MoE fields. scoring_func, topk_method and moe_layer_freq are read by DeepSeek's own code (and
-# vLLM), not by transformers' class: each architecture checks they say what the class computes. ep_size,
-# aux_loss_alpha and seq_aux act only in training; the MTP layers transformers does not load (Megatron's
-# are refused by the args check).
-DEEPSEEK_MOE_KEYS = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok",
-                               "moe_intermediate_size", "norm_topk_prob", "routed_scaling_factor", "n_group",
-                               "topk_group", "first_k_dense_replace", "topk_method", "scoring_func",
-                               "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"})
-
-
 def read_mla(fields) -> MlaShape:
     return MlaShape(fields.positive_int("q_lora_rank", nullable=True), fields.positive_int("kv_lora_rank"),
                     fields.positive_int("qk_nope_head_dim"), fields.positive_int("qk_rope_head_dim"),
                     fields.positive_int("v_head_dim"))
 
 
-def expected_values(fields, model_type: str, expected: dict) -> None:
-    """Fields of the released config.json that only DeepSeek's own modeling code reads: they must say what
-    transformers' class computes, or the model would differ between loaders."""
-    for key, value in expected.items():
-        if key in fields.raw and fields.raw[key] != value:
-            raise MergeError(f"{fields.path}: {key}={shown(fields.raw[key])}; transformers' {model_type} computes "
-                             f"{key}={shown(value)}")
-
-
-def dense_layer_count(fields) -> int:
-    return fields.count("first_k_dense_replace")
-
-
-def shared_experts_count(fields) -> int:
-    return fields.count("n_shared_experts")
-
-
 def deepseek_decoder(config: HfConfig, *router_rules) -> Architecture:
-    """MLA attention, dense MLPs below first_k_dense_replace, then routed experts and their shared experts
-    (Megatron fuses DeepSeek's several shared experts into one wider MLP, as HF does)."""
-    moe = (
-        *routed_experts(router="mlp.gate.weight", gate="mlp.experts.{expert}.gate_proj.weight",
-                        up="mlp.experts.{expert}.up_proj.weight", down="mlp.experts.{expert}.down_proj.weight"),
-        *router_rules,
-        *shared_expert(gate="mlp.shared_experts.gate_proj.weight", up="mlp.shared_experts.up_proj.weight",
-                       down="mlp.shared_experts.down_proj.weight"),
-    )
-    dense = tuple(replace(rule, layers="dense") for rule in DENSE_MLP)
-    return Architecture(name=config.model_type, before_layers=EMBEDDING,
-                        layer_rules=(*MLA_ATTENTION, PRE_MLP_NORM, *dense, *moe), after_layers=FINAL, config=config)
+    """MLA attention, then DeepSeek's MoE layout (moe.deepseek_moe_decoder)."""
+    return deepseek_moe_decoder(config, MLA_ATTENTION, *router_rules)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from lora_merge.model.architectures.base import Architecture, HfConfig
 from lora_merge.model.architectures.dense import ATTENTION, DENSE_MLP, EMBEDDING, FINAL, PRE_MLP_NORM
 from lora_merge.errors import MergeError
@@ -80,4 +82,69 @@ def _num_experts(fields) -> int:
 
 def moe_config(model_type: str, causal_lm: str, family: str, examined_keys, read_moe, **more) -> HfConfig:
     return HfConfig(model_type, causal_lm=causal_lm, family=family, examined_keys=frozenset(examined_keys),
-                    read_moe=read_moe, fused_experts="mlp.experts", **more)  # Mixtral's too (transformers 5 renamed block_sparse_moe)  # Mixtral's too (transformers 5 renamed block_sparse_moe)
+                    read_moe=read_moe, fused_experts="mlp.experts", **more)  # Mixtral's too (transformers 5 renamed block_sparse_moe)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSeek's MoE layout, shared by DeepSeek-V2/V3 (with MLA) and GLM-4.5 (with grouped-query attention)
+
+# The MoE fields of DeepSeek's configs (GLM-4.5's are a subset). scoring_func, topk_method and moe_layer_freq
+# are read by DeepSeek's own code (and vLLM), not by transformers' class: each architecture checks they say
+# what the class computes. ep_size, aux_loss_alpha and seq_aux act only in training; the MTP layers
+# transformers does not load (Megatron's are refused by the args check).
+DEEPSEEK_MOE_KEYS = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                               "moe_intermediate_size", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                               "topk_group", "first_k_dense_replace", "topk_method", "scoring_func",
+                               "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"})
+
+
+def expected_values(fields, model_type: str, expected: dict) -> None:
+    """Fields of the released config.json that only DeepSeek's own modeling code reads: they must say what
+    transformers' class computes, or the model would differ between loaders."""
+    for key, value in expected.items():
+        if key in fields.raw and fields.raw[key] != value:
+            raise MergeError(f"{fields.path}: {key}={shown(fields.raw[key])}; transformers' {model_type} computes "
+                             f"{key}={shown(value)}")
+
+
+def dense_layer_count(fields) -> int:
+    return fields.count("first_k_dense_replace")
+
+
+def shared_experts_count(fields) -> int:
+    return fields.count("n_shared_experts")
+
+
+# The aux-free expert bias of sigmoid routing (DeepSeek-V3, GLM-4.5). It only chooses experts, so rounding it
+# could change which experts a token gets: it stays fp32, as in the released checkpoints.
+EXPERT_BIAS = Replicated("mlp.router.expert_bias", ("experts",), hf="mlp.gate.e_score_correction_bias", layers="moe",
+                         keep_dtype=torch.float32)
+
+
+def sigmoid_moe(fields, num_layers: int) -> MoeShape:
+    """DeepSeek-V3's routing, GLM-4.5's too: sigmoid scores plus the expert bias choose the experts,
+    group-limited (a group scores by its best two experts), weights renormalised where norm_topk_prob says so
+    and scaled by routed_scaling_factor; dense MLPs below first_k_dense_replace."""
+    groups = fields.positive_int("n_group"), fields.positive_int("topk_group")
+    ffn = fields.positive_int("moe_intermediate_size")
+    return MoeShape(fields.positive_int("n_routed_experts"), fields.positive_int("num_experts_per_tok"), ffn,
+                    shared_experts_count(fields) * ffn, False, fields.flag("norm_topk_prob"),
+                    frozenset(range(dense_layer_count(fields), num_layers)), score="sigmoid", expert_bias=True,
+                    groups=groups if groups[0] > 1 else None, group_score_top=2,
+                    scaling=fields.number("routed_scaling_factor"))
+
+
+def deepseek_moe_decoder(config: HfConfig, attention: tuple, *router_rules) -> Architecture:
+    """`attention`, dense MLPs below first_k_dense_replace, then routed experts (`router_rules`: what the router
+    has beside its weight) and their shared experts (Megatron fuses DeepSeek's several shared experts into one
+    wider MLP, as HF does)."""
+    moe = (
+        *routed_experts(router="mlp.gate.weight", gate="mlp.experts.{expert}.gate_proj.weight",
+                        up="mlp.experts.{expert}.up_proj.weight", down="mlp.experts.{expert}.down_proj.weight"),
+        *router_rules,
+        *shared_expert(gate="mlp.shared_experts.gate_proj.weight", up="mlp.shared_experts.up_proj.weight",
+                       down="mlp.shared_experts.down_proj.weight"),
+    )
+    dense = tuple(replace(rule, layers="dense") for rule in DENSE_MLP)
+    return Architecture(name=config.model_type, before_layers=EMBEDDING,
+                        layer_rules=(*attention, PRE_MLP_NORM, *dense, *moe), after_layers=FINAL, config=config)
