@@ -399,45 +399,6 @@ def yarn_internals(config, model, dm) -> dict:
     )
 
 
-def routing_margins(torch, spec, logits, rmap):
-    """Recompute the routing decisions from the router logits; per token the gap between the last
-    chosen and the first rejected candidate (group choice, then expert choice), absolute and relative
-    to the row's score range. Asserts the recomputed top-k equals Megatron's routing map."""
-    E, K = spec["num_experts"], spec["topk"]
-    if spec["score"] == "sigmoid":
-        scores = torch.sigmoid(logits)
-        if spec["expert_bias"] is not None and isinstance(spec["expert_bias"], torch.Tensor):
-            scores = scores + spec["expert_bias"]
-    elif spec["pre_softmax"]:
-        scores = torch.softmax(logits, dim=-1)
-    else:
-        scores = logits
-    res = {}
-    cand = scores
-    if spec["groups"]:
-        G, GK = spec["groups"]
-        gs = scores.view(-1, G, E // G).topk(K // GK, dim=-1).values.sum(-1)
-        s = gs.sort(dim=-1, descending=True).values
-        ggap = s[:, GK - 1] - s[:, GK]
-        res["min_group_gap"] = float(ggap.min())
-        res["min_group_rel_gap"] = float((ggap / (s[:, 0] - s[:, -1])).min())
-        gmask = torch.zeros_like(gs, dtype=torch.bool)
-        gmask.scatter_(1, gs.topk(GK, dim=-1).indices, True)
-        emask = gmask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-        cand = scores.masked_fill(~emask, float("-inf"))
-    s = cand.sort(dim=-1, descending=True).values
-    gap = s[:, K - 1] - s[:, K]
-    rng = scores.max(-1).values - scores.min(-1).values
-    res["min_expert_gap"] = float(gap.min())
-    res["min_expert_rel_gap"] = float((gap / rng).min())
-    top = torch.zeros_like(rmap)
-    top.scatter_(1, cand.topk(K, dim=-1).indices, True)
-    assert torch.equal(top, rmap)
-    res["tokens_per_expert"] = [int(v) for v in rmap.sum(0)]
-    res["min_rel_gap"] = min(v for k, v in res.items() if k.endswith("rel_gap"))
-    return res
-
-
 # --------------------------------------------------------------------------------------------
 # hf_ref and the HF check
 # --------------------------------------------------------------------------------------------
@@ -851,7 +812,7 @@ class DeepSeek(lib.Family):
             rk.extra["megatron_yarn"] = yarn_internals(rk.model.config, rk.model, rk.dm)
 
     def routing_stats(self, torch, spec, logits, rmap, bias):
-        return routing_margins(torch, dict(spec, expert_bias=bias), logits, rmap)
+        return lib.routing_margins(torch, dict(spec, expert_bias=bias), logits, rmap)
 
     def peft_layout(self, rk):
         return lib.expert_peft_layout(rk, dense_prefix=True)

@@ -603,6 +603,10 @@ class Family:
     def targets(self, spec: dict) -> list:
         return list(spec["targets"])
 
+    def model_kwargs(self, spec: dict) -> dict:
+        """GPTModel keywords beyond the shared ones (e.g. rotary_percent)."""
+        return {}
+
     def canonical_base(self, torch, spec: dict, vpad: int) -> dict:
         raise NotImplementedError
 
@@ -733,7 +737,7 @@ class Rank:
                 vocab_size=self.vpad, max_sequence_length=self.dm["max_position_embeddings"], pre_process=pre,
                 post_process=post, parallel_output=True, share_embeddings_and_output_weights=self.tied,
                 position_embedding_type="rope", rotary_base=self.dm["rotary_base"],
-                **({"vp_stage": vp} if self.VPP else {}),
+                **self.family.model_kwargs(self.spec), **({"vp_stage": vp} if self.VPP else {}),
             )
             m.eval()
             got = [layer.layer_number - 1 for layer in m.decoder.layers]
@@ -1068,6 +1072,45 @@ def routing_checks(name: str, spec: dict, summary: dict, keys) -> tuple:
         tot = [sum(c[e] for c in per_layer.values()) for e in range(spec["num_experts"])]
         assert all(t > 0 for t in tot), (name, r, tot)
     return min_rel, counts
+
+
+def routing_margins(torch, spec, logits, rmap):
+    """Recompute the routing decisions from the router logits; per token the gap between the last
+    chosen and the first rejected candidate (group choice, then expert choice), absolute and relative
+    to the row's score range. Asserts the recomputed top-k equals Megatron's routing map."""
+    E, K = spec["num_experts"], spec["topk"]
+    if spec["score"] == "sigmoid":
+        scores = torch.sigmoid(logits)
+        if spec["expert_bias"] is not None and isinstance(spec["expert_bias"], torch.Tensor):
+            scores = scores + spec["expert_bias"]
+    elif spec["pre_softmax"]:
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = logits
+    res = {}
+    cand = scores
+    if spec["groups"]:
+        G, GK = spec["groups"]
+        gs = scores.view(-1, G, E // G).topk(K // GK, dim=-1).values.sum(-1)
+        s = gs.sort(dim=-1, descending=True).values
+        ggap = s[:, GK - 1] - s[:, GK]
+        res["min_group_gap"] = float(ggap.min())
+        res["min_group_rel_gap"] = float((ggap / (s[:, 0] - s[:, -1])).min())
+        gmask = torch.zeros_like(gs, dtype=torch.bool)
+        gmask.scatter_(1, gs.topk(GK, dim=-1).indices, True)
+        emask = gmask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        cand = scores.masked_fill(~emask, float("-inf"))
+    s = cand.sort(dim=-1, descending=True).values
+    gap = s[:, K - 1] - s[:, K]
+    rng = scores.max(-1).values - scores.min(-1).values
+    res["min_expert_gap"] = float(gap.min())
+    res["min_expert_rel_gap"] = float((gap / rng).min())
+    top = torch.zeros_like(rmap)
+    top.scatter_(1, cand.topk(K, dim=-1).indices, True)
+    assert torch.equal(top, rmap)
+    res["tokens_per_expert"] = [int(v) for v in rmap.sum(0)]
+    res["min_rel_gap"] = min(v for k, v in res.items() if k.endswith("rel_gap"))
+    return res
 
 
 def check_ep_replicas(torch, d: Path, spec) -> int:
