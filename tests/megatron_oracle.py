@@ -127,7 +127,7 @@ class MegatronOracleTimeout(MegatronOracleError):
 # --------------------------------------------------------------------------------------------------
 
 DENSE = ("qwen2", "llama", "mistral", "qwen3")
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 MLA = ("deepseek_v3", "deepseek_v2")
 
 
@@ -174,6 +174,8 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
         vocab_size=hf["vocab_size"], max_position_embeddings=hf["max_position_embeddings"],
         rotary_base=theta, tied=bool(hf.get("tie_word_embeddings", False)) if tied is None else bool(tied),
         mla=mt in MLA, moe=None, yarn=None,
+        # partial RoPE: GPTModel(rotary_percent) rotates the first int(kv_channels * percent) dims of each head
+        rotary_percent=float({**hf, **(hf.get("rope_parameters") or {})}.get("partial_rotary_factor", 1.0)),
         # (a window the local spec does not have; megatron_logits refuses inputs longer than it)
         sliding_window=hf.get("sliding_window") if (hf.get("use_sliding_window") or mt in ("mistral", "mixtral"))
         else None,
@@ -204,7 +206,7 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
             raise NotImplementedError("llama mlp_bias")
         s.update(num_query_groups=hf.get("num_key_value_heads") or NH,
                  kv_channels=hf.get("head_dim") or H // NH, add_qkv_bias=bool(bias),
-                 qk_layernorm=mt in ("qwen3", "qwen3_moe"))
+                 qk_layernorm=mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(hf.get("use_qk_norm"))))
     if mt in MOE + MLA:
         pattern = _layer_pattern(hf, L)
         moe = dict(layer_freq=pattern, topk=hf["num_experts_per_tok"], score="softmax", expert_bias=False,
@@ -223,8 +225,8 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
             moe.update(num_experts=E, ffn=F, scaling=float(hf.get("routed_scaling_factor", 1.0)))
             if hf.get("n_shared_experts"):
                 moe.update(shared=hf["n_shared_experts"] * F)
-            score = hf.get("scoring_func", "sigmoid" if mt == "deepseek_v3" else "softmax")
-            if mt == "deepseek_v3" or score == "sigmoid":
+            score = hf.get("scoring_func", "sigmoid" if mt in ("deepseek_v3", "glm4_moe") else "softmax")
+            if mt in ("deepseek_v3", "glm4_moe") or score == "sigmoid":
                 if score != "sigmoid" or not hf.get("norm_topk_prob", True):
                     raise NotImplementedError("DeepSeek-V3 routing other than sigmoid + renormalised top-k")
                 moe.update(score="sigmoid", pre_softmax=False,
@@ -749,7 +751,7 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
                      max_sequence_length=spec["max_position_embeddings"], pre_process=pre, post_process=post,
                      parallel_output=True, share_embeddings_and_output_weights=spec["tied"],
                      position_embedding_type="rope", rotary_base=spec["rotary_base"],
-                     **({"vp_stage": vp} if VPP else {}))
+                     rotary_percent=spec["rotary_percent"], **({"vp_stage": vp} if VPP else {}))
         m.eval()
         chunks.append(m)
         firsts.append(pre)

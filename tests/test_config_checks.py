@@ -259,8 +259,8 @@ def test_missing_config(tmp_path):
 
 @pytest.mark.parametrize("model_type", [None, "gemma2", 7])
 def test_unsupported_model_type(tmp_path, model_type):
-    refused(tmp_path, "is not supported (expected one of deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, or a config whose architectures names one of", model_type=model_type, architectures=["Gemma2ForCausalLM"])
-    refused(tmp_path, "no model_type (expected one of deepseek_v2, deepseek_v3, llama", model_type=DROP)
+    refused(tmp_path, "is not supported (expected one of deepseek_v2, deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, or a config whose architectures names one of", model_type=model_type, architectures=["Gemma2ForCausalLM"])
+    refused(tmp_path, "no model_type (expected one of deepseek_v2, deepseek_v3, glm4_moe, llama", model_type=DROP)
 
 
 @pytest.mark.parametrize("config,key", [
@@ -697,3 +697,30 @@ def test_the_shape_is_transformers_reading_of_the_file(tmp_path):
     assert shape.groups == hf.num_key_value_heads and shape.dtype is transformers.Qwen2Config.from_dict(
         {**SMALL_QWEN2, "torch_dtype": "bfloat16"}).dtype
     assert shape.rope_theta == 12345.0
+
+
+
+def glm_config() -> dict:
+    return json.loads((Path(__file__).parent / "fixtures_moe/glm4moe_tp2etp1_ep2/hf_ref/config.json").read_text())
+
+
+@pytest.mark.parametrize("rope,words", [
+    # 16-dim heads: 1/16 rotates one dim and 0.01 none (RoPE turns pairs); above 1 and with scaling: refused
+    ({"partial_rotary_factor": 0.0625}, ["rotates 1 dims", "even number"]),
+    ({"partial_rotary_factor": 0.01}, ["rotates 0 dims"]),
+    ({"partial_rotary_factor": 1.5}, ["partial_rotary_factor=1.5"]),
+    ({"partial_rotary_factor": 0.5, "rope_type": "linear", "factor": 2.0}, ["with RoPE scaling", "linear"]),
+])
+def test_partial_rope_is_read_where_megatron_computes_it(tmp_path, rope, words):
+    config = glm_config()
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, **rope}
+    refused(tmp_path, *words, config=config)
+
+
+def test_partial_rope_fraction_is_read_from_either_place_and_must_agree(tmp_path):
+    config = glm_config()
+    assert read(tmp_path, config).rotary_percent == 0.5
+    config["partial_rotary_factor"] = 0.5  # as the releases state it, beside transformers 5's rope_parameters
+    assert read(tmp_path, config).rotary_percent == 0.5
+    config["partial_rotary_factor"] = 0.25
+    refused(tmp_path, "partial_rotary_factor", config=config)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lora_merge.cli import main
+from helpers import fixture_root
 
 DEEPSEEK = Path(__file__).parent / "fixtures_deepseek"
 NAMES = sorted(p.name for p in DEEPSEEK.iterdir() if (p / "fixture.json").is_file())
@@ -377,7 +378,9 @@ def test_mindspeed_deepseek_names_are_read(tmp_path):
     assert_computes_megatron_lora(out, root, "deepseek_v3 in MindSpeed's names (linear_qkv, linear_qb, linear_kvb, k_layernorm)")
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v2_lite_ep2", "deepseek_v3_tp2etp1_ep2"])
+# GLM-4.5 has DeepSeek's MoE layout and PEFT treats its adapters as DeepSeek's (transformers' qwen2_moe pattern).
+@pytest.mark.parametrize("name", ["deepseek_v3_ep2", "deepseek_v2_lite_ep2", "deepseek_v3_tp2etp1_ep2",
+                                  "glm4moe_tp2etp1_ep2"])
 def test_peft_loads_the_exported_adapter_except_what_it_drops_and_we_warn_of(name, tmp_path, merged, base_model_dirs,
                                                                              capsys):
     """PEFT (0.21, transformers 5) on the per-expert adapter: MLA projections and routed experts merge to our
@@ -388,7 +391,7 @@ def test_peft_loads_the_exported_adapter_except_what_it_drops_and_we_warn_of(nam
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    root, adapter = DEEPSEEK / name, tmp_path / "adapter"
+    root, adapter = fixture_root(name), tmp_path / "adapter"
     assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
                  str(adapter)]) == 0
     warning = re.search(r"drops the LoRA of (\d+) dense-MLP and shared-expert modules", capsys.readouterr().err)

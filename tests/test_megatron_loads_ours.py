@@ -4,8 +4,9 @@ the logits it should:
 - a LoRA merged on the way: the logits the real Megatron forward computed with the LoRA unmerged (each
   fixture's logits.pt, recorded by the generator with Megatron + PEFT 0.7.1);
 - a conversion of an HF model: transformers' logits on that HF model.
-Dense (TP, PP, VPP, tied embeddings), MoE (EP with ETP 1 and TP, a gated shared expert, GroupedMLP) and
-DeepSeek MLA (column-parallel down-projections at TP 2, an uneven PP split), legacy and torch_dist."""
+Dense (TP, PP, VPP, tied embeddings), MoE (EP with ETP 1 and TP, a gated shared expert, GroupedMLP),
+DeepSeek MLA (column-parallel down-projections at TP 2, an uneven PP split) and GLM-4.5 (partial RoPE, q/k/v
+biases and norms at TP 4, sigmoid routing with the expert bias), legacy and torch_dist."""
 
 import json
 from pathlib import Path
@@ -65,6 +66,8 @@ MERGED = {
     "dense_to_tp2_hand_padded_vocab": ("fixtures/tp2pp2_fp32_filtered", dict(tp=2, padded_vocab_size=264), "sequential"),
     "deepseek_v3_mla_to_uneven_pp2_ep2": ("fixtures_deepseek/deepseek_v3_ep2",
                                           dict(pp=2, decoder_first_pipeline_num_layers=1, ep=2), "sequential"),
+    # partial RoPE, q/k/v biases and q/k norms split over TP 4 (2 query groups a rank), sigmoid routing
+    "glm4_moe_to_tp4_ep2_grouped": ("fixtures_moe/glm4moe_tp2etp1_ep2", dict(tp=4, ep=2, etp=1), "grouped"),
 }
 
 
@@ -86,6 +89,7 @@ CONVERTED = {
     "dense_hf_to_tp2_pp2": ("fixtures/qwen3_tp2_fp32", dict(tp=2, pp=2), "torch"),
     "mixtral_hf_to_ep2_etp1": ("fixtures_moe/mixtral_ep2", dict(ep=2, etp=1), "torch"),
     "deepseek_hf_to_torch_dist_at_tp2": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2), "torch_dist"),
+    "glm4_moe_hf_to_torch_dist_at_pp2": ("fixtures_moe/glm4moe_tp2etp1_ep2", dict(pp=2), "torch_dist"),
 }
 
 

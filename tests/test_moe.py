@@ -124,8 +124,10 @@ def base_model_dirs(base_model):
     return base_model
 
 
+# Per-expert adapters PEFT does not load whole: Qwen2-MoE's it drops (test below), GLM-4.5's dense-layer and
+# shared-expert LoRA it drops as DeepSeek's (test_deepseek.py, with the warning that counts them).
 ADAPTER_CASES = [(name, "fused") for name in NAMES] + \
-    [(name, "per-expert") for name in NAMES if not name.startswith("qwen2moe")]
+    [(name, "per-expert") for name in NAMES if not name.startswith(("qwen2moe", "glm4moe"))]
 
 
 @pytest.mark.parametrize("name,expert_format", ADAPTER_CASES)
@@ -401,3 +403,21 @@ def test_per_expert_adapter_gives_an_expert_without_lora_zero_factors(tmp_path, 
         assert a.shape == (4, 32) and b.shape == (64, 4) and not a.any() and not b.any()
         assert f.get_tensor("base_model.model.model.layers.1.mlp.experts.2.down_proj.lora_B.weight").any()
     _peft_matches_the_partial_merge(root, adapter, base_model_dirs("qwen3moe_ep2"), tmp_path)
+
+
+@pytest.mark.parametrize("arg,value,expected", [
+    ("rotary_percent", 1.0, "args.rotary_percent=1.0 but the HF config's partial_rotary_factor is 0.5"),
+    ("rotary_percent", 0.25, "args.rotary_percent=0.25"),
+    ("use_partial_rope", True, "args.use_partial_rope=True: MindSpeed's partial RoPE (ChatGLM's)"),
+])
+def test_partial_rope_must_be_what_the_args_trained(tmp_path, capsys, arg, value, expected):
+    """GLM-4.5 rotates half of each head's dims: Megatron args that rotate another share (or rotate them as
+    ChatGLM does) trained another function."""
+    from helpers import rank_files, rewrite, run_failing
+
+    root = _copy("glm4moe_tp2etp1_ep2", tmp_path)
+    for path in rank_files(root / "base"):
+        rewrite(path, lambda state: setattr(state["args"], arg, value))
+    run_failing(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:1] + [str(root / "base")]
+                + moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[2:], capsys, expected)
+    assert not (tmp_path / "out").exists()

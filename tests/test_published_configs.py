@@ -44,6 +44,8 @@ FIXTURE_OF = {
     "deepseek-ai__DeepSeek-R1": "fixtures_deepseek/deepseek_v3_yarn_ep2",
     "moonshotai__Kimi-K2-Instruct": "fixtures_deepseek/deepseek_v3_yarn_ep2",
     "deepseek-ai__DeepSeek-V2-Lite": "fixtures_deepseek/deepseek_v2_lite_ep2",
+    "zai-org__GLM-4.5-Air": "fixtures_moe/glm4moe_tp2etp1_ep2",
+    "zai-org__GLM-4.7": "fixtures_moe/glm4moe_tp2etp1_ep2",
 }
 NAMES = sorted(FIXTURE_OF)
 # Released in block-FP8 (quantization_config); the Megatron base was converted from the bf16 copy,
@@ -57,7 +59,8 @@ FUNCTION_KEYS = {
     "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
     "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "scoring_func",
     "topk_method", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
-    "num_nextn_predict_layers", "bos_token_id", "eos_token_id", "pad_token_id",
+    "num_nextn_predict_layers", "bos_token_id", "eos_token_id", "pad_token_id", "use_qk_norm", "attention_bias",
+    "partial_rotary_factor",
 }
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
@@ -180,10 +183,11 @@ PEFT_TARGETS = {"qwen2": ["q_proj", "v_proj", "down_proj"], "qwen3": ["q_proj", 
                 "llama": ["k_proj", "up_proj"], "mistral": ["k_proj", "up_proj"], "qwen3_moe": ["q_proj", "o_proj"],
                 "qwen2_moe": ["q_proj", "v_proj"], "mixtral": ["q_proj", "o_proj"],
                 "deepseek_v3": ["q_b_proj", "kv_b_proj", "o_proj"], "kimi_k2": ["q_b_proj", "kv_b_proj", "o_proj"],
-                "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "o_proj"]}
+                "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "o_proj"], "glm4_moe": ["q_proj", "k_proj", "o_proj"]}
 PEFT_NAMES = ["deepseek-ai__DeepSeek-R1-Distill-Qwen-32B", "Qwen__Qwen3-8B", "meta-llama__Llama-3.1-8B-Instruct",
               "mistralai__Mistral-7B-Instruct-v0.3", "Qwen__Qwen3-30B-A3B", "Qwen__Qwen2-57B-A14B",
-              "mistralai__Mixtral-8x7B-v0.1", "moonshotai__Kimi-K2-Instruct", "deepseek-ai__DeepSeek-V2-Lite"]
+              "mistralai__Mixtral-8x7B-v0.1", "moonshotai__Kimi-K2-Instruct", "deepseek-ai__DeepSeek-V2-Lite",
+              "zai-org__GLM-4.5-Air"]
 
 
 @pytest.mark.parametrize("name", PEFT_NAMES)

@@ -109,7 +109,7 @@ def read_hf_config(hf_dir: Path, notes: list[str] | None = None) -> tuple[ModelS
 # The ModelShape fields that define the function a model computes (its dtype, the tokenizer beside it and
 # which keys were defaulted do not).
 FUNCTION_FIELDS = ("model_type", "num_layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "tied",
-                   "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "norm_eps", "moe", "mla")
+                   "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rotary_percent", "norm_eps", "moe", "mla")
 
 
 def check_same_model(reference: ModelShape, hf_ref: Path, base_dir: Path) -> None:
@@ -317,7 +317,8 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim")
                                    or "head_dim" in _class_parameters(type(fields.config)))
     max_positions = fields.positive_int("max_position_embeddings")
-    rope_theta, rope_scaling = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
+    rope_theta, rope_scaling, rotary_percent = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
+    _check_partial_rope(fields, spec, rotary_percent, head_dim or hidden // heads, rope_scaling)
     if not any("rope_theta" in d for d in (fields.raw, fields.raw.get("rope_scaling") or {},
                                             fields.raw.get("rope_parameters") or {}) if isinstance(d, dict)):
         fields.defaulted.add("rope_theta")
@@ -334,7 +335,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         vocab=fields.positive_int("vocab_size"),
         tied=fields.flag("tie_word_embeddings"),
         qkv_bias=spec.qkv_bias if isinstance(spec.qkv_bias, bool) else fields.flag(spec.qkv_bias),
-        qk_norm=spec.qk_norm,
+        qk_norm=spec.qk_norm if isinstance(spec.qk_norm, bool) else fields.flag(spec.qk_norm),
         moe=spec.read_moe(fields, num_layers) if spec.read_moe else None,
         mla=spec.read_mla(fields) if spec.read_mla else None,
         dtype=_dtype(fields),
@@ -342,9 +343,30 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         norm_eps=fields.number("rms_norm_eps"),
         rope_scaling=rope_scaling,
         tokenizer_vocab=tokenizer_ids,
-        mtp_layers=fields.count("num_nextn_predict_layers") if spec.read_mla else 0,
+        rotary_percent=rotary_percent,
+        mtp_layers=fields.count("num_nextn_predict_layers") if "num_nextn_predict_layers" in spec.examined_keys else 0,
         defaulted=frozenset(fields.defaulted),
     )
+
+
+def _check_partial_rope(fields: ConfigFields, spec: HfConfig, fraction: float, head_dim: int, scaling) -> None:
+    """Partial RoPE (the first int(head_dim * fraction) dims of each head rotated, their halves paired, the
+    rest passed through) is what Megatron's rotary_percent computes: where the HF class computes it too."""
+    if fraction == 1.0:
+        return
+    path = fields.path
+    if not spec.partial_rope:
+        raise UnsupportedInput(f"{path}: partial_rotary_factor={fraction:g}: partial RoPE is not supported for "
+                               f"{spec.model_type}, whose HF class rotates every dim of a head (Megatron "
+                               "args.rotary_percent must then be 1.0); expected 1.0")
+    rotated = int(head_dim * fraction)
+    if rotated < 2 or rotated % 2:
+        raise MergeError(f"{path}: partial_rotary_factor={fraction:g} of head_dim={head_dim} rotates {rotated} dims; "
+                         "expected an even number of at least 2 (RoPE turns dims in pairs)")
+    if scaling is not None:
+        raise UnsupportedInput(f"{path}: partial_rotary_factor={fraction:g} with RoPE scaling {scaling}: whether "
+                               "Megatron scales the rotated dims as transformers does is not established; expected "
+                               "one of the two")
 
 
 def _dtype(fields: ConfigFields) -> torch.dtype | None:

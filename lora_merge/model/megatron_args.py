@@ -75,7 +75,7 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
     """Args that change what the trained model computes without changing any tensor shape: the HF config
     must describe the same function, or the merged model is not the trained one."""
     fixed = [("rotary_interleaved", False), ("apply_layernorm_1p", False), ("add_bias_linear", False),
-             ("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("rotary_percent", 1.0)]
+             ("position_embedding_type", "rope"), ("normalization", "RMSNorm")]
     for name, expected in fixed:
         value = arg(name)
         if value is not None and value != expected:
@@ -86,6 +86,16 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
                 finite_number(theirs, f"args.{name}", where, 0, low_open=True), ours, rel_tol=1e-6):
             raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf_name} is {ours}"
                              f"{_defaulted(shape, hf_name)}: the merged model would not compute what was trained")
+    # Megatron rotates the first int(kv_channels * rotary_percent) dims of each head, as transformers does with
+    # partial_rotary_factor; MindSpeed's --use-partial-rope is ChatGLM's interleaved rotary, another function.
+    percent = arg("rotary_percent", 1.0)
+    if not math.isclose(finite_number(percent, "args.rotary_percent", where, 0, 1, low_open=True), shape.rotary_percent,
+                        rel_tol=1e-9):
+        raise MergeError(f"{where}: args.rotary_percent={shown(percent)} but the HF config's partial_rotary_factor is "
+                         f"{shape.rotary_percent:g}: the merged model would not compute what was trained")
+    if arg("use_partial_rope"):
+        raise UnsupportedInput(f"{where}: args.use_partial_rope={shown(arg('use_partial_rope'))}: MindSpeed's partial "
+                               "RoPE (ChatGLM's) is not supported; expected none")
     # MindSpeed --sliding-window, Megatron --window-size: attention limited to a window in training.
     for name in ("sliding_window", "window_size"):
         if arg(name) is not None:

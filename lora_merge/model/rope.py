@@ -26,13 +26,14 @@ SUPPORTED_SCALINGS = ("llama3", "yarn", "linear")
 
 
 def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
-            stated_only: bool = False) -> tuple[float | None, RopeScaling | None]:
-    """rope_theta (None where neither the config nor its class states one) and the scaling transformers
-    applies, from its config object; the statements in config.json must agree with each other and with it.
+            stated_only: bool = False) -> tuple[float | None, RopeScaling | None, float]:
+    """rope_theta (None where neither the config nor its class states one), the scaling transformers
+    applies and the fraction of each head's dims it rotates (partial_rotary_factor, 1.0 where none is
+    given), from its config object; the statements in config.json must agree with each other and with it.
     `stated_only`: check only what config.json states (there is no config object)."""
-    stated_theta, stated_scaling = _rope(raw, path, max_positions, notes)
+    stated_theta, stated_scaling, stated_partial = _rope(raw, path, max_positions, notes)
     if stated_only:
-        return stated_theta, stated_scaling
+        return stated_theta, stated_scaling, stated_partial
     applied = transformers_rope(config, path)
     applied_scaling = _scaling(applied, _section_name(raw), path, max_positions, [], stated=False) if applied else None
     if applied_scaling != stated_scaling:
@@ -44,10 +45,12 @@ def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
     if stated_theta is not None and theta is not None and not math.isclose(float(theta), stated_theta, rel_tol=1e-9):
         raise MergeError(f"{path}: transformers reads rope_theta={shown(theta)}, config.json states {shown(stated_theta)}")
     partial = applied.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial is not None and partial != 1.0:
-        raise UnsupportedInput(f"{path}: partial_rotary_factor={shown(partial)}: partial RoPE is not supported (Megatron "
-                         "args.rotary_percent must be 1.0); expected 1.0")
-    return (None if theta is None else float(theta)), applied_scaling
+    partial = 1.0 if partial is None else partial
+    if not _is_number(partial) or not 0 < partial <= 1 or (stated_partial is not None and partial != stated_partial):
+        raise MergeError(f"{path}: transformers reads partial_rotary_factor={shown(partial)}"
+                         + (f", config.json states {shown(stated_partial)}" if stated_partial is not None else "")
+                         + "; expected one fraction in (0, 1]")
+    return (None if theta is None else float(theta)), applied_scaling, float(partial)
 
 
 def transformers_rope(config, path: Path) -> dict:
@@ -66,8 +69,10 @@ def _section_name(raw: dict) -> str:
     return next((name for name in reversed(_ROPE_SECTIONS) if raw.get(name)), "rope_parameters")
 
 
-def _rope(cfg: dict, path: Path, max_positions: int, notes: list[str]) -> tuple[float | None, RopeScaling | None]:
-    """rope_theta (None where the config states none) and the scaling transformers will use. Where the config states a value twice (top-level and
+def _rope(cfg: dict, path: Path, max_positions: int,
+          notes: list[str]) -> tuple[float | None, RopeScaling | None, float | None]:
+    """rope_theta (None where the config states none), the scaling transformers will use and the stated
+    partial_rotary_factor (None where none is). Where the config states a value twice (top-level and
     inside a rope dict, or in both dicts), the statements must agree: transformers versions differ on which
     one wins, so a disagreement means the merged model's function depends on who loads it."""
     sections = {}
@@ -79,14 +84,13 @@ def _rope(cfg: dict, path: Path, max_positions: int, notes: list[str]) -> tuple[
             sections[name] = value
     theta = _agreeing(path, "rope_theta", _inner({"": cfg, **sections}, "rope_theta", path))
     partial = _agreeing(path, "partial_rotary_factor", _inner({"": cfg, **sections}, "partial_rotary_factor", path))
-    if partial is not None and partial != 1.0:
-        raise UnsupportedInput(f"{path}: partial_rotary_factor={partial:g}: partial RoPE is not supported (Megatron "
-                         "args.rotary_percent must be 1.0); expected 1.0")
+    if partial is not None and partial > 1:
+        raise MergeError(f"{path}: partial_rotary_factor={partial:g}; a fraction of the head's dims, expected at most 1")
     scalings = {name: _scaling(d, name, path, max_positions, notes) for name, d in sections.items()}
     if len(set(scalings.values())) > 1:
         raise MergeError(f"{path}: rope_scaling says {scalings['rope_scaling'] or 'no scaling'} but rope_parameters "
                          f"says {scalings['rope_parameters'] or 'no scaling'}; expected one RoPE description")
-    return theta, next(iter(scalings.values()), None)
+    return theta, next(iter(scalings.values()), None), partial
 
 
 def _inner(sections: dict, key: str, path: Path) -> list[tuple[str, float]]:

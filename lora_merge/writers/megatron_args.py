@@ -114,7 +114,7 @@ def _model_args(shape: ModelShape) -> dict:
         num_attention_heads=shape.heads, group_query_attention=shape.groups != shape.heads,
         num_query_groups=shape.groups, kv_channels=shape.head_dim, vocab_size=shape.vocab,
         max_position_embeddings=None, position_embedding_type="rope", use_rotary_position_embeddings=True,
-        rotary_base=shape.rope_theta, rotary_percent=1.0, rotary_interleaved=False, normalization="RMSNorm",
+        rotary_base=shape.rope_theta, rotary_percent=shape.rotary_percent, rotary_interleaved=False, normalization="RMSNorm",
         norm_epsilon=shape.norm_eps, apply_layernorm_1p=False, swiglu=True, add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm or shape.mla is not None,
         untie_embeddings_and_output_weights=not shape.tied, tokenizer_type="PretrainedFromHF",

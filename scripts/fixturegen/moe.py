@@ -1,4 +1,4 @@
-"""Mixture-of-Experts fixtures (tests/fixtures_moe): Qwen3-MoE-, Qwen2-MoE- and Mixtral-like GPTModels.
+"""Mixture-of-Experts fixtures (tests/fixtures_moe): Qwen3-MoE-, Qwen2-MoE-, Mixtral- and GLM-4.5-like GPTModels.
 
 TP x EP ranks (PP = 1); the MLPs are ``MoELayer`` = ``TopKRouter`` + ``SequentialMLP`` experts (local
 spec, ``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, ...)``, or
@@ -15,8 +15,13 @@ linears built with ``is_expert=base_layer.is_expert``).
   ``weight1`` / ``weight2`` and MindSpeed's ``LoraParallelGroupedMLP`` ``weight{1,2}_lora_{a,b}``),
   checked against Megatron's own GroupedMLP resharding (a GroupedMLP model loading the torch_dist base)
   and by recomputing every expert's output from the rewritten tensors in plain torch.
-* Independent HF check: transformers' own Qwen3MoeForCausalLM / Qwen2MoeForCausalLM / MixtralForCausalLM
-  built from the canonical global tensors (per-expert HF names), against the real Megatron logits.
+* GLM-4.5 (glm4_moe): q/k/v biases and q/k layernorm, head_dim 16 (hidden / heads = 8), partial RoPE
+  (GPTModel rotary_percent 0.5: 8 of 16 dims rotated), a dense first layer, sigmoid routing with a non-zero
+  random ``router.expert_bias``, renormalised top-k weights times ``moe_router_topk_scaling_factor`` 2.5, an
+  ungated shared expert (``mlp.shared_experts``); its router decisions are recomputed from the logits and bias.
+* Independent HF check: transformers' own Qwen3MoeForCausalLM / Qwen2MoeForCausalLM / MixtralForCausalLM /
+  Glm4MoeForCausalLM built from the canonical global tensors (per-expert HF names), against the real Megatron
+  logits.
 """
 
 from __future__ import annotations
@@ -32,7 +37,19 @@ from fixturegen import library as lib
 MOE_MODEL = dict(lib.TINY, moe_ffn_hidden_size=32)  # ffn_hidden_size: dense layers; moe_ffn: every routed expert
 TOPK = 2
 TARGETS = lib.GQA_TARGETS
-ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama"}  # qkv bias / qk layernorm as these
+ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "glm4_moe": "glm"}
+
+
+def qkv_bias(spec) -> bool:
+    return ATTENTION[spec["family"]] in ("qwen2", "glm")
+
+
+def qk_norm(spec) -> bool:
+    return ATTENTION[spec["family"]] in ("qwen3", "glm")
+
+
+def sigmoid(spec) -> bool:
+    return spec.get("score", "softmax") == "sigmoid"
 
 QWEN3MOE = dict(family="qwen3_moe", tp=1, ep=2, etp=1, num_experts=4, kv_channels=16, moe_layer_freq=1,
                 pre_softmax=False, shared=None, shared_gate=False, base_seed=11000, lora_seed=12000, router_std=0.3)
@@ -49,6 +66,11 @@ BUILT = {
     "qwen3moe_tp2etp1_ep2": dict(QWEN3MOE, tp=2, base_seed=17000, lora_seed=18000),
     "mixtral_ep2": dict(QWEN3MOE, family="mixtral", num_experts=8, kv_channels=8, base_seed=15000, lora_seed=16000,
                         ffn_hidden_size=32, router_seed=15004),
+    # GLM-4.5: TP=2 with ETP=1 (the q/k/v biases and the partial-RoPE heads split over TP), a dense first
+    # layer (first_k_dense_replace=1), sigmoid + expert bias, scaling 2.5, one shared expert of the expert ffn
+    "glm4moe_tp2etp1_ep2": dict(QWEN3MOE, family="glm4_moe", tp=2, num_experts=8, moe_layer_freq=[0, 1, 1, 1],
+                                shared=32, score="sigmoid", bias_std=0.05, scaling=2.5, rotary_percent=0.5,
+                                base_seed=19000, lora_seed=20000, router_seed=19007),
 }
 # derived (no Megatron run): from qwen3moe_ep2's real checkpoint by the documented layouts
 DERIVED = {
@@ -78,9 +100,10 @@ def moe_layers(spec):
 
 
 def canonical_moe_base(torch, spec: dict, vpad: int) -> dict:
-    dm, attention = dims(spec), ATTENTION[spec["family"]]
-    t = lib.canonical_gpt_base(torch, spec["base_seed"], attention == "qwen2", vpad, dm, qk_norm=attention == "qwen3")
-    return lib.add_experts(torch, t, spec, dm, moe_layers(spec), spec["shared"], spec["shared_gate"])
+    dm = dims(spec)
+    t = lib.canonical_gpt_base(torch, spec["base_seed"], qkv_bias(spec), vpad, dm, qk_norm=qk_norm(spec))
+    return lib.add_experts(torch, t, spec, dm, moe_layers(spec), spec["shared"], spec["shared_gate"],
+                           bias_std=spec.get("bias_std"))
 
 
 def lora_modules(spec: dict) -> dict:
@@ -120,32 +143,48 @@ class MoE(lib.Family):
     def targets(self, spec):
         return list(TARGETS)
 
+    def model_kwargs(self, spec):
+        return {"rotary_percent": spec["rotary_percent"]} if "rotary_percent" in spec else {}
+
     def make_config(self, rk, grouped=False):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        spec, dm, attention, kw = rk.spec, rk.dm, ATTENTION[rk.spec["family"]], {}
-        if attention == "qwen3":
+        spec, dm, kw = rk.spec, rk.dm, {}
+        if qk_norm(spec):
             kw["qk_layernorm"] = True
+        if sigmoid(spec):
+            kw.update(moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=spec["scaling"],
+                      moe_router_dtype="fp32")
         return TransformerConfig(
             **lib.config_kwargs(rk), num_query_groups=dm["num_query_groups"], kv_channels=dm["kv_channels"],
-            add_qkv_bias=attention == "qwen2", moe_shared_expert_gate=bool(spec["shared_gate"]),
-            **lib.moe_config_kwargs(rk, TOPK, "softmax", spec["moe_layer_freq"], spec["shared"], grouped), **kw)
+            add_qkv_bias=qkv_bias(spec), moe_shared_expert_gate=bool(spec["shared_gate"]),
+            **lib.moe_config_kwargs(rk, TOPK, spec.get("score", "softmax"), spec["moe_layer_freq"], spec["shared"],
+                                    grouped), **kw)
 
     def layer_spec(self, rk, config, grouped=False):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
         if all(f == 1 for f in layer_pattern(rk.spec)):
             return get_gpt_layer_local_spec(num_experts=rk.spec["num_experts"], moe_grouped_gemm=grouped,
-                                            qk_layernorm=ATTENTION[rk.spec["family"]] == "qwen3",
+                                            qk_layernorm=qk_norm(rk.spec),
                                             normalization="RMSNorm")
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
 
     def make_args(self, torch, spec, iteration, world, lora, filtered, load, save):
-        return lib.moe_args(torch, spec, dims(spec), ATTENTION[spec["family"]], TOPK, iteration, world, lora,
-                            filtered, load, save)
+        a = lib.moe_args(torch, spec, dims(spec), ATTENTION[spec["family"]], TOPK, iteration, world, lora,
+                         filtered, load, save)
+        vars(a).update(add_qkv_bias=qkv_bias(spec), qk_layernorm=qk_norm(spec),
+                       rotary_percent=spec.get("rotary_percent", 1.0))
+        if sigmoid(spec):  # Megatron-LM 0.16.1: --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+            vars(a).update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                           moe_router_bias_update_rate=1e-3, moe_router_topk_scaling_factor=spec["scaling"],
+                           moe_router_dtype="fp32")
+        return a
 
     def routing_stats(self, torch, spec, logits, rmap, bias):
         """Tokens per expert, smallest k-th vs (k+1)-th gap (abs and relative)."""
+        if sigmoid(spec):  # the choice is made on sigmoid scores plus the expert bias
+            return lib.routing_margins(torch, dict(spec, topk=TOPK, groups=None, expert_bias=bias), logits, rmap)
         s = logits.sort(dim=-1, descending=True).values
         if spec["pre_softmax"]:
             s = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
@@ -204,7 +243,7 @@ class MoE(lib.Family):
         return [n for n in BUILT if n in need]
 
     def hf_config(self, spec):
-        from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+        from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
         dm = dims(spec)
         common = dict(lib.hf_common(dm), rope_theta=float(dm["rotary_base"]), num_experts_per_tok=TOPK,
@@ -216,6 +255,18 @@ class MoE(lib.Family):
                                   moe_intermediate_size=dm["moe_ffn_hidden_size"], num_experts=spec["num_experts"],
                                   norm_topk_prob=not spec["pre_softmax"], decoder_sparse_step=1,
                                   mlp_only_layers=mlp_only, **common)
+        if spec["family"] == "glm4_moe":
+            dense = [i for i, f in enumerate(layer_pattern(spec)) if f == 0]
+            assert dense == list(range(len(dense))) and spec["shared"] == dm["moe_ffn_hidden_size"]
+            common.pop("rope_theta")
+            return Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], head_dim=dm["kv_channels"],
+                                 attention_bias=True, use_qk_norm=True, intermediate_size=dm["ffn_hidden_size"],
+                                 moe_intermediate_size=dm["moe_ffn_hidden_size"], n_routed_experts=spec["num_experts"],
+                                 n_shared_experts=1, first_k_dense_replace=len(dense), n_group=1, topk_group=1,
+                                 norm_topk_prob=True, routed_scaling_factor=spec["scaling"],
+                                 num_nextn_predict_layers=0,
+                                 rope_parameters={"rope_type": "default", "rope_theta": float(dm["rotary_base"]),
+                                                  "partial_rotary_factor": spec["rotary_percent"]}, **common)
         if spec["family"] == "qwen2_moe":
             assert spec["shared"] and spec["shared_gate"]
             return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], qkv_bias=True,
@@ -237,7 +288,7 @@ class MoE(lib.Family):
                 f.unlink()
         keys = ("routing_base", "routing_lora")
         min_rel, counts = lib.routing_checks(name, spec, summary, keys)
-        min_abs = min(v["min_gap_router_logit"] for r in keys for v in summary[r].values())
+        min_abs = min(v.get("min_gap_router_logit", v.get("min_expert_gap")) for r in keys for v in summary[r].values())
         nrep = lib.check_ep_replicas(torch, d, spec)
         dm = dims(spec)
         world = math.lcm(spec["tp"], spec["etp"] * spec["ep"])
@@ -252,13 +303,15 @@ class MoE(lib.Family):
             vocab_size=dm["vocab_size"], padded_vocab_size=lib.padded_vocab(spec["tp"]),
             num_experts=spec["num_experts"], experts_per_ep_rank=spec["num_experts"] // spec["ep"],
             moe_router_topk=TOPK, moe_router_pre_softmax=spec["pre_softmax"], hf_norm_topk_prob=not spec["pre_softmax"],
-            moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+            moe_router_score_function=spec.get("score", "softmax"), moe_router_load_balancing_type="none",
             moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_layout="SequentialMLP",
             moe_layer_freq=spec["moe_layer_freq"], moe_layers=moe_layers(spec),
             dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
             moe_shared_expert_intermediate_size=spec["shared"], moe_shared_expert_gate=bool(spec["shared_gate"]),
-            qkv_bias=spec["family"] == "qwen2_moe", qk_layernorm=spec["family"] == "qwen3_moe",
+            qkv_bias=qkv_bias(spec), qk_layernorm=qk_norm(spec), rotary_percent=spec.get("rotary_percent", 1.0),
             router_weight_std=spec["router_std"], base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
+            **({"moe_router_enable_expert_bias": True, "expert_bias_std": spec["bias_std"],
+                "moe_router_topk_scaling_factor": spec["scaling"]} if sigmoid(spec) else {}),
             base_format=spec.get("base_format", "torch"), lora_format="torch",
             base_iteration=lib.BASE_ITER, lora_iteration=lib.LORA_ITER, stale_lora_iteration=lib.STALE_LORA_ITER,
             rank_dirs=sorted(x["dir"] for x in summary["ranks"] if x["dir"]),
@@ -347,10 +400,14 @@ def hf_state_dict(spec, base: dict, lora: dict | None) -> dict:
         if i in moe_layers(spec):
             m = h + ("block_sparse_moe." if mix else "mlp.")
             out[m + "gate.weight"] = base[p + "mlp.router.weight"]
+            if p + "mlp.router.expert_bias" in base:
+                out[m + "gate.e_score_correction_bias"] = base[p + "mlp.router.expert_bias"]
             for e in range(spec["num_experts"]):
                 lib.hf_glu(out, base, lora, f"{p}mlp.experts.{e}", f"{m}experts.{e}",
                            ("w1", "w3", "w2") if mix else ("gate_proj", "up_proj", "down_proj"))
-            if spec["shared"]:
+            if spec["shared"] and spec["family"] == "glm4_moe":
+                lib.hf_glu(out, base, lora, p + "mlp.shared_experts", m + "shared_experts")
+            elif spec["shared"]:
                 lib.hf_glu(out, base, lora, p + "mlp.shared_experts", m + "shared_expert")
                 out[m + "shared_expert_gate.weight"] = base[p + "mlp.shared_experts.gate_weight"]
         else:
@@ -496,7 +553,7 @@ def derive(torch, name: str, out: Path, grouped_ref: dict | None):
 
 def describe(spec) -> str:
     dm = dims(spec)
-    fam = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}[spec["family"]]
+    fam = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral", "glm4_moe": "GLM-4.5"}[spec["family"]]
     ml = moe_layers(spec)
     parts = [
         f"{fam}-like Megatron-Core GPTModel (local spec, MoELayer = TopKRouter + SequentialMLP, alltoall "
@@ -506,12 +563,19 @@ def describe(spec) -> str:
         f"), hidden {dm['hidden_size']}, heads {dm['num_attention_heads']}, query groups {dm['num_query_groups']}, "
         f"head_dim {dm['kv_channels']}, {spec['num_experts']} experts ({spec['num_experts'] // spec['ep']} per EP "
         f"rank; global expert = ep_rank*{spec['num_experts'] // spec['ep']} + local), expert ffn "
-        f"{dm['moe_ffn_hidden_size']}, top-{TOPK}, moe_router_pre_softmax={spec['pre_softmax']} (HF "
-        f"norm_topk_prob={not spec['pre_softmax']})"
-        + (", qkv bias" if spec["family"] == "qwen2_moe" else "")
-        + (", q/k layernorm" if spec["family"] == "qwen3_moe" else "")
+        f"{dm['moe_ffn_hidden_size']}, top-{TOPK}, "
+        + (f"sigmoid scores with a random fp32 router.expert_bias (std {spec.get('bias_std')}) choosing the experts, "
+           f"renormalised weights times moe_router_topk_scaling_factor {spec.get('scaling')} (HF "
+           f"e_score_correction_bias, norm_topk_prob=true, routed_scaling_factor)" if sigmoid(spec) else
+           f"moe_router_pre_softmax={spec['pre_softmax']} (HF norm_topk_prob={not spec['pre_softmax']})")
+        + (", qkv bias" if qkv_bias(spec) else "")
+        + (", q/k layernorm" if qk_norm(spec) else "")
+        + (f", partial RoPE (GPTModel rotary_percent {spec['rotary_percent']}: the first "
+           f"{int(dm['kv_channels'] * spec['rotary_percent'])} of {dm['kv_channels']} dims of each head rotated; HF "
+           f"partial_rotary_factor)" if spec.get("rotary_percent", 1.0) != 1.0 else "")
         + (f", shared expert (ffn {spec['shared']}) with sigmoid gate (shared_experts.gate_weight [1, H])"
-           if spec["shared"] else ", no shared expert")
+           if spec["shared"] and spec["shared_gate"] else
+           f", ungated shared expert (ffn {spec['shared']})" if spec["shared"] else ", no shared expert")
         + f", vocab {dm['vocab_size']} (padded {lib.padded_vocab(spec['tp'])}).",
     ]
     if spec.get("base_format") == "torch_dist":

@@ -41,7 +41,8 @@ class HfConfig:
     family: str  # "qwen", "llama" or "mistral": which sliding-window fields it has
     examined_keys: frozenset = frozenset()  # keys only this type has, read by its readers below
     qkv_bias: bool | str = False  # q/k/v biases: always (True), never, or as this key says
-    qk_norm: bool = False
+    qk_norm: bool | str = False  # q/k norms: always, never, or as this key says
+    partial_rope: bool = False  # its class rotates only partial_rotary_factor of each head's dims
     # (config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None
     read_mla: Callable | None = None  # (config fields) -> mla_shape.MlaShape, for multi-latent attention
