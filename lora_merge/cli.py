@@ -311,8 +311,7 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
         out(f"  lora:   {inp.lora.describe()}")
     heads = f"{s.heads} heads, {s.mla}" if s.mla else f"{s.heads} heads / {s.groups} kv heads x {s.head_dim}"
     out(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {heads}, ffn {s.ffn}, vocab {s.vocab}, "
-        f"{'tied' if s.tied else 'untied'} embeddings"
-        f"{', qkv bias' if s.qkv_bias else ''}")
+        f"{'tied' if s.tied else 'untied'} embeddings" + "".join(f", {m}" for m in s.mechanics()))
     if s.moe is not None:
         out(f"  experts: {s.moe} in layers {sorted(s.moe.layers)}; {expert_layout(inp)}")
     if inp.settings is None:

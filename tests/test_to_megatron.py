@@ -18,6 +18,7 @@ TESTS = Path(__file__).parent
 DENSE = TESTS / "fixtures/tp2pp2_fp32_filtered"
 MOE = TESTS / "fixtures_moe/qwen2moe_tp2ep2"
 MLA = TESTS / "fixtures_deepseek/deepseek_v3_ep2"
+GLM = TESTS / "fixtures_moe/glm4moe_tp2etp1_ep2"
 
 
 def quiet(message):
@@ -87,6 +88,7 @@ def test_megatron_to_megatron_reshards_round_trip_byte_identical(tmp_path):
     (MOE, dict(tp=2, pp=2, ep=2)),  # dense layer 0, gated shared expert, experts split over ETP=TP
     (MOE, dict(tp=2, ep=4, etp=1)),
     (MLA, dict(tp=2, pp=3, ep=2)),  # MLA column-parallel down-projections; dense first layer
+    (GLM, dict(tp=2, pp=2, ep=2)),  # partial RoPE, q/k/v biases and norms, experts split over ETP=TP
 ])
 def test_hf_to_megatron_to_hf_is_byte_identical(tmp_path, fixture, layout):
     to_hf(fixture / "base", fixture, tmp_path / "hf", lora=fixture / "lora")
@@ -164,6 +166,7 @@ def test_grouped_experts_are_megatrons_groupedmlp_layout(tmp_path):
     (TESTS / "fixtures/uneven_pp2_fp32", dict(pp=2, decoder_first_pipeline_num_layers=1)),
     (TESTS / "fixtures/tied_pp2_llama_fp32", dict(pp=2)), (MOE, dict(tp=2, ep=2)),
     (TESTS / "fixtures_moe/qwen3moe_tp2etp1_ep2", dict(tp=2, ep=2, etp=1)), (MLA, dict(ep=2)),
+    (GLM, dict(tp=2, ep=2, etp=1)),
 ])
 def test_a_base_written_at_its_own_layout_is_what_megatron_saved(tmp_path, fixture, layout):
     """Megatron's own save of each fixture's base, rewritten from it at the same layout: the same rank files,
@@ -174,7 +177,7 @@ def test_a_base_written_at_its_own_layout_is_what_megatron_saved(tmp_path, fixtu
     same_as_megatrons_save(tmp_path / "mg/release", fixture / "base" / f"iter_{int(iteration):07d}")
 
 
-@pytest.mark.parametrize("fixture", [DENSE, MOE, MLA])
+@pytest.mark.parametrize("fixture", [DENSE, MOE, MLA, GLM])
 def test_torch_dist_round_trips_byte_identical(tmp_path, fixture):
     """HF → torch_dist → HF, and torch_dist → legacy TP2 → torch_dist again: the same bytes."""
     to_hf(fixture / "base", fixture, tmp_path / "hf", lora=fixture / "lora")

@@ -69,5 +69,13 @@ class ModelShape:
                                                ("q_lora", self.mla is not None and bool(self.mla.q_lora)),
                                                ("no_q_lora", self.mla is not None and not self.mla.q_lora)) if on)
 
+    def mechanics(self) -> list[str]:
+        """What the model computes beyond a plain decoder layer, in words (the dry run's model line)."""
+        n = self.mtp_layers
+        return [text for text, on in (("qkv bias", self.qkv_bias), ("q/k norms", self.qk_norm),
+                                      (f"partial RoPE {self.rotary_percent:g}", self.rotary_percent != 1.0),
+                                      (f"RoPE scaling {self.rope_scaling}", self.rope_scaling is not None),
+                                      (f"MTP {n} layer{'s' if n != 1 else ''}", n > 0)) if on]
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers

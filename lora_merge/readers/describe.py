@@ -16,7 +16,9 @@ ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_grou
              "ffn_hidden_size", "padded_vocab_size", "add_qkv_bias", "qk_layernorm", "swiglu",
              "untie_embeddings_and_output_weights", "normalization", "position_embedding_type", "noop_layers",
              "num_layer_list", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
-             "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm")
+             "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm", "rotary_percent",
+             "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+             "mtp_num_layers")
 
 
 def _gb(n: int) -> str:
@@ -28,7 +30,8 @@ HF_ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_
                 "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "num_experts",
                 "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "shared_expert_intermediate_size", "n_shared_experts", "q_lora_rank", "kv_lora_rank",
-                "first_k_dense_replace")
+                "first_k_dense_replace", "use_qk_norm", "partial_rotary_factor", "rope_parameters", "rope_scaling",
+                "num_nextn_predict_layers")
 # The adapter_config.json keys that decide what a PEFT LoRA computes (those set are shown).
 PEFT_KEYS = ("use_rslora", "bias", "rank_pattern", "alpha_pattern", "layers_to_transform", "use_dora",
              "modules_to_save", "target_parameters")
