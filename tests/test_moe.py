@@ -421,3 +421,9 @@ def test_partial_rope_must_be_what_the_args_trained(tmp_path, capsys, arg, value
     run_failing(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:1] + [str(root / "base")]
                 + moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[2:], capsys, expected)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_dry_run_names_glm_mechanics(capsys, tmp_path):
+    assert main(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out") + ["--dry-run"]) == 0
+    model = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("model:"))
+    assert model.endswith("untied embeddings, qkv bias, q/k norms, partial RoPE 0.5"), model

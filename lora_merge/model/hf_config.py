@@ -452,6 +452,10 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         raise UnsupportedInput(f"{path}: attention_bias=true for {spec.model_type} (q/k/v *and* o_proj biases) is not supported")
     if fields.get("mlp_bias", False):
         raise UnsupportedInput(f"{path}: mlp_bias=true is not supported")
+    for key in spec.must_be_false:
+        if fields.flag(key):
+            raise UnsupportedInput(f"{path}: {key}=true is not supported for {spec.model_type}: the Megatron model has "
+                                   "no such weights; expected false")
     window = fields.raw.get("sliding_window")  # as stated: transformers 4.x does not check its type
     if spec.family == "qwen" and window not in (None, 0) and not (is_int(window) and window > 0):
         raise MergeError(f"{path}: 'sliding_window' must be a positive integer or null, found {shown(window)}")

@@ -43,6 +43,8 @@ class HfConfig:
     qkv_bias: bool | str = False  # q/k/v biases: always (True), never, or as this key says
     qk_norm: bool | str = False  # q/k norms: always, never, or as this key says
     partial_rope: bool = False  # its class rotates only partial_rotary_factor of each head's dims
+    # flags of this type that add weights or computation a Megatron model does not have (refused when true)
+    must_be_false: tuple[str, ...] = ()
     # (config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None
     read_mla: Callable | None = None  # (config fields) -> mla_shape.MlaShape, for multi-latent attention
