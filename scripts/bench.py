@@ -30,10 +30,12 @@ the HF model, and beside it the in-memory route other converters take: every HF 
 each rank file built and torch.save'd (the same layout, computed from the same plan; legacy EP=8 rank files
 for DeepSeek, whose lora-merge run writes torch_dist).
 
+--glm: GLM-4.5-Air layer shapes (synthetic_moe_checkpoint.py --family glm4.5-air), GroupedMLP at EP=4.
+
 --fp8: a block-FP8 DeepSeek-V3-shaped HF base (128x128 scales) + the Megatron LoRA, merged into bf16 and into
 FP8, against a copy of the same inputs.
 
-    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --deepseek | --peft | --to-megatron | --fp8]
+    python scripts/bench.py --layers 2 4 [--workdir DIR] [--skip-peft] [--moe | --glm | --deepseek | --peft | --to-megatron | --fp8]
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
 
 
 def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None,
-          deepseek_shape: list[str] | None = None, preset: str = "qwen32b") -> dict:
+          deepseek_shape: list[str] | None = None, preset: str = "qwen32b", moe_family: str = "qwen3-30b") -> dict:
     root = work / ("deepseek_v3_ep8" if moe_layout == "deepseek" else f"L{layers}{moe_layout or ''}")
     drop(root)
     # Generated in a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time,
@@ -309,14 +311,16 @@ def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout:
         skip_peft = True  # the PEFT route below is written for dense models
     elif moe_layout:
         subprocess.run([sys.executable, str(HERE / "synthetic_moe_checkpoint.py"), str(root), "--layers", str(layers),
-                        "--ep", "4", "--layout", moe_layout], check=True)
+                        "--ep", "4", "--layout", moe_layout, "--family", moe_family], check=True)
         skip_peft = True  # the PEFT route below is written for dense models
     else:
         subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
                         "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
     generate_seconds = time.monotonic() - generate_start
     result = copy_vs_merge(root, root / "base", root / "lora", root / "hf_ref", repeat,
-                           {"layers": layers, "layout": moe_layout or "dense", "generate_seconds": generate_seconds},
+                           {"layers": layers, "layout": (moe_layout if moe_family == "qwen3-30b" else
+                                                         f"{moe_family} {moe_layout}") if moe_layout else "dense",
+                            "generate_seconds": generate_seconds},
                            no_sha256=moe_layout == "deepseek")  # where hashing is the largest stage: with and without
 
     if not skip_peft:
@@ -440,6 +444,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2, help="runs of copy and merge, alternating; the fastest counts")
     p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B layer shapes at EP=4 instead, in both expert "
                    "layouts (SequentialMLP + PEFT LoRA, GroupedMLP + MindSpeed grouped LoRA)")
+    p.add_argument("--glm", action="store_true", help="GLM-4.5-Air layer shapes at EP=4 instead (layer 0 dense, then "
+                   "MoE with a shared expert), GroupedMLP + MindSpeed grouped LoRA")
     p.add_argument("--deepseek", action="store_true", help="DeepSeek-V3 layer shapes at EP=8 instead (2 layers: dense, "
                    "MoE): torch_dist base + legacy per-EP-rank LoRA; --layers is ignored")
     p.add_argument("--deepseek-shape", nargs="*", default=[], metavar="KEY=VALUE",
@@ -498,8 +504,8 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(runs, indent=2))
         return
-    if args.moe + args.deepseek + args.peft > 1:
-        p.error("--moe, --deepseek and --peft are separate benchmarks")
+    if args.moe + args.deepseek + args.peft + args.glm > 1:
+        p.error("--moe, --glm, --deepseek and --peft are separate benchmarks")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.deepseek:
         report_one(deepseek_title, bench(2, args.workdir, True, args.repeat, "deepseek", args.deepseek_shape))
@@ -508,8 +514,12 @@ def main() -> None:
         layouts = ["HF base + PEFT adapter"]
         results = [bench_peft_input(n, args.workdir, args.repeat, args.preset) for n in args.layers]
     else:
-        layouts = ["sequential", "grouped"] if args.moe else [None]
-        results = [bench(n, args.workdir, args.skip_peft, args.repeat, layout, preset=args.preset) for layout in layouts for n in args.layers]
+        layouts = ["sequential", "grouped"] if args.moe else ["grouped"] if args.glm else [None]
+        family = "glm4.5-air" if args.glm else "qwen3-30b"
+        results = [bench(n, args.workdir, args.skip_peft, args.repeat, layout, preset=args.preset, moe_family=family)
+                   for layout in layouts for n in args.layers]
+        if args.glm:
+            layouts = [f"{family} grouped"]
     print("| layout | layers | input GB | copy s | ours s | ours / copy | ours GB/s (read+write) | ours peak RSS MB | PEFT s | PEFT peak RSS MB | PEFT RSS / ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -427,3 +427,34 @@ def test_the_dry_run_names_glm_mechanics(capsys, tmp_path):
     assert main(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out") + ["--dry-run"]) == 0
     model = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("model:"))
     assert model.endswith("untied embeddings, qkv bias, q/k norms, partial RoPE 0.5"), model
+
+
+def _glm_with_config(tmp_path, **changes) -> Path:
+    root = _copy("glm4moe_tp2etp1_ep2", tmp_path)
+    config = json.loads((root / "hf_ref" / "config.json").read_text())
+    (root / "hf_ref" / "config.json").write_text(json.dumps({**config, **changes}))
+    return root
+
+
+def test_glm_without_mtp_layers_the_output_config_says_so(tmp_path, capsys):
+    """GLM-4.5's releases say num_nextn_predict_layers=1; a Megatron run without MTP has no such layer."""
+    root = _glm_with_config(tmp_path, num_nextn_predict_layers=1)
+    out = tmp_path / "out"
+    assert main(moe_args("glm4moe_tp2etp1_ep2", out)[:4] + ["--hf-ref", str(root / "hf_ref"), "--out", str(out),
+                                                           "--no-progress"]) == 0
+    assert "num_nextn_predict_layers=0 instead of 1" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"use_qk_norm": False}, "args.qk_layernorm=True but the HF config (glm4_moe) has no q/k norms"),  # as GLM-4.5-Air
+    ({"attention_bias": False}, "args.add_qkv_bias=True but the HF config (glm4_moe) has no q/k/v biases"),
+    ({"routed_scaling_factor": 1.0}, "routed_scaling_factor is 1"),
+    ({"first_k_dense_replace": 0}, "layers"),
+])
+def test_glm_config_must_be_what_the_args_trained(tmp_path, capsys, changes, expected):
+    root = _glm_with_config(tmp_path, **changes)
+    _failing(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:4] + ["--hf-ref", str(root / "hf_ref"), "--out",
+                                                                     str(tmp_path / "out"), "--no-progress"],
+             capsys, expected)
+    assert not (tmp_path / "out").exists()
