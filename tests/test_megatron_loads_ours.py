@@ -58,6 +58,8 @@ MERGED = {
     "dense_tp2pp2_to_tp2": ("fixtures/tp2pp2_fp32_filtered", dict(tp=2), "sequential"),
     "dense_to_pp2_vpp2": ("fixtures/tp2_fp32_filtered", dict(pp=2, vpp=2), "sequential"),
     "tied_llama_to_pp2": ("fixtures/tied_pp2_llama_fp32", dict(pp=2), "sequential"),
+    # tied at PP 1: the output layer has no weight but Megatron saves (and a strict load wants) its _extra_state
+    "tied_llama_to_tp2": ("fixtures/tied_pp2_llama_fp32", dict(tp=2), "sequential"),
     "qwen2moe_shared_gate_to_tp2_ep2_etp1": ("fixtures_moe/qwen2moe_tp2ep2", dict(tp=2, ep=2, etp=1), "sequential"),
     "qwen3moe_to_ep2_grouped": ("fixtures_moe/qwen3moe_ep2", dict(ep=2), "grouped"),
     "deepseek_v3_mla_to_tp2_ep2_etp1": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2, ep=2, etp=1), "sequential"),
@@ -90,6 +92,7 @@ CONVERTED = {
     "mixtral_hf_to_ep2_etp1": ("fixtures_moe/mixtral_ep2", dict(ep=2, etp=1), "torch"),
     "deepseek_hf_to_torch_dist_at_tp2": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2), "torch_dist"),
     "glm4_moe_hf_to_torch_dist_at_pp2": ("fixtures_moe/glm4moe_tp2etp1_ep2", dict(pp=2), "torch_dist"),
+    "tied_llama_hf_to_torch_dist_at_tp2": ("fixtures/tied_pp2_llama_fp32", dict(tp=2), "torch_dist"),
 }
 
 

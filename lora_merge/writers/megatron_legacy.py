@@ -105,6 +105,10 @@ class MegatronLegacyWriter(RowScatter):
         order = self._stream_order(list(dtypes))
         for f in self.files:
             f.chunks = [_with_extra_state(chunk, self.linears) for chunk in f.chunks]
+            if shape.tied and f.rank.pp == last_stage:
+                # With tied embeddings the output layer of a stage holding the embedding has no weight of its
+                # own, but it is a parallel linear: Megatron saves its _extra_state, and a strict load expects it
+                f.chunks[last_chunk].setdefault("output_layer._extra_state", None)
             models = {"model": f.chunks[0]} if layout.vpp == 1 else {f"model{v}": c for v, c in enumerate(f.chunks)}
             f.archive = TorchArchive({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, **models},
                                      name=FILE_NAME.removesuffix(".pt"), order=order[id(f)])
