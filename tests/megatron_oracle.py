@@ -126,7 +126,7 @@ class MegatronOracleTimeout(MegatronOracleError):
 # HF config -> Megatron model description (plain dict, built in the caller)
 # --------------------------------------------------------------------------------------------------
 
-DENSE = ("qwen2", "llama", "mistral", "qwen3")
+DENSE = ("qwen2", "llama", "mistral", "qwen3", "phi3")
 MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 MLA = ("deepseek_v3", "deepseek_v2")
 

@@ -321,14 +321,38 @@ class QkvColumn(Rule):
         return {self.q: (dims["q"], *rest), self.k: (dims["kv"], *rest), self.v: (dims["kv"], *rest)}
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
-        if shape.groups % len(shards):
-            raise MergeError(f"{where}: {shape.groups} query groups do not split over TP={len(shards)}")
-        out = {self.q: [], self.k: [], self.v: []}
-        for shard in shards:  # each rank holds whole groups; split_qkv on it gives views of its rows
-            per_rank = split_qkv_groups(shard, shape.heads // len(shards), shape.groups // len(shards), shape.head_dim)
-            for name, parts in zip((self.q, self.k, self.v), per_rank):
-                out[name] += [RowBlock((p,)) for p in parts]
-        return out
+        return dict(zip((self.q, self.k, self.v), qkv_blocks(shards, shape, where)))
+
+
+def qkv_blocks(shards, shape, where) -> tuple[list[RowBlock], list[RowBlock], list[RowBlock]]:
+    """The q, k and v rows of linear_qkv's TP shards, each as row blocks in HF order."""
+    if shape.groups % len(shards):
+        raise MergeError(f"{where}: {shape.groups} query groups do not split over TP={len(shards)}")
+    out = ([], [], [])
+    for shard in shards:  # each rank holds whole groups; split_qkv on it gives views of its rows
+        per_rank = split_qkv_groups(shard, shape.heads // len(shards), shape.groups // len(shards), shape.head_dim)
+        for blocks, parts in zip(out, per_rank):
+            blocks += [RowBlock((p,)) for p in parts]
+    return out
+
+
+@dataclass(frozen=True)
+class FusedQkvColumn(Rule):
+    """linear_qkv as one HF tensor holding all q rows, then all k rows, then all v rows (Phi-3's qkv_proj):
+    the query groups Megatron interleaves are taken apart and laid end to end."""
+
+    hf: str = ""
+    parallel = "column"
+
+    def hf_names(self):
+        return (self.hf,)
+
+    def hf_shapes(self, shape):
+        return {self.hf: self.global_shape(shape)}
+
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        q, k, v = qkv_blocks(shards, shape, where)
+        return {self.hf: q + k + v}
 
 
 @dataclass(frozen=True)
@@ -345,19 +369,44 @@ class GatedColumn(Rule):
         return {self.gate: (rows // 2, *rest), self.up: (rows // 2, *rest)}
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
-        if not global_pieces:  # each rank: [its gate rows; its up rows]
-            halves = [s.chunk(2, dim=0) for s in shards]
-            return {self.gate: [RowBlock((h[0],)) for h in halves], self.up: [RowBlock((h[1],)) for h in halves]}
-        ffn = self.global_shape(shape)[0] // 2
-        gate, up, offset = [], [], 0  # the global tensor is [all gate rows; all up rows]
-        for piece in shards:
-            cut = min(max(ffn - offset, 0), piece.shape[0])
-            if cut:
-                gate.append(RowBlock((piece[:cut],)))
-            if cut < piece.shape[0]:
-                up.append(RowBlock((piece[cut:],)))
-            offset += piece.shape[0]
-        return {self.gate: gate, self.up: up}
+        return dict(zip((self.gate, self.up), gate_up_blocks(self, shards, shape, global_pieces)))
+
+
+def gate_up_blocks(rule: Rule, shards, shape, global_pieces: bool) -> tuple[list[RowBlock], list[RowBlock]]:
+    """The gate rows and the up rows of a swiglu fc1's shards (each rank: [its gate rows; its up rows]; as
+    torch_dist pieces: consecutive pieces of [all gate rows; all up rows])."""
+    if not global_pieces:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [RowBlock((h[0],)) for h in halves], [RowBlock((h[1],)) for h in halves]
+    ffn = rule.global_shape(shape)[0] // 2
+    gate, up, offset = [], [], 0
+    for piece in shards:
+        cut = min(max(ffn - offset, 0), piece.shape[0])
+        if cut:
+            gate.append(RowBlock((piece[:cut],)))
+        if cut < piece.shape[0]:
+            up.append(RowBlock((piece[cut:],)))
+        offset += piece.shape[0]
+    return gate, up
+
+
+@dataclass(frozen=True)
+class FusedGatedColumn(Rule):
+    """A swiglu fc1 as one HF tensor of [all gate rows; all up rows] (Phi-3's gate_up_proj): the halves every
+    TP rank holds of each are put back end to end."""
+
+    hf: str = ""
+    parallel = "column"
+
+    def hf_names(self):
+        return (self.hf,)
+
+    def hf_shapes(self, shape):
+        return {self.hf: self.global_shape(shape)}
+
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        gate, up = gate_up_blocks(self, shards, shape, global_pieces)
+        return {self.hf: gate + up}
 
 
 @dataclass(frozen=True)

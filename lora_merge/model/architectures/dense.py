@@ -10,23 +10,26 @@ from lora_merge.model.layout import GatedColumn, QkvColumn, Replicated, RowParal
 EMBEDDING = (
     VocabParallel("embedding.word_embeddings.weight", ("vocab", "hidden"), hf="model.embed_tokens.weight"),
 )
+# TransformerEngine fuses the norms into the next linear; torch_dist always uses those names.
+INPUT_NORM = Replicated("input_layernorm.weight", ("hidden",), hf="input_layernorm.weight",
+                        aliases=("self_attention.linear_qkv.layer_norm_weight",))
+O_PROJ = RowParallel("self_attention.linear_proj.weight", ("hidden", "q"), hf="self_attn.o_proj.weight")
+DOWN_PROJ = RowParallel("mlp.linear_fc2.weight", ("hidden", "ffn"), hf="mlp.down_proj.weight")
 ATTENTION = (
-    # TransformerEngine fuses the norms into the next linear; torch_dist always uses those names.
-    Replicated("input_layernorm.weight", ("hidden",), hf="input_layernorm.weight",
-               aliases=("self_attention.linear_qkv.layer_norm_weight",)),
+    INPUT_NORM,
     QkvColumn("self_attention.linear_qkv.weight", ("qkv", "hidden"),
               q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"),
     QkvColumn("self_attention.linear_qkv.bias", ("qkv",), requires="qkv_bias",
               q="self_attn.q_proj.bias", k="self_attn.k_proj.bias", v="self_attn.v_proj.bias"),
     Replicated("self_attention.q_layernorm.weight", ("head_dim",), requires="qk_norm", hf="self_attn.q_norm.weight"),
     Replicated("self_attention.k_layernorm.weight", ("head_dim",), requires="qk_norm", hf="self_attn.k_norm.weight"),
-    RowParallel("self_attention.linear_proj.weight", ("hidden", "q"), hf="self_attn.o_proj.weight"),
+    O_PROJ,
 )
 PRE_MLP_NORM = Replicated("pre_mlp_layernorm.weight", ("hidden",), hf="post_attention_layernorm.weight",
                           aliases=("mlp.linear_fc1.layer_norm_weight",))
 DENSE_MLP = (
     GatedColumn("mlp.linear_fc1.weight", ("gated_ffn", "hidden"), gate="mlp.gate_proj.weight", up="mlp.up_proj.weight"),
-    RowParallel("mlp.linear_fc2.weight", ("hidden", "ffn"), hf="mlp.down_proj.weight"),
+    DOWN_PROJ,
 )
 FINAL = (
     Replicated("decoder.final_layernorm.weight", ("hidden",), hf="model.norm.weight"),
