@@ -269,7 +269,7 @@ def test_inspect_and_dry_run_show_the_experts(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen2moe_tp2ep2", "qwen3moe_dist_singleton_ep2", "mixtral_ep2"])
+@pytest.mark.parametrize("name", ["qwen2moe_tp2ep2", "qwen3moe_dist_singleton_ep2", "mixtral_ep2", "glm4moe_tp2etp1_ep2"])
 def test_verify_checks_every_expert_against_the_megatron_base(name, merged, tmp_path, capsys):
     import shutil
     from safetensors.torch import load_file, save_file
