@@ -168,6 +168,11 @@ def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
             continue
         factors = remaining.pop(module)
         check_factor_shapes(rule, factors, shape, settings.r, module)
+        for refs, which in ((factors.a, "lora_A"), (factors.b, "lora_B")):
+            if dtype is None and len({ref.dtype for ref in refs}) > 1:  # the file is planned in one dtype each
+                raise MergeError(f"{refs[0].where}: the TP shards of {module}.{which} differ in dtype "
+                                 f"({', '.join(sorted({str(r.dtype).removeprefix('torch.') for r in refs}))}); "
+                                 "expected one (or give --dtype)")
         modules.setdefault(prefix, []).append(_Module(rule, module, prefix, factors))
         for hf_name, (out_dim, in_dim) in rule.hf_shapes(shape).items():
             key = PEFT_PREFIX + prefix + hf_name.removesuffix(".weight")
@@ -232,6 +237,11 @@ def plan_fused_experts(planned: dict[str, PlannedTensor], units: dict[str, str],
         # gate_up_proj innermost: with both listed, its LoRA lives under `base_layer` in every layer.
         owner = f"{PEFT_PREFIX}model.layers.{layer}.{path}" + (".base_layer" if fused == "gate_up_proj" and nested else "")
         first_a, first_bs = planned[f"{members[0][0]}.lora_A.weight"], [planned[f"{m}.lora_B.weight"] for m in members[0]]
+        dtypes = {planned[f"{m}.lora_{ab}.weight"].dtype for ms in members for m in ms for ab in "AB"}
+        if len(dtypes) > 1:  # stacked into one tensor of one dtype
+            raise MergeError(f"{where}: layer {layer}: the experts' LoRA factors for {fused} differ in dtype "
+                             f"({', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}); expected one "
+                             "(or give --dtype)")
         r, cols = first_a.shape
         unit = units[f"{members[0][0]}.lora_A.weight"]
         for name, dims, dtype in ((f"{owner}.lora_A.weight", (count * r, cols), first_a.dtype),

@@ -183,3 +183,20 @@ def test_the_adapter_streams_one_layer_at_a_time_into_the_bytes_safetensors_writ
     assert main(args) == 0
     save_file(tensors, tmp_path / "oracle.safetensors", metadata={"format": "pt"})
     assert (out / ADAPTER_FILE).read_bytes() == (tmp_path / "oracle.safetensors").read_bytes()
+
+
+def test_tp_shards_of_a_factor_in_two_dtypes_are_refused_in_one_line(tmp_path, capsys):
+    """The adapter file is planned from headers, one dtype a factor: shards that disagree are refused before
+    anything is written (with --dtype they are all converted and accepted)."""
+    import shutil
+
+    from helpers import rank_files, rewrite, run_failing
+
+    root = tmp_path / "fixture"
+    shutil.copytree(FIXTURES / "tp2_fp32_filtered", root)
+    key = "decoder.layers.0.self_attention.linear_qkv.lora_B.default.weight"  # split over TP: each its own
+    rewrite(rank_files(root / "lora")[1], lambda state: state["model"].__setitem__(key, state["model"][key].bfloat16()))
+    args = ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(tmp_path / "a")]
+    run_failing(args, capsys, "decoder.layers.0.self_attention.linear_qkv.lora_B differ in dtype (bfloat16, float32)")
+    assert not (tmp_path / "a").exists()
+    assert main(args + ["--dtype", "float32"]) == 0

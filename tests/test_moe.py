@@ -408,7 +408,11 @@ def test_per_expert_adapter_gives_an_expert_without_lora_zero_factors(tmp_path, 
 @pytest.mark.parametrize("arg,value,expected", [
     ("rotary_percent", 1.0, "args.rotary_percent=1.0 but the HF config's partial_rotary_factor is 0.5"),
     ("rotary_percent", 0.25, "args.rotary_percent=0.25"),
-    ("use_partial_rope", True, "args.use_partial_rope=True: MindSpeed's partial RoPE (ChatGLM's)"),
+    ("use_partial_rope", True, "args.use_partial_rope=True: MindSpeed's GLM rotary (ChatGLM's, interleaved pairs)"),
+    # MindSpeed-LLM's GLM-4 scripts: --use-glm-rope --rotary-percent 0.5
+    ("use_glm_rope", True, "args.use_glm_rope=True: MindSpeed's GLM rotary (ChatGLM's, interleaved pairs)"),
+    ("rotary_percent", None, "the args record no rotary_percent (Megatron's default 1.0) but the HF config's "
+                             "partial_rotary_factor is 0.5"),
 ])
 def test_partial_rope_must_be_what_the_args_trained(tmp_path, capsys, arg, value, expected):
     """GLM-4.5 rotates half of each head's dims: Megatron args that rotate another share (or rotate them as
@@ -417,7 +421,7 @@ def test_partial_rope_must_be_what_the_args_trained(tmp_path, capsys, arg, value
 
     root = _copy("glm4moe_tp2etp1_ep2", tmp_path)
     for path in rank_files(root / "base"):
-        rewrite(path, lambda state: setattr(state["args"], arg, value))
+        rewrite(path, lambda state: delattr(state["args"], arg) if value is None else setattr(state["args"], arg, value))
     run_failing(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:1] + [str(root / "base")]
                 + moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[2:], capsys, expected)
     assert not (tmp_path / "out").exists()
@@ -458,3 +462,19 @@ def test_glm_config_must_be_what_the_args_trained(tmp_path, capsys, changes, exp
                                                                      str(tmp_path / "out"), "--no-progress"],
              capsys, expected)
     assert not (tmp_path / "out").exists()
+
+
+def test_glm_partial_rope_left_to_the_class_default_is_said_so(tmp_path, capsys):
+    """transformers' glm4_moe rotates half of each head when config.json says nothing: a mismatch with args
+    that rotate whole heads names that default."""
+    from helpers import rank_files, rewrite
+
+    root = _copy("glm4moe_tp2etp1_ep2", tmp_path)
+    config = json.loads((root / "hf_ref" / "config.json").read_text())
+    config["rope_parameters"].pop("partial_rotary_factor")
+    (root / "hf_ref" / "config.json").write_text(json.dumps(config))
+    for path in rank_files(root / "base"):
+        rewrite(path, lambda state: setattr(state["args"], "rotary_percent", 1.0))
+    _failing(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:1] + [str(root / "base")] + ["--lora", str(root / "lora"),
+             "--hf-ref", str(root / "hf_ref"), "--out", str(tmp_path / "out"), "--no-progress"], capsys,
+             "partial_rotary_factor is 0.5 (absent from config.json, so transformers' glm4_moe default)")

@@ -319,6 +319,9 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     max_positions = fields.positive_int("max_position_embeddings")
     rope_theta, rope_scaling, rotary_percent = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
     _check_partial_rope(fields, spec, rotary_percent, head_dim or hidden // heads, rope_scaling)
+    if not any("partial_rotary_factor" in d for d in (fields.raw, fields.raw.get("rope_scaling") or {},
+                                                      fields.raw.get("rope_parameters") or {}) if isinstance(d, dict)):
+        fields.defaulted.add("partial_rotary_factor")  # e.g. glm4_moe's class default, 0.5
     if not any("rope_theta" in d for d in (fields.raw, fields.raw.get("rope_scaling") or {},
                                             fields.raw.get("rope_parameters") or {}) if isinstance(d, dict)):
         fields.defaulted.add("rope_theta")
@@ -359,6 +362,13 @@ def _check_partial_rope(fields: ConfigFields, spec: HfConfig, fraction: float, h
         raise UnsupportedInput(f"{path}: partial_rotary_factor={fraction:g}: partial RoPE is not supported for "
                                f"{spec.model_type}, whose HF class rotates every dim of a head (Megatron "
                                "args.rotary_percent must then be 1.0); expected 1.0")
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # 4.x classes differ on partial RoPE (some ignore the factor, 4.x never reads rope_parameters): proven
+        # against transformers 5 only
+        raise UnsupportedInput(f"{path}: partial_rotary_factor={fraction:g} is read only with transformers 5 or "
+                               f"later (installed: {transformers.__version__})")
     rotated = int(head_dim * fraction)
     if rotated < 2 or rotated % 2:
         raise MergeError(f"{path}: partial_rotary_factor={fraction:g} of head_dim={head_dim} rotates {rotated} dims; "

@@ -87,15 +87,20 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
             raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf_name} is {ours}"
                              f"{_defaulted(shape, hf_name)}: the merged model would not compute what was trained")
     # Megatron rotates the first int(kv_channels * rotary_percent) dims of each head, as transformers does with
-    # partial_rotary_factor; MindSpeed's --use-partial-rope is ChatGLM's interleaved rotary, another function.
-    percent = arg("rotary_percent", 1.0)
-    if not math.isclose(finite_number(percent, "args.rotary_percent", where, 0, 1, low_open=True), shape.rotary_percent,
-                        rel_tol=1e-9):
-        raise MergeError(f"{where}: args.rotary_percent={shown(percent)} but the HF config's partial_rotary_factor is "
-                         f"{shape.rotary_percent:g}: the merged model would not compute what was trained")
-    if arg("use_partial_rope"):
-        raise UnsupportedInput(f"{where}: args.use_partial_rope={shown(arg('use_partial_rope'))}: MindSpeed's partial "
-                               "RoPE (ChatGLM's) is not supported; expected none")
+    # partial_rotary_factor. MindSpeed's --use-glm-rope (ModelLink's --use-partial-rope) is ChatGLM's rotary,
+    # which turns interleaved pairs of dims: another function.
+    for flag in ("use_glm_rope", "use_partial_rope"):
+        if arg(flag):
+            raise UnsupportedInput(f"{where}: args.{flag}={shown(arg(flag))}: MindSpeed's GLM rotary (ChatGLM's, "
+                                   "interleaved pairs) is not what the HF class computes; expected none")
+    recorded = arg("rotary_percent")
+    percent = 1.0 if recorded is None else finite_number(recorded, "args.rotary_percent", where, 0, 1, low_open=True)
+    if not math.isclose(percent, shape.rotary_percent, rel_tol=1e-9):
+        said = f"args.rotary_percent={shown(recorded)}" if recorded is not None else \
+            "the args record no rotary_percent (Megatron's default 1.0)"
+        raise MergeError(f"{where}: {said} but the HF config's partial_rotary_factor is {shape.rotary_percent:g}"
+                         f"{_defaulted(shape, 'partial_rotary_factor')}: the merged model would not compute what was "
+                         "trained")
     # MindSpeed --sliding-window, Megatron --window-size: attention limited to a window in training.
     for name in ("sliding_window", "window_size"):
         if arg(name) is not None:

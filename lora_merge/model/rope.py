@@ -7,6 +7,7 @@ the merged model's function would depend on who loads it: refused."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from pathlib import Path
 
@@ -22,6 +23,7 @@ _ROPE_KEYS = frozenset({
     "truncate", "short_factor", "long_factor",
 })
 _ROPE_SECTIONS = ("rope_scaling", "rope_parameters")
+_TRANSFORMERS_MAJOR = int(importlib.metadata.version("transformers").split(".")[0])
 SUPPORTED_SCALINGS = ("llama3", "yarn", "linear")
 
 
@@ -56,7 +58,8 @@ def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
 def transformers_rope(config, path: Path) -> dict:
     """The RoPE dict a transformers config object applies: 5.x's rope_parameters, or 4.x's rope_scaling with
     its rope_theta."""
-    params = getattr(config, "rope_parameters", None)
+    # transformers 4.x keeps a config.json "rope_parameters" as an attribute it never reads
+    params = getattr(config, "rope_parameters", None) if _TRANSFORMERS_MAJOR >= 5 else None
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         raise UnsupportedInput(f"{path}: per-layer-type RoPE parameters are not supported: Megatron applies one RoPE to every layer")
     merged = {**(getattr(config, "rope_scaling", None) or {}), **(params or {})}

@@ -22,7 +22,7 @@ from lora_merge.writers.model_card import adapter_card, checked_base_model_id
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.files.ownership import PEFT_ADAPTER
 from lora_merge.files.staged_dir import (StagedOutput, check_free_space, check_output_target,
-                                         remove_abandoned_side_files)
+                                         remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.files.targets import check_report_path
 
 
@@ -61,6 +61,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
     for warning in adapter.warnings:
         opts.warn(warning)
     base_model, base_model_warning = card_base_model(opts, inp, opts.hf_ref)
+    remove_abandoned_staging(opts.out, inputs)  # space held by killed runs is given back before it is counted
     if opts.report:
         remove_abandoned_side_files(opts.report, inputs)
     check_free_space(opts.out, adapter.total_bytes, 0)
