@@ -481,8 +481,9 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
             raise fields._bad("layer_types", types, "a list of strings or null")
         for i, kind in enumerate(types):
-            if kind != "full_attention":
-                raise MergeError(f"{path}: layer_types[{i}]={shown(kind)}: {_NO_SWA} (expected only 'full_attention')")
+            if kind not in spec.attention_types:
+                expected = " or ".join(shown(t) for t in spec.attention_types)
+                raise MergeError(f"{path}: layer_types[{i}]={shown(kind)}: {_NO_SWA} (expected only {expected})")
     if getattr(fields.config, "pruned_heads", None):
         raise MergeError(f"{path}: pruned_heads={shown(fields.config.pruned_heads)}: pruned attention heads are not "
                          "supported; expected none")

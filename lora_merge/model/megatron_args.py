@@ -7,7 +7,7 @@ import math
 
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.model.layer_numbering import noop_layers
-from lora_merge.model.mla_shape import check_mla_args
+from lora_merge.model.mla_shape import check_mla_args, refuse_dsa_on_megatron
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.moe_shape import check_moe_args
 from lora_merge.model.rope import check_rope_scaling
@@ -60,6 +60,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
     check_moe_args(shape.moe, args, shape.num_layers, where)
+    refuse_dsa_on_megatron(shape.mla, where)
     check_mla_args(shape.mla, args, where)
     check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, size, arg, where)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.shown import shown
 
 
@@ -16,9 +16,14 @@ class MlaShape:
     nope: int  # per-head q/k dims without rotary embedding (qk_nope_head_dim)
     rope: int  # per-head q/k dims with it (qk_rope_head_dim), one shared rotary key for all heads
     v: int  # per-head value dims (v_head_dim)
+    # DeepSeek-V3.2's sparse-attention indexer (DSA): its heads and head size, None without one
+    index_heads: int | None = None
+    index_head_dim: int | None = None
 
     def __str__(self) -> str:
-        return (f"MLA q_lora {self.q_lora}, kv_lora {self.kv_lora}, qk {self.nope}+{self.rope} (rope), v {self.v}")
+        indexer = f", DSA indexer {self.index_heads}x{self.index_head_dim}" if self.index_heads else ""
+        return (f"MLA q_lora {self.q_lora}, kv_lora {self.kv_lora}, qk {self.nope}+{self.rope} (rope), v {self.v}"
+                + indexer)
 
     def dims(self, heads: int) -> dict[str, int]:
         q_rows = self.q_lora or heads * (self.nope + self.rope)  # what MindSpeed fuses with the kv down-projection
@@ -27,6 +32,9 @@ class MlaShape:
                 "kv_heads": heads * (self.nope + self.v), "v_heads": heads * self.v}
         if self.q_lora:
             dims["q_lora"] = self.q_lora
+        if self.index_heads:
+            dims.update(index_q=self.index_heads * self.index_head_dim, index_head=self.index_head_dim,
+                        index_heads=self.index_heads)
         return dims
 
 
@@ -34,6 +42,17 @@ class MlaShape:
 _ARGS = (("q_lora_rank", ("q_lora_rank",)), ("kv_lora_rank", ("kv_lora_rank",)),
          ("qk_nope_head_dim", ("qk_head_dim", "qk_nope_head_dim")),
          ("qk_rope_head_dim", ("qk_pos_emb_head_dim", "qk_rope_head_dim")), ("v_head_dim", ("v_head_dim",)))
+
+
+def refuse_dsa_on_megatron(mla: MlaShape | None, where: str) -> None:
+    """megatron-core (0.16.1) builds DeepSeek-V3.2's sparse-attention indexer with TransformerEngine only, so
+    no Megatron checkpoint of it could be made here to prove its layout: Megatron inputs and outputs of such a
+    model are refused (HF bases with PEFT adapters are merged)."""
+    if mla is not None and mla.index_heads:
+        raise UnsupportedInput(f"{where}: the model has DeepSeek-V3.2's sparse-attention indexer (DSA); its Megatron "
+                               "checkpoint layout is not proven (megatron-core builds it with TransformerEngine only), "
+                               "so Megatron checkpoints of it are not read or written; an HF base with a PEFT adapter "
+                               "is merged")
 
 
 def check_mla_args(mla: MlaShape | None, args, where: str) -> None:

@@ -67,7 +67,8 @@ class ModelShape:
                                                ("untied", not self.tied), ("tied", self.tied),
                                                ("shared_expert", shared), ("mla", self.mla is not None),
                                                ("q_lora", self.mla is not None and bool(self.mla.q_lora)),
-                                               ("no_q_lora", self.mla is not None and not self.mla.q_lora)) if on)
+                                               ("no_q_lora", self.mla is not None and not self.mla.q_lora),
+                                               ("indexer", self.mla is not None and bool(self.mla.index_heads))) if on)
 
     def mechanics(self) -> list[str]:
         """What the model computes beyond a plain decoder layer, in words (the dry run's model line)."""

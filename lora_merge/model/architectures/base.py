@@ -45,6 +45,7 @@ class HfConfig:
     partial_rope: bool = False  # its class rotates only partial_rotary_factor of each head's dims
     # flags of this type that add weights or computation a Megatron model does not have (refused when true)
     must_be_false: tuple[str, ...] = ()
+    attention_types: tuple[str, ...] = ("full_attention",)  # the layer_types its every layer may have
     # (config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None
     read_mla: Callable | None = None  # (config fields) -> mla_shape.MlaShape, for multi-latent attention
