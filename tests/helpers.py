@@ -114,3 +114,32 @@ def run_failing(args: list[str], capsys, *expected: str) -> str:
 def assert_nothing_written(out: Path) -> None:
     assert not out.exists()
     assert not list(out.parent.glob(f".{out.name}.*"))
+
+
+def reference_beside(files_of: Path, dest: Path, config, **changes) -> Path:
+    """An HF reference dir at `dest`: the files of the reference `files_of` (tokenizer, …) beside `config` (a
+    transformers config object) saved as its config.json, with `changes` applied to that file."""
+    dest.mkdir(parents=True)
+    for f in files_of.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    config.save_pretrained(dest)
+    if changes:
+        path = dest / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return dest
+
+
+def trained_peft_adapter(model, lora_config, seed: int, out: Path):
+    """`model` wrapped by PEFT with `lora_config`, every lora_B given random values (PEFT starts B at zero, a
+    trained adapter does not), saved to `out`; returns the PEFT model."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora_config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    peft_model.save_pretrained(out)
+    return peft_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lora_merge
-from helpers import run_failing
+from helpers import reference_beside, run_failing, trained_peft_adapter
 
 TESTS = Path(__file__).parent
 # untied at TP 2 with LoRA on linear_qkv and linear_fc2; tied at PP 2 with LoRA on all four linears
@@ -37,16 +37,7 @@ def phi3_reference(dest: Path, fixture: Path = FIXTURE, **changes) -> Path:
                         original_max_position_embeddings=llama["max_position_embeddings"],
                         rope_parameters=llama.get("rope_parameters"), resid_pdrop=0.1, embd_pdrop=0.1,
                         dtype="float32")
-    hf = dest / "hf_ref"
-    hf.mkdir(parents=True)
-    for f in (fixture / "hf_ref").iterdir():
-        if f.name != "config.json":
-            (hf / f.name).write_bytes(f.read_bytes())
-    config.save_pretrained(hf)
-    if changes:
-        path = hf / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-    return hf
+    return reference_beside(fixture / "hf_ref", dest / "hf_ref", config, **changes)
 
 
 def logits_of(model_dir: Path, input_ids) -> torch.Tensor:
@@ -93,21 +84,15 @@ def test_fused_tensors_go_back_into_megatrons_layout_exactly(merged, tmp_path):
 
 
 def test_an_hf_phi3_base_with_a_peft_adapter_on_the_fused_modules_merges_as_peft_does(merged, tmp_path):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     fixture, hf, _ = merged
     base = tmp_path / "base"
     lora_merge.merge(base=fixture / "base", hf_ref=hf, out=base, warn=quiet)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj",
-                                                                                      "gate_up_proj", "down_proj"]))
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    peft_model.save_pretrained(tmp_path / "adapter")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    peft_model = trained_peft_adapter(model, lora, 7, tmp_path / "adapter")
     expected = peft_model.merge_and_unload().state_dict()
     lora_merge.merge(base=base, lora=tmp_path / "adapter", hf_ref=hf, out=tmp_path / "out", warn=quiet)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import trained_peft_adapter
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.model.hf_config import read_hf_config
@@ -192,7 +193,7 @@ PEFT_NAMES = ["deepseek-ai__DeepSeek-R1-Distill-Qwen-32B", "Qwen__Qwen3-8B", "me
 
 @pytest.mark.parametrize("name", PEFT_NAMES)
 def test_hf_base_with_peft_adapter_merges_as_peft_does_with_the_published_config(name, tmp_path):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     hf = reference_dir(name, tmp_path)
@@ -205,14 +206,8 @@ def test_hf_base_with_peft_adapter_merges_as_peft_does_with_the_published_config
     loadable = as_loadable(base, tmp_path / "base_loadable")  # PEFT loads the class the config names
     model = AutoModelForCausalLM.from_pretrained(loadable, dtype=torch.float32)
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if hasattr(model.config, "num_experts_per_tok") else []
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS[config["model_type"]],
-                                                  target_parameters=experts))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for param_name, p in peft_model.named_parameters():
-            if "lora_B" in param_name:
-                p.add_(torch.randn_like(p) * 0.1)
-    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model = trained_peft_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS[config["model_type"]],
+                                                        target_parameters=experts), 3, tmp_path / "adapter")
     expected = peft_model.merge_and_unload().state_dict()
     out = tmp_path / "out"
     assert main(["--base", str(base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(hf), "--out", str(out),

@@ -7,10 +7,9 @@ fixture's size, with the published model's non-default keys: attention_bias true
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
-from helpers import run_failing
+from helpers import reference_beside, run_failing, trained_peft_adapter
 from lora_merge.cli import main
 
 FIXTURE = Path(__file__).parent / "fixtures/tp2_fp32_filtered"
@@ -27,16 +26,7 @@ def seed_oss_reference(dest: Path, **changes) -> Path:
                            head_dim=qwen2["hidden_size"] // qwen2["num_attention_heads"], attention_bias=True,
                            attention_out_bias=False, mlp_bias=False, rope_parameters=qwen2.get("rope_parameters"),
                            dtype="float32")
-    hf = dest / "hf_ref"
-    hf.mkdir(parents=True)
-    for f in (FIXTURE / "hf_ref").iterdir():
-        if f.name != "config.json":
-            (hf / f.name).write_bytes(f.read_bytes())
-    config.save_pretrained(hf)
-    if changes:
-        path = hf / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-    return hf
+    return reference_beside(FIXTURE / "hf_ref", dest / "hf_ref", config, **changes)
 
 
 def merge_args(hf: Path, out: Path) -> list[str]:
@@ -66,20 +56,15 @@ def test_an_o_proj_bias_is_refused(tmp_path, capsys):
 
 
 def test_an_hf_seed_oss_base_with_a_peft_adapter_merges_as_peft_does(tmp_path):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     hf = seed_oss_reference(tmp_path, residual_dropout=0.0)  # training-only, accepted as any value
     base = tmp_path / "base"
     assert main(merge_args(hf, base)[:2] + ["--hf-ref", str(hf), "--out", str(base), "--no-progress"]) == 0
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"]))
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model = trained_peft_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"]),
+                                      5, tmp_path / "adapter")
     expected = peft_model.merge_and_unload().state_dict()
     assert main(["--base", str(base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(hf), "--out",
                  str(tmp_path / "out"), "--no-progress"]) == 0
