@@ -4,7 +4,9 @@ A quantized weight W [out, in] is stored as `q` (float8_e4m3fn, the same shape) 
 (float32, [ceil(out/bo), ceil(in/bi)], one per bo×bi block, (bo, bi) = weight_block_size, 128×128 in every
 release): W = q · s over each block, partial edge blocks included (DeepSeek's weight_dequant). The config says
 so: `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128], activation_scheme:
-dynamic}`. Every other format is refused, naming what was found.
+dynamic}`; DeepSeek-V3.1/V3.2 add `scale_fmt: ue8m0`: the scales, still stored as float32, are all powers of
+two (what E8M0 kernels take), each block's the smallest power of two that holds its amax / 448. Every other
+format is refused, naming what was found.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Fp8Format:
 
     block: tuple[int, int]
     config: dict  # as published, written back into an FP8 output's config.json
+    pow2: bool = False  # scale_fmt ue8m0: every scale a power of two
 
 
 def read_fp8_config(q, path) -> Fp8Format:
@@ -67,8 +70,9 @@ def read_fp8_config(q, path) -> Fp8Format:
         raise MergeError(f"{path}: quantization_config activation_scheme={shown(q.get('activation_scheme'))}; only "
                          "dynamic activation scaling (no stored activation scales) is read")
     scale_fmt = q.get("scale_fmt")
-    if scale_fmt not in (None, "float"):
-        raise MergeError(f"{path}: quantization_config scale_fmt={shown(scale_fmt)}; only float32 scales are read")
+    if scale_fmt not in (None, "float", "ue8m0"):
+        raise MergeError(f"{path}: quantization_config scale_fmt={shown(scale_fmt)}; float32 scales are read, and "
+                         "'ue8m0' (float32 scales that are powers of two)")
     for key in ("modules_to_not_convert", "ignored_layers"):
         patterns = q.get(key)
         if patterns is None:
@@ -82,17 +86,23 @@ def read_fp8_config(q, path) -> Fp8Format:
             except re.error as exc:
                 raise MergeError(f"{path}: quantization_config {key} has {shown(pattern)}, which is not a regular "
                                  f"expression ({exc}); transformers matches each entry as one") from None
-    return Fp8Format(tuple(block), dict(q))
+    return Fp8Format(tuple(block), dict(q), pow2=scale_fmt == "ue8m0")
 
 
-def check_scales(scales: torch.Tensor, where: str, bounded: bool = True) -> None:
+def check_scales(scales: torch.Tensor, where: str, bounded: bool = True, pow2: bool = False) -> None:
     """Block scales as a quantizer writes them: finite and at least 2^-126 (a zero scale zeroes its block, a
-    negative one negates it); `bounded` (an input's): at most SCALE_MAX too. A MergeError naming `where` (the
-    file and the tensor), the first bad block and the range otherwise."""
+    negative one negates it); `bounded` (an input's): at most SCALE_MAX too; `pow2` (scale_fmt ue8m0): powers
+    of two. A MergeError naming `where` (the file and the tensor), the first bad block and the range otherwise."""
     s = scales.float()
     bad = ~torch.isfinite(s) | (s < SCALE_MIN)
     if bounded:
         bad |= s > SCALE_MAX
+    if pow2 and not bad.any():
+        odd = torch.frexp(s).mantissa != 0.5
+        if odd.any():
+            index = [int(i) for i in odd.nonzero()[0]]
+            raise MergeError(f"{where}: block {index} has scale {float(s[tuple(index)]):.6g}, not a power of two "
+                             f"({int(odd.sum())} such block(s)); scale_fmt ue8m0 says every scale is one")
     if not bad.any():
         return
     index = [int(i) for i in bad.nonzero()[0]]
@@ -125,10 +135,11 @@ def dequantize_rows(q: torch.Tensor, scale_inv: torch.Tensor, start: int, block:
     return out
 
 
-def quantize_rows(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn, scale_inv float32) of rows that start on a block boundary: per block s = amax / 448,
-    at least SCALE_MIN (1 where the block is all zero), q = round_to_e4m3(W / s). Sound for every finite
-    float32: no NaN code, no zero or subnormal scale, within half an e4m3 step of the block."""
+    at least SCALE_MIN (1 where the block is all zero), q = round_to_e4m3(W / s); `pow2` (scale_fmt ue8m0): s
+    rounded up to a power of two, so W / s still fits. Sound for every finite float32: no NaN code, no zero or
+    subnormal scale, within half an e4m3 step of the block."""
     rows, cols = w.shape
     br, bc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
     w = w.float()
@@ -140,6 +151,9 @@ def quantize_rows(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     blocks = padded.view(br, block[0], bc, block[1])
     amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())
     scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_(min=SCALE_MIN), torch.ones_like(amax))
+    if pow2:  # m·2^e with m in [0.5, 1): 2^(e-1) when m is 0.5 (already a power of two), else 2^e
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
     scaled = blocks / scale[:, None, :, None]
     q = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(br * block[0], bc * block[1])
     if padded is not w:
@@ -296,8 +310,8 @@ class BlockQuantizer:
     gives the fp8 rows ready to write (a multiple of the block's rows, until the last), `scales` the
     weight_scale_inv once every row has come. Memory: less than one block of rows."""
 
-    def __init__(self, shape: tuple[int, int], block: tuple[int, int]):
-        self.shape, self.block = shape, block
+    def __init__(self, shape: tuple[int, int], block: tuple[int, int], pow2: bool = False):
+        self.shape, self.block, self.pow2 = shape, block, pow2
         self.rows_done = 0
         self._pending: list[torch.Tensor] = []
         self._pending_rows = 0
@@ -311,7 +325,7 @@ class BlockQuantizer:
         if not ready:
             return None
         pending = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
-        q, scale = quantize_rows(pending[:ready], self.block)
+        q, scale = quantize_rows(pending[:ready], self.block, self.pow2)
         self._scales.append(scale)
         self._pending = [pending[ready:]] if ready < pending.shape[0] else []
         self._pending_rows -= ready

@@ -55,6 +55,7 @@ class MergePlan:
     config_changes: dict = field(default_factory=dict)  # config.json values the output must say differently
     notes: list = field(default_factory=list)  # what the user should know about the output (warnings)
     quantized: dict = field(default_factory=dict)  # HF name -> FP8 block size, for an FP8 output (--dtype fp8)
+    pow2_scales: bool = False  # the FP8 output's scales are powers of two (its quantization_config: scale_fmt ue8m0)
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -348,6 +349,7 @@ def plan_fp8_output(plan: MergePlan, base, reference_config: dict | None = None)
     fp8 = base.fp8
     config = dict(fp8.config) if fp8 is not None else dict(reference_config or DEFAULT_CONFIG)
     block = tuple(config["weight_block_size"])
+    plan.pow2_scales = config.get("scale_fmt") == "ue8m0"
     weights = [(t.name, tuple(t.shape)) for t in plan.tensors if len(t.shape) == 2 and t.name.endswith(".weight")]
     if fp8 is not None:  # exactly what the base quantized
         chosen = {name for name, ref in base.tensors.items() if isinstance(ref, Fp8Ref)}

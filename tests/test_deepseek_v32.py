@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lora_merge
-from helpers import run_failing
+from helpers import run_failing, trained_peft_adapter
 
 TESTS = Path(__file__).parent
 TOKENIZER = TESTS / "fixtures_deepseek/deepseek_v3_ep2/hf_ref"
@@ -52,21 +52,15 @@ def hf_base(tmp_path_factory) -> Path:
 
 
 def test_a_peft_adapter_on_the_indexer_and_experts_merges_as_peft_does(hf_base, tmp_path):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
     assert model.model.layers[1].self_attn.indexer.weights_proj.weight.dtype == torch.float32
-    peft_model = get_peft_model(model, LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj", "wq_b", "wk", "weights_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    peft_model.save_pretrained(tmp_path / "adapter")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj", "wq_b", "wk", "weights_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    peft_model = trained_peft_adapter(model, lora, 1, tmp_path / "adapter")
     expected = peft_model.merge_and_unload()
     out = tmp_path / "out"
     lora_merge.merge(base=hf_base, lora=tmp_path / "adapter", hf_ref=hf_base, out=out, dtype="float32", warn=quiet)
@@ -102,3 +96,21 @@ def test_megatron_checkpoints_of_it_are_refused_by_name(hf_base, tmp_path, capsy
     run_failing(["--to", "megatron", "--base", str(hf_base), "--out", str(tmp_path / "mg")], capsys,
                 "--to megatron: the model has DeepSeek-V3.2's sparse-attention indexer")
     assert not (tmp_path / "out").exists() and not (tmp_path / "mg").exists()
+
+
+def test_the_published_config_reads_as_transformers_reads_it(tmp_path):
+    """deepseek-ai/DeepSeek-V3.2's config.json as published (block-FP8 with scale_fmt ue8m0, YaRN, MTP)."""
+    import transformers
+
+    from lora_merge.fp8 import read_fp8_config
+    from lora_merge.model.hf_config import read_hf_config
+
+    published = json.loads((TESTS / "data/published_configs/deepseek-ai__DeepSeek-V3.2.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    shape, raw = read_hf_config(tmp_path, [])
+    hf = transformers.DeepseekV32Config.from_dict(json.loads(json.dumps(published)))  # it edits the dict it gets
+    assert raw == published and shape.model_type == "deepseek_v32"
+    assert (shape.mla.index_heads, shape.mla.index_head_dim) == (hf.index_n_heads, hf.index_head_dim) == (64, 128)
+    assert sorted(shape.moe.layers) == [i for i, kind in enumerate(hf.mlp_layer_types) if kind == "sparse"]
+    assert shape.rope_scaling.type == "yarn" and shape.mtp_layers == 1
+    assert read_fp8_config(published["quantization_config"], tmp_path).pow2

@@ -37,9 +37,9 @@ def is_quantized(name: str, tensor) -> bool:
     return tensor.dim() == 2 and name.endswith(".weight") and name.split(".")[-2] in QUANTIZED
 
 
-def reference_quantize(w: torch.Tensor):
+def reference_quantize(w: torch.Tensor, pow2: bool = False):
     """Per block: s = amax / 448, at least the smallest normal float32 (1 for an all-zero block),
-    q = e4m3(W / s)."""
+    q = e4m3(W / s); `pow2` (scale_fmt ue8m0, DeepSeek-V3.1/V3.2): s = 2^ceil(log2(amax / 448))."""
     rows, cols = w.shape
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     s = torch.empty((math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)), dtype=torch.float32)
@@ -48,6 +48,8 @@ def reference_quantize(w: torch.Tensor):
             block = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
             amax = block.abs().max().item()
             s[i, j] = max(amax / 448.0, 2.0 ** -126) if amax > 0 else 1.0
+            if pow2:
+                s[i, j] = 2.0 ** math.ceil(math.log2(float(s[i, j])))
             q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / s[i, j]).to(torch.float8_e4m3fn)
     return q, s
 
@@ -67,22 +69,26 @@ def hf_base(fixture: Path, out: Path) -> Path:
     return out
 
 
-def fp8_release(hf: Path, out: Path, scales_apart: bool = True) -> tuple[Path, Path]:
+UE8M0 = {**CONFIG, "scale_fmt": "ue8m0"}  # DeepSeek-V3.1's and V3.2's quantization_config
+
+
+def fp8_release(hf: Path, out: Path, scales_apart: bool = True, config: dict = CONFIG) -> tuple[Path, Path]:
     """The FP8 release of an HF model, and its bf16-free twin: the same values dequantized (float32)."""
     tensors = load_file(hf / "model.safetensors")
     fp8, dequantized = {}, {}
     for name, t in tensors.items():
         if is_quantized(name, t):
-            q, s = reference_quantize(t)
+            q, s = reference_quantize(t, pow2=config.get("scale_fmt") == "ue8m0")
             fp8[name], fp8[name + "_scale_inv"] = q, s
             dequantized[name] = reference_dequantize(q, s)
         else:
             fp8[name] = dequantized[name] = t
+    quantization = config
     for directory, weights, quantized in ((out / "fp8", fp8, True), (out / "dequantized", dequantized, False)):
         shutil.copytree(hf, directory, ignore=shutil.ignore_patterns("*.safetensors", "README.md"))
         config = json.loads((hf / "config.json").read_text())
         if quantized:
-            config["quantization_config"] = CONFIG
+            config["quantization_config"] = quantization
         (directory / "config.json").write_text(json.dumps(config, indent=2))
         if quantized and scales_apart:  # the scales in a shard of their own, as an index lays them out
             scales = {k: v for k, v in weights.items() if k.endswith("_scale_inv")}
@@ -303,3 +309,61 @@ def test_a_peft_adapter_on_an_fp8_base_merges_as_on_its_dequantized_values(tmp_p
         lora_merge.merge(base=base, lora=tmp_path / "adapter", hf_ref=base, out=out, dtype="float32", warn=quiet)
     a, b = load_file(tmp_path / "a/model.safetensors"), load_file(tmp_path / "b/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def is_power_of_two(s: torch.Tensor) -> bool:
+    return bool((torch.frexp(s.float()).mantissa == 0.5).all())
+
+
+def test_a_ue8m0_release_merges_as_its_dequantized_values_and_stays_ue8m0_as_fp8(tmp_path):
+    """DeepSeek-V3.1/V3.2's FP8 (scale_fmt ue8m0: every scale a power of two): merged as its dequantized
+    values, bit for bit; --dtype fp8 from it keeps the format: the config says ue8m0 and every scale the merge
+    computes is a power of two, the weights within half an e4m3 step of the float32 merge; transformers loads
+    it and computes what the dequantized weights compute."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    fixture = FIXTURES["deepseek_v3"]
+    fp8, dequantized = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path, config=UE8M0)
+    scales = {k: v for f in fp8.glob("*.safetensors") for k, v in load_file(f).items() if k.endswith("_scale_inv")}
+    assert scales and all(is_power_of_two(v) for v in scales.values())
+    for base, out in ((fp8, tmp_path / "from-fp8"), (dequantized, tmp_path / "from-deq")):
+        lora_merge.merge(base=base, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=out, dtype="float32",
+                         warn=quiet)
+    a, b = (load_file(tmp_path / f"{d}/model.safetensors") for d in ("from-fp8", "from-deq"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    lora_merge.merge(base=fp8, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "out", dtype="fp8",
+                     warn=quiet)
+    out = load_file(tmp_path / "out/model.safetensors")
+    assert json.loads((tmp_path / "out/config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+    touched = [k for k in out if k.endswith("_scale_inv") and not torch.equal(out[k], scales[k])]
+    assert touched and all(is_power_of_two(out[k]) for k in out if k.endswith("_scale_inv"))
+    for name in (k.removesuffix("_scale_inv") for k in touched):
+        assert within_half_step(reference_dequantize(out[name], out[name + "_scale_inv"]), a[name],
+                                out[name + "_scale_inv"]), name
+    input_ids = torch.load(fixture / "logits.pt")["input_ids"]
+    deq = {k: (reference_dequantize(v, out[k + "_scale_inv"]) if v.dtype == torch.float8_e4m3fn else v)
+           for k, v in out.items() if not k.endswith("_scale_inv")}
+    shutil.copytree(tmp_path / "out", tmp_path / "deq", ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    config.pop("quantization_config")
+    (tmp_path / "deq/config.json").write_text(json.dumps(config))
+    save_file(deq, tmp_path / "deq/model.safetensors")
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                   quantization_config=FineGrainedFP8Config(dequantize=True))(input_ids).logits
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32)(input_ids).logits
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def test_a_ue8m0_release_with_a_scale_that_is_not_a_power_of_two_is_refused(tmp_path, capsys):
+    fixture = FIXTURES["deepseek_v3"]
+    fp8, _ = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path, config=UE8M0, scales_apart=False)
+    tensors = load_file(fp8 / "model.safetensors")
+    name = next(k for k in sorted(tensors) if k.endswith("q_b_proj.weight_scale_inv"))
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, fp8 / "model.safetensors")
+    from helpers import run_failing
+
+    run_failing(["--base", str(fp8), "--lora", str(fixture / "lora"), "--hf-ref", str(fixture / "hf_ref"), "--out",
+                 str(tmp_path / "out")], capsys, name, "not a power of two", "scale_fmt ue8m0")

@@ -278,7 +278,11 @@ def test_any_worker_count_writes_the_same_checkpoint(tmp_path):
 PUBLISHED = TESTS / "data/published_configs"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in PUBLISHED.glob("*.json")))
+# DeepSeek-V3.2's sparse-attention indexer has no proven Megatron layout: its Megatron output is refused
+NOT_FOR_MEGATRON = {"deepseek-ai__DeepSeek-V3.2"}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PUBLISHED.glob("*.json") if p.stem not in NOT_FOR_MEGATRON))
 def test_every_published_config_is_recorded_in_args_our_readers_accept(tmp_path, name):
     """From an HF source the args are derived from the config (RoPE scaling of every kind, MoE routing, MLA);
     target_args checks them against the config with the check every Megatron input gets, so writing one the

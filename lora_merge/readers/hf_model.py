@@ -137,7 +137,7 @@ def _pair_fp8_weights(model: HfModel) -> None:
             raise MergeError(f"{scale.where}: scales of shape {list(scale.shape)} ({str(scale.dtype).removeprefix('torch.')}) "
                              f"for the FP8 weight {list(ref.shape)} in {block[0]}x{block[1]} blocks (the config's "
                              f"weight_block_size); expected float32 {expected}")
-        check_scales(scale.load(), scale.where)
+        check_scales(scale.load(), scale.where, pow2=model.fp8.pow2)
         scale.release()
         model.tensors[name] = Fp8Ref(ref.where, ref.shape, torch.float32, ref.loader, ref.mapped, scale=scale,
                                      block=block)

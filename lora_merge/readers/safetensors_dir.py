@@ -32,7 +32,7 @@ class SafetensorsDir:
         self.directory = directory
         self.output = output
         self._scales: dict[str, torch.Tensor] = {}
-        self._block: tuple[int, int] | None = None
+        self._fp8 = None  # the directory's Fp8Format, once read
         self.problems: list[str] = []
         self.file_of: dict[str, str] = {}  # every tensor listed (by the index, or found in a shard's header)
         self.headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}  # file -> its sound header
@@ -122,25 +122,31 @@ class SafetensorsDir:
         if scales not in self._scales:
             header = self.checked[self.file_of[scales]]
             values = safetensors_file.read_rows(header, scales, 0, self.meta(scales)[0][0]).float()
-            check_scales(values, f"{header.path}[{shown_name(scales)}]", bounded=not self.output)
+            check_scales(values, f"{header.path}[{shown_name(scales)}]", bounded=not self.output,
+                         pow2=self._fp8_format().pow2)
             self._scales[scales] = values
         return self._scales[scales]
 
-    def fp8_block(self, name: str) -> tuple[int, int]:
-        """The block size the directory's config.json gives (DeepSeek's 128x128 where it gives none); the
-        scales' shape must fit it."""
-        if self._block is None:
-            from lora_merge.fp8 import read_fp8_config
+    def _fp8_format(self):
+        """The FP8 format the directory's config.json gives (DeepSeek's 128x128 float scales where it gives none)."""
+        if self._fp8 is None:
+            from lora_merge.fp8 import Fp8Format, read_fp8_config
             from lora_merge.files.small_files import read_json
 
             config = read_json(self.directory / "config.json") if (self.directory / "config.json").is_file() else {}
             q = config.get("quantization_config") if isinstance(config, dict) else None
-            self._block = read_fp8_config(q, self.directory / "config.json").block if q is not None else (128, 128)
+            self._fp8 = read_fp8_config(q, self.directory / "config.json") if q is not None else \
+                Fp8Format((128, 128), {})
+        return self._fp8
+
+    def fp8_block(self, name: str) -> tuple[int, int]:
+        """The block size the directory's config.json gives; the scales' shape must fit it."""
+        block = self._fp8_format().block
         shape, scale = self.meta(name)[0], self.meta(name + SCALE_SUFFIX)[0]
-        if len(shape) != 2 or tuple(scale) != scale_shape(shape, self._block):
+        if len(shape) != 2 or tuple(scale) != scale_shape(shape, block):
             raise MergeError(f"{self.directory}: {shown_name(name)}: scales of shape {list(scale)} for a weight {list(shape)} in "
-                          f"{self._block[0]}x{self._block[1]} blocks")
-        return self._block
+                          f"{block[0]}x{block[1]} blocks")
+        return block
 
 
 
