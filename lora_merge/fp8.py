@@ -34,6 +34,7 @@ SCALE_MIN = 2.0 ** -126
 # damage (it would silently multiply a block), not a release.
 FLOAT16_MAX = 65504.0
 SCALE_MAX = float(torch.tensor(FLOAT16_MAX / E4M3_MAX, dtype=torch.float32))  # 146.214…, as a float32
+POW2_SCALE_MAX = 2.0 ** 119  # the largest power-of-two scale whose 448·s stays a finite float32
 SCALE_RANGE = "from 2^-126 (the smallest normal float32) to 65504/448 = 146.2 (a block's values within float16's range)"
 
 
@@ -138,8 +139,9 @@ def dequantize_rows(q: torch.Tensor, scale_inv: torch.Tensor, start: int, block:
 def quantize_rows(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn, scale_inv float32) of rows that start on a block boundary: per block s = amax / 448,
     at least SCALE_MIN (1 where the block is all zero), q = round_to_e4m3(W / s); `pow2` (scale_fmt ue8m0): s
-    rounded up to a power of two, so W / s still fits. Sound for every finite float32: no NaN code, no zero or
-    subnormal scale, within half an e4m3 step of the block."""
+    rounded up to a power of two, so W / s still fits. Sound for every finite float32 (with `pow2`, up to
+    448·2^119; a larger block is refused): no NaN code, no zero or subnormal scale, within half an e4m3 step of
+    the block."""
     rows, cols = w.shape
     br, bc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
     w = w.float()
@@ -154,6 +156,9 @@ def quantize_rows(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -
     if pow2:  # m·2^e with m in [0.5, 1): 2^(e-1) when m is 0.5 (already a power of two), else 2^e
         mantissa, exponent = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+        if (scale > POW2_SCALE_MAX).any():  # q up to 256 (rounded) times 2^120 is 2^128: no float32
+            raise MergeError(f"a block of {float(amax.max()):.4g} (beyond 448·2^119 ≈ 2.98e38) cannot be stored with "
+                             "power-of-two scales (scale_fmt ue8m0): it would dequantize past float32's largest value")
     scaled = blocks / scale[:, None, :, None]
     q = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(br * block[0], bc * block[1])
     if padded is not w:

@@ -507,3 +507,30 @@ def test_no_partial_block_note_where_transformers_reads_every_block(tmp_path):
     assert not [n for n in notes if "partial 128x128 block" in n]
     assert lora_merge.verify(out, lora=FIXTURES["qwen3_moe"] / "lora", base=FIXTURES["qwen3_moe"] / "base",
                              warn=quiet).notes == []
+
+
+@pytest.mark.parametrize("amax", AMAXES.values(), ids=AMAXES.keys())
+def test_power_of_two_scales_are_sound_over_the_whole_float32_range(amax):
+    """scale_fmt ue8m0 (DeepSeek-V3.1/V3.2): every scale the smallest power of two at least max(amax / 448,
+    2^-126) (computed here with Python's exact math), no NaN code, the values within half an e4m3 step."""
+    import math
+
+    from lora_merge.errors import MergeError
+    from lora_merge.fp8 import dequantize_rows, quantize_rows
+
+    w = block_with_amax(amax)
+    if amax > 448 * 2.0 ** 119:  # 2^120 scales: q rounded up to 256 would dequantize to 2^128
+        with pytest.raises(MergeError, match="cannot be stored with power-of-two scales"):
+            quantize_rows(w, (BLOCK, BLOCK), pow2=True)
+        return
+    q, s = quantize_rows(w, (BLOCK, BLOCK), pow2=True)
+    assert not (q.view(torch.uint8) & 0x7F == 0x7F).any(), "NaN codes"
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            m = float(w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].abs().max())
+            want = 1.0 if m == 0 else 2.0 ** math.ceil(math.log2(max(m / 448.0, 2.0 ** -126)))
+            if m and 2.0 ** math.floor(math.log2(max(m / 448.0, 2.0 ** -126))) >= max(m / 448.0, 2.0 ** -126):
+                want = 2.0 ** math.floor(math.log2(max(m / 448.0, 2.0 ** -126)))  # already a power of two
+            assert float(s[i, j]) == want, (i, j, float(s[i, j]), want)
+    back = dequantize_rows(q, s, 0, (BLOCK, BLOCK))
+    assert torch.isfinite(back).all() and half_step(back, w, s)
