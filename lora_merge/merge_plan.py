@@ -225,9 +225,10 @@ def _check_own_base(plan: MergePlan, rule: Rule, names, task: Task, shape: Model
 
 
 def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
-    """DeepSeek's multi-token-prediction layers (HF layers num_hidden_layers…): a Megatron LoRA never
-    trains them (checkpoints with MTP layers are refused), so an HF base's are written as they are. Where
-    the source has none, the output config says so, so that no loader looks for weights it lacks."""
+    """The multi-token-prediction layers of DeepSeek-V3/V3.2 and GLM-4.5 (HF layers num_hidden_layers…): a
+    Megatron LoRA never trains them (checkpoints with MTP layers are refused), so an HF base's are written as
+    they are. Where the source has none, the output config says so, so that no loader looks for weights it
+    lacks."""
     shape = plan.shape
     if not shape.mtp_layers:
         return set()
