@@ -478,3 +478,36 @@ def test_glm_partial_rope_left_to_the_class_default_is_said_so(tmp_path, capsys)
     _failing(moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:1] + [str(root / "base")] + ["--lora", str(root / "lora"),
              "--hf-ref", str(root / "hf_ref"), "--out", str(tmp_path / "out"), "--no-progress"], capsys,
              "partial_rotary_factor is 0.5 (absent from config.json, so transformers' glm4_moe default)")
+
+
+def test_a_glm_hf_base_keeps_its_mtp_layer_as_it_is(tmp_path, merged, base_model_dirs, capsys):
+    """GLM-4.5's releases store their MTP layer as model.layers.{num_hidden_layers}.* (with copies of the
+    embedding and lm_head): an HF base's is written byte for byte; the rest merges as onto the Megatron base."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    name = "glm4moe_tp2etp1_ep2"
+    root, hf_base = MOE / name, tmp_path / "hf_base"
+    shutil.copytree(base_model_dirs(name), hf_base)
+    (shard,) = hf_base.glob("*.safetensors")
+    tensors = load_file(shard)
+    torch.manual_seed(0)
+    mtp = {f"model.layers.4.{n}": torch.randn(*size) for n, size in (
+        ("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)), ("shared_head.norm.weight", (64,)),
+        ("shared_head.head.weight", (250, 64)), ("embed_tokens.weight", (250, 64)),
+        ("self_attn.q_proj.weight", (128, 64)), ("self_attn.q_proj.bias", (128,)), ("mlp.gate.weight", (8, 64)))}
+    mtp["model.layers.4.mlp.gate.e_score_correction_bias"] = torch.randn(8)
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    shutil.copytree(root / "hf_ref", tmp_path / "hf_ref")
+    for ref in (hf_base, tmp_path / "hf_ref"):
+        config = json.loads((ref / "config.json").read_text())
+        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    out = tmp_path / "out"
+    assert main(["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref"),
+                 "--out", str(out), "--no-progress"]) == 0
+    assert f"copied the {len(mtp)} tensors of the multi-token-prediction layer(s) 4" in capsys.readouterr().err
+    ours = load_file(next(out.glob("*.safetensors")))
+    assert all(torch.equal(ours[k], v) and ours[k].dtype == v.dtype for k, v in mtp.items())
+    reference = load_file(next(merged(name).glob("*.safetensors")))
+    assert set(ours) - set(mtp) == set(reference) and all(torch.equal(ours[k], reference[k]) for k in reference)
