@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lora_merge.errors import MergeError
-from lora_merge.model.mla_shape import refuse_dsa_on_megatron
+from lora_merge.model.megatron_args import check_has_megatron_form
 from lora_merge.model.parallel_layout import ParallelLayout
 from lora_merge.value_checks import shown_value
 from lora_merge.writers.megatron_args import vocab_padding
@@ -44,7 +44,7 @@ class MegatronTarget:
     def check_model(self, shape) -> int:
         """The layout against the model; returns the padded vocabulary."""
         self.layout.check(shape)
-        refuse_dsa_on_megatron(shape.mla, "--to megatron")
+        check_has_megatron_form(shape, "--to megatron")
         if self.mla_naming == "mindspeed" and (shape.mla is None or self.ckpt_format != "torch"):
             raise MergeError("--mla-naming mindspeed: MindSpeed-LLM's fused MLA naming is written for multi-latent "
                              "attention models in --ckpt-format torch only")

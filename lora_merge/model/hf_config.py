@@ -347,6 +347,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         rope_scaling=rope_scaling,
         tokenizer_vocab=tokenizer_ids,
         rotary_percent=rotary_percent,
+        hf_only=spec.hf_only,
         mtp_layers=fields.count("num_nextn_predict_layers") if "num_nextn_predict_layers" in spec.examined_keys else 0,
         defaulted=frozenset(fields.defaulted),
     )

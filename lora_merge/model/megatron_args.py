@@ -7,7 +7,7 @@ import math
 
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.model.layer_numbering import noop_layers
-from lora_merge.model.mla_shape import check_mla_args, refuse_dsa_on_megatron
+from lora_merge.model.mla_shape import check_mla_args
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.moe_shape import check_moe_args
 from lora_merge.model.rope import check_rope_scaling
@@ -60,7 +60,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
     check_moe_args(shape.moe, args, shape.num_layers, where)
-    refuse_dsa_on_megatron(shape.mla, where)
+    check_has_megatron_form(shape, where)
     check_mla_args(shape.mla, args, where)
     check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, size, arg, where)
@@ -70,6 +70,14 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
                          "checkpoint trained without MTP")
     if arg("swiglu") is False:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
+
+
+def check_has_megatron_form(shape: ModelShape, where: str) -> None:
+    """Model types whose Megatron form no Megatron run here could prove (their architecture says why) are
+    merged on the HF routes only: their Megatron checkpoints are neither read nor written."""
+    if shape.hf_only:
+        raise UnsupportedInput(f"{where}: {shape.model_type} is merged from HF bases (with PEFT adapters) only: "
+                               f"{shape.hf_only}, so its Megatron checkpoints are not read or written")
 
 
 def _check_function_args(shape: ModelShape, arg, where: str) -> None:

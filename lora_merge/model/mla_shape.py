@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lora_merge.errors import MergeError, UnsupportedInput
+from lora_merge.errors import MergeError
 from lora_merge.shown import shown
 
 
@@ -42,17 +42,6 @@ class MlaShape:
 _ARGS = (("q_lora_rank", ("q_lora_rank",)), ("kv_lora_rank", ("kv_lora_rank",)),
          ("qk_nope_head_dim", ("qk_head_dim", "qk_nope_head_dim")),
          ("qk_rope_head_dim", ("qk_pos_emb_head_dim", "qk_rope_head_dim")), ("v_head_dim", ("v_head_dim",)))
-
-
-def refuse_dsa_on_megatron(mla: MlaShape | None, where: str) -> None:
-    """megatron-core (0.16.1) builds DeepSeek-V3.2's sparse-attention indexer with TransformerEngine only, so
-    no Megatron checkpoint of it could be made here to prove its layout: Megatron inputs and outputs of such a
-    model are refused (HF bases with PEFT adapters are merged)."""
-    if mla is not None and mla.index_heads:
-        raise UnsupportedInput(f"{where}: the model has DeepSeek-V3.2's sparse-attention indexer (DSA); its Megatron "
-                               "checkpoint layout is not proven (megatron-core builds it with TransformerEngine only), "
-                               "so Megatron checkpoints of it are not read or written; an HF base with a PEFT adapter "
-                               "is merged")
 
 
 def check_mla_args(mla: MlaShape | None, args, where: str) -> None:

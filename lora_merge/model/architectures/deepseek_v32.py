@@ -3,8 +3,8 @@
 `weights_proj`, which transformers keeps in fp32 and so does the output (an fp32 copy of any stored dtype is
 exact). The dense/MoE split is transformers' `mlp_layer_types` (from first_k_dense_replace when absent).
 
-Megatron checkpoints of it are refused (mla_shape.refuse_dsa_on_megatron): megatron-core builds the indexer
-with TransformerEngine only, so its layout could not be proven here. The Megatron names below are those of
+Megatron checkpoints of it are refused (`hf_only`): megatron-core builds the indexer with TransformerEngine
+only, so its layout could not be proven here. The Megatron names below are those of
 megatron-core 0.16.1's DSA module (`self_attention.core_attention.indexer.*`, transformer/
 experimental_attention_variant/dsa.py), kept so the table is whole; HF bases with PEFT adapters are merged.
 """
@@ -50,6 +50,8 @@ CONFIG = HfConfig(
     examined_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS | INDEXER_KEYS, read_moe=read_moe, read_mla=read_mla_v32,
     fused_experts="mlp.experts", peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
     attention_types=("indexed_attention",),  # transformers' name for its every layer's sparse attention
+    hf_only="megatron-core (0.16.1) builds its sparse-attention indexer (DSA) with TransformerEngine only, so no "
+            "Megatron checkpoint of it could prove the layout",
 )
 
 INDEXER = "self_attention.core_attention.indexer."
