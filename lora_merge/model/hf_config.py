@@ -453,10 +453,8 @@ def _explain_refusal(raw: dict, path: Path) -> None:
 
 def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> None:
     path = fields.path
-    act = fields.text("hidden_act")
-    if act != "silu":
-        raise MergeError(f"{path}: hidden_act={shown(act)}, but the {spec.model_type} MLP Megatron trains is swiglu "
-                         "(args.swiglu: silu-gated); expected 'silu'")
+    if not spec.hf_only:  # what a Megatron run can have trained; an HF-only type's config is kept as published
+        _refuse_untrainable(fields, spec)
     if spec.qkv_bias is False and fields.get("attention_bias", False):
         # In HF Llama/Mistral/Qwen3 attention_bias also gives o_proj a bias, which Megatron's
         # add_qkv_bias does not have: writing one would be inventing weights.
@@ -467,6 +465,27 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         if fields.flag(key):
             raise UnsupportedInput(f"{path}: {key}=true is not supported for {spec.model_type}: the Megatron model has "
                                    "no such weights; expected false")
+    if getattr(fields.config, "pruned_heads", None):
+        raise MergeError(f"{path}: pruned_heads={shown(fields.config.pruned_heads)}: pruned attention heads are not "
+                         "supported; expected none")
+    names = fields.raw.get("architectures")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise fields._bad("architectures", names, "a list of class names or null")
+        # Loaders such as vLLM pick the model class from here; the merged weights are a causal LM's.
+        for name in names:
+            if name != spec.causal_lm:
+                raise MergeError(f"{path}: architectures names {shown(name)}; a {spec.model_type} causal LM is "
+                                 f"{shown(spec.causal_lm)} (loaders such as vLLM pick the model class from this field)")
+
+
+def _refuse_untrainable(fields: ConfigFields, spec: HfConfig) -> None:
+    """What the HF config computes that the Megatron model cannot have: another activation, sliding windows."""
+    path = fields.path
+    act = fields.text("hidden_act")
+    if act != "silu":
+        raise MergeError(f"{path}: hidden_act={shown(act)}, but the {spec.model_type} MLP Megatron trains is swiglu "
+                         "(args.swiglu: silu-gated); expected 'silu'")
     window = fields.raw.get("sliding_window")  # as stated: transformers 4.x does not check its type
     if spec.family == "qwen" and window not in (None, 0) and not (is_int(window) and window > 0):
         raise MergeError(f"{path}: 'sliding_window' must be a positive integer or null, found {shown(window)}")
@@ -482,21 +501,8 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
             raise fields._bad("layer_types", types, "a list of strings or null")
         for i, kind in enumerate(types):
-            if kind not in spec.attention_types:
-                expected = " or ".join(shown(t) for t in spec.attention_types)
-                raise MergeError(f"{path}: layer_types[{i}]={shown(kind)}: {_NO_SWA} (expected only {expected})")
-    if getattr(fields.config, "pruned_heads", None):
-        raise MergeError(f"{path}: pruned_heads={shown(fields.config.pruned_heads)}: pruned attention heads are not "
-                         "supported; expected none")
-    names = fields.raw.get("architectures")
-    if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise fields._bad("architectures", names, "a list of class names or null")
-        # Loaders such as vLLM pick the model class from here; the merged weights are a causal LM's.
-        for name in names:
-            if name != spec.causal_lm:
-                raise MergeError(f"{path}: architectures names {shown(name)}; a {spec.model_type} causal LM is "
-                                 f"{shown(spec.causal_lm)} (loaders such as vLLM pick the model class from this field)")
+            if kind != "full_attention":
+                raise MergeError(f"{path}: layer_types[{i}]={shown(kind)}: {_NO_SWA} (expected only 'full_attention')")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from lora_merge.shown import shown
 
 def check_against_args(shape: ModelShape, args, where: str) -> None:
     """Every architecture fact that the Megatron args also record must agree with the HF config."""
+    check_has_megatron_form(shape, where)  # first: nothing else is worth comparing then
     def arg(name, default=None):
         value = getattr(args, name, default)
         return default if value is None else value
@@ -60,7 +61,6 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
     _check_function_args(shape, arg, where)
     check_moe_args(shape.moe, args, shape.num_layers, where)
-    check_has_megatron_form(shape, where)
     check_mla_args(shape.mla, args, where)
     check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, size, arg, where)

@@ -45,7 +45,6 @@ class HfConfig:
     partial_rope: bool = False  # its class rotates only partial_rotary_factor of each head's dims
     # flags of this type that add weights or computation a Megatron model does not have (refused when true)
     must_be_false: tuple[str, ...] = ()
-    attention_types: tuple[str, ...] = ("full_attention",)  # the layer_types its every layer may have
     # why no Megatron form of this type is proven ("" where one is): then only its HF routes run, and the
     # checks of what Megatron can have trained (activation, windows, soft-capping) do not apply
     hf_only: str = ""

@@ -49,7 +49,6 @@ CONFIG = HfConfig(
     "deepseek_v32", causal_lm="DeepseekV32ForCausalLM", family="llama",
     examined_keys=MLA_KEYS | DEEPSEEK_MOE_KEYS | INDEXER_KEYS, read_moe=read_moe, read_mla=read_mla_v32,
     fused_experts="mlp.experts", peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
-    attention_types=("indexed_attention",),  # transformers' name for its every layer's sparse attention
     hf_only="megatron-core (0.16.1) builds its sparse-attention indexer (DSA) with TransformerEngine only, so no "
             "Megatron checkpoint of it could prove the layout",
 )
