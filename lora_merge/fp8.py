@@ -35,6 +35,8 @@ SCALE_MIN = 2.0 ** -126
 FLOAT16_MAX = 65504.0
 SCALE_MAX = float(torch.tensor(FLOAT16_MAX / E4M3_MAX, dtype=torch.float32))  # 146.214…, as a float32
 POW2_SCALE_MAX = 2.0 ** 119  # the largest power-of-two scale whose 448·s stays a finite float32
+# With power-of-two scales (ue8m0) a block within float16's range can get the next power of two above SCALE_MAX
+POW2_INPUT_SCALE_MAX = 256.0
 SCALE_RANGE = "from 2^-126 (the smallest normal float32) to 65504/448 = 146.2 (a block's values within float16's range)"
 
 
@@ -97,7 +99,7 @@ def check_scales(scales: torch.Tensor, where: str, bounded: bool = True, pow2: b
     s = scales.float()
     bad = ~torch.isfinite(s) | (s < SCALE_MIN)
     if bounded:
-        bad |= s > SCALE_MAX
+        bad |= s > (POW2_INPUT_SCALE_MAX if pow2 else SCALE_MAX)
     if pow2 and not bad.any():
         odd = torch.frexp(s).mantissa != 0.5
         if odd.any():
@@ -111,8 +113,9 @@ def check_scales(scales: torch.Tensor, where: str, bounded: bool = True, pow2: b
     what = ("not finite" if not math.isfinite(value) else "its block would read as zeros" if value == 0 else
             "its block would read negated" if value < 0 else "subnormal" if value < SCALE_MIN else
             f"its block would reach {value * E4M3_MAX:.3g}")
+    limits = (SCALE_RANGE.replace("65504/448 = 146.2", "256 (the power of two above 65504/448)") if pow2 else SCALE_RANGE)
     raise MergeError(f"{where}: block {index} has scale {value:.4g} ({what}; {int(bad.sum())} bad block(s)); "
-                     f"expected finite scales {SCALE_RANGE if bounded else 'of at least 2^-126'}")
+                     f"expected finite scales {limits if bounded else 'of at least 2^-126'}")
 
 
 def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
@@ -315,8 +318,8 @@ class BlockQuantizer:
     gives the fp8 rows ready to write (a multiple of the block's rows, until the last), `scales` the
     weight_scale_inv once every row has come. Memory: less than one block of rows."""
 
-    def __init__(self, shape: tuple[int, int], block: tuple[int, int], pow2: bool = False):
-        self.shape, self.block, self.pow2 = shape, block, pow2
+    def __init__(self, shape: tuple[int, int], block: tuple[int, int], pow2: bool = False, name: str = ""):
+        self.shape, self.block, self.pow2, self.name = shape, block, pow2, name
         self.rows_done = 0
         self._pending: list[torch.Tensor] = []
         self._pending_rows = 0
@@ -330,7 +333,10 @@ class BlockQuantizer:
         if not ready:
             return None
         pending = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
-        q, scale = quantize_rows(pending[:ready], self.block, self.pow2)
+        try:
+            q, scale = quantize_rows(pending[:ready], self.block, self.pow2)
+        except MergeError as exc:
+            raise MergeError(f"{self.name}: {exc}") from None
         self._scales.append(scale)
         self._pending = [pending[ready:]] if ready < pending.shape[0] else []
         self._pending_rows -= ready

@@ -43,8 +43,8 @@ class MegatronTarget:
 
     def check_model(self, shape) -> int:
         """The layout against the model; returns the padded vocabulary."""
+        check_has_megatron_form(shape, "--to megatron")  # first: no layout of such a model is worth checking
         self.layout.check(shape)
-        check_has_megatron_form(shape, "--to megatron")
         if self.mla_naming == "mindspeed" and (shape.mla is None or self.ckpt_format != "torch"):
             raise MergeError("--mla-naming mindspeed: MindSpeed-LLM's fused MLA naming is written for multi-latent "
                              "attention models in --ckpt-format torch only")

@@ -275,10 +275,10 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
         if on_workers:  # every piece starts on a block row: quantized where it is computed
             quantizers[planned.name] = []
             for job in _piece_jobs(blocks[name], deltas.get(name), compute, task.pieces.mapped, chunk, block[0]):
-                yield planned.name, partial(_quantized, job, block, plan.pow2_scales)
+                yield planned.name, partial(_quantized, job, block, plan.pow2_scales, planned.name)
         else:
             if not stored:  # rows from sources not aligned to blocks: quantized in order as they come
-                quantizers[planned.name] = BlockQuantizer(tuple(planned.shape), block, plan.pow2_scales)
+                quantizers[planned.name] = BlockQuantizer(tuple(planned.shape), block, plan.pow2_scales, planned.name)
             for job in _piece_jobs(blocks[name], deltas.get(name), compute, task.pieces.mapped, chunk):
                 yield planned.name, job
         if stored:
@@ -287,11 +287,13 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
             yield None, partial(_write_scales, write, planned.name, quantizers)
 
 
-def _quantized(job, block, pow2: bool):
+def _quantized(job, block, pow2: bool, name: str):
     started = time.thread_time()
     piece, then = job()
     try:
         return quantize_rows(piece, block, pow2), then
+    except MergeError as exc:  # a block beyond what power-of-two scales can hold: which tensor
+        raise MergeError(f"{name}: {exc}") from None
     finally:
         charge("merge", time.thread_time() - started)
 

@@ -534,3 +534,20 @@ def test_power_of_two_scales_are_sound_over_the_whole_float32_range(amax):
             assert float(s[i, j]) == want, (i, j, float(s[i, j]), want)
     back = dequantize_rows(q, s, 0, (BLOCK, BLOCK))
     assert torch.isfinite(back).all() and half_step(back, w, s)
+
+
+def test_a_ue8m0_block_near_float16s_limit_gets_scale_256_and_reads_back():
+    """A block of 60000 (within float16's range) takes the power of two above 65504/448, 256: a ue8m0 base may
+    hold it, and a block past 448·2^119 is refused naming its tensor."""
+    from lora_merge.errors import MergeError
+    from lora_merge.fp8 import BlockQuantizer, check_scales, quantize_rows
+
+    w = block_with_amax(60000.0)
+    q, s = quantize_rows(w, (BLOCK, BLOCK), pow2=True)
+    assert float(s.max()) == 256.0
+    check_scales(s, "release", pow2=True)  # read back as a base
+    with pytest.raises(MergeError, match="scale 512"):
+        check_scales(s * 2, "release", pow2=True)
+    with pytest.raises(MergeError, match="^model.layers.0.mlp.down_proj.weight: a block of"):
+        BlockQuantizer(tuple(w.shape), (BLOCK, BLOCK), True, "model.layers.0.mlp.down_proj.weight").add(
+            block_with_amax(3.2e38))

@@ -39,7 +39,8 @@ from lora_merge.value_checks import is_int, is_number
 # Keys every config class takes (PretrainedConfig: metadata, labels, token ids, output switches, the
 # generation settings 4.x kept in config.json) and the decoder classes' training-only or numerically neutral
 # keys: none of them changes the function the weights compute. max_window_layers only matters with
-# sliding windows, which are refused; pretraining_tp splits a matmul without changing its result.
+# sliding windows, which are refused (but for types on the HF routes only, whose config is kept as published);
+# pretraining_tp splits a matmul without changing its result.
 NEUTRAL_KEYS = frozenset({
     "_name_or_path", "_commit_hash", "_attn_implementation", "_attn_implementation_autoset", "transformers_version",
     "auto_map", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "tokenizer_class", "prefix",

@@ -46,7 +46,7 @@ class HfConfig:
     # flags of this type that add weights or computation a Megatron model does not have (refused when true)
     must_be_false: tuple[str, ...] = ()
     # why no Megatron form of this type is proven ("" where one is): then only its HF routes run, and the
-    # checks of what Megatron can have trained (activation, windows, soft-capping) do not apply
+    # checks of what Megatron can have trained (activation, sliding windows, layer types) do not apply
     hf_only: str = ""
     # (config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None

@@ -5,7 +5,7 @@ copied as stored; q/k/v/o without biases; head_dim apart from hidden / heads; th
 embeddings tied unless the config says otherwise. query_pre_attn_scalar, soft-capping and the alternating
 sliding windows act in the forward only: the config keeps them as published.
 
-The Megatron names of the three norms Megatron-Core lacks (`post_self_attn_layernorm`, `post_mlp_layernorm`)
+The Megatron names of the two norms Megatron-Core lacks (`post_self_attn_layernorm`, `post_mlp_layernorm`)
 are this table's own keys, never read from or written to a Megatron checkpoint."""
 
 from lora_merge.model.architectures.base import Architecture, HfConfig
