@@ -511,3 +511,30 @@ def test_a_glm_hf_base_keeps_its_mtp_layer_as_it_is(tmp_path, merged, base_model
     assert all(torch.equal(ours[k], v) and ours[k].dtype == v.dtype for k, v in mtp.items())
     reference = load_file(next(merged(name).glob("*.safetensors")))
     assert set(ours) - set(mtp) == set(reference) and all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+MINDSPEED_GLM_ARGS = dict(moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=True, n_shared_experts=1,
+                          moe_router_num_groups=1, moe_router_group_topk=1, moe_router_load_balancing_type="none",
+                          moe_token_dispatcher_type="alltoall_seq")
+
+
+def test_glm_args_as_mindspeed_records_them_merge_the_same(tmp_path, merged, capsys):
+    """MindSpeed-LLM's GLM-4.5 scripts: --first-k-dense-replace 1 --moe-layer-freq 1 --norm-topk-prob, groups 1/1,
+    load balancing none, the alltoall_seq dispatcher: the same model, so the same bytes. Its 355B LoRA script sets
+    no --moe-router-topk-scaling-factor: a model that does not scale its experts, refused against the release's 2.5."""
+    from helpers import rank_files, rewrite, run_failing
+
+    root = _copy("glm4moe_tp2etp1_ep2", tmp_path)
+    for kind in ("base", "lora"):
+        for path in rank_files(root / kind):
+            rewrite(path, lambda state: vars(state["args"]).update(MINDSPEED_GLM_ARGS))
+    args = moe_args("glm4moe_tp2etp1_ep2", tmp_path / "out")[:1] + [str(root / "base"), "--lora", str(root / "lora"),
+                                                                  "--hf-ref", str(root / "hf_ref"), "--out"]
+    assert main(args + [str(tmp_path / "out"), "--no-progress"]) == 0
+    assert (tmp_path / "out/model.safetensors").read_bytes() == \
+        (merged("glm4moe_tp2etp1_ep2") / "model.safetensors").read_bytes()
+    for kind in ("base", "lora"):
+        for path in rank_files(root / kind):
+            rewrite(path, lambda state: setattr(state["args"], "moe_router_topk_scaling_factor", None))
+    run_failing(args + [str(tmp_path / "out2")], capsys, "args.moe_router_topk_scaling_factor=1 but the HF config's "
+                                                         "routed_scaling_factor is 2.5")
