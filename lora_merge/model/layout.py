@@ -337,23 +337,11 @@ def qkv_blocks(shards, shape, where) -> tuple[list[RowBlock], list[RowBlock], li
 
 
 @dataclass(frozen=True)
-class FusedColumn(Rule):
-    """A column-parallel linear whose HF form is one tensor of the same shape, its rows in another order."""
-
-    hf: str = ""
-    parallel = "column"
-
-    def hf_names(self):
-        return (self.hf,)
-
-    def hf_shapes(self, shape):
-        return {self.hf: self.global_shape(shape)}
-
-
-@dataclass(frozen=True)
-class FusedQkvColumn(FusedColumn):
+class FusedQkvColumn(OneToOne):
     """linear_qkv as one HF tensor holding all q rows, then all k rows, then all v rows (Phi-3's qkv_proj):
     the query groups Megatron interleaves are taken apart and laid end to end."""
+
+    parallel = "column"
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
         q, k, v = qkv_blocks(shards, shape, where)
@@ -396,9 +384,11 @@ def gate_up_blocks(rule: Rule, shards, shape, global_pieces: bool) -> tuple[list
 
 
 @dataclass(frozen=True)
-class FusedGatedColumn(FusedColumn):
+class FusedGatedColumn(OneToOne):
     """A swiglu fc1 as one HF tensor of [all gate rows; all up rows] (Phi-3's gate_up_proj): the halves every
     TP rank holds of each are put back end to end."""
+
+    parallel = "column"
 
     def hf_blocks(self, shards, shape, where, global_pieces=False):
         gate, up = gate_up_blocks(self, shards, shape, global_pieces)
