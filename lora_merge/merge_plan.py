@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,9 +16,10 @@ from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (DEFAULT_CONFIG, SCALE_SUFFIX, not_converted_modules, partial_block_note,
                             quantized_by_default_unless_excluded, scale_shape, skip_patterns)
-from lora_merge.model.layout import AsStored, Rule, Skip, check_shards, single
+from lora_merge.model.layout import AsStored, Rule, SharedCopy, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model.model_shape import ModelShape
+from lora_merge.model.mtp import args_mtp_layers, in_mtp_layer
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
 from lora_merge.readers.hf_model import Fp8Ref
 from lora_merge.value_checks import shown_value
@@ -102,6 +103,7 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     unclaimed = set(base.tensors if base.hf_named else base.params)
     adapters = dict(megatron_lora.lora) if megatron_lora is not None else {}
     factors, biases = (dict(peft.factors), dict(peft.biases)) if peft is not None else ({}, {})
+    taken: dict[str, LoraModule] = {}  # Megatron LoRA modules merged, for the copies of shared parameters
     # which of two Megatron namings (MindSpeed's fused MLA projections) the parameters have: the base's, or
     # on an HF base the Megatron LoRA's
     namer = megatron_lora if base.hf_named else base
@@ -128,12 +130,20 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
         if megatron_lora is not None and megatron_lora is not base and megatron_lora.params:
             _check_own_base(plan, rule, names, task, shape, base, megatron_lora)
         if megatron.endswith(".weight") and task.lora_module in adapters:
-            task.lora = adapters.pop(task.lora_module)
+            task.lora = taken[task.lora_module] = adapters.pop(task.lora_module)
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
-        if peft is not None:
+        if isinstance(rule, SharedCopy):  # the shared parameter's merge, made again under the copy's name
+            task.lora = taken.get(task.lora_module)
+            main = next((t.delta[rule.copy_of] for t in plan.tasks if t.delta and rule.copy_of in t.delta), None)
+            task.delta = {rule.hf: main} if main is not None else None
+        elif peft is not None:
             task.delta = _peft_delta(rule, hf_prefix, shape, factors) or None
         plan.tasks.append(task)
     unclaimed -= keep_mtp_layers(plan, base if base.hf_named else None, unclaimed)
+    if lora is not None and shape.mtp_in_source and not any(
+            (t.lora or t.delta) and in_mtp_layer(t.megatron, shape.num_layers) for t in plan.tasks):
+        plan.notes.append(f"the LoRA does not adapt the multi-token-prediction layer(s) "
+                          f"{', '.join(p.split('.')[2] for p in shape.mtp_prefixes)}: written from the base as they are")
     if unclaimed:
         raise MergeError(f"{base.path}: {'tensors' if base.hf_named else 'parameters'} this {shape.model_type} layout "
                          f"does not know: {_preview(unclaimed)}")
@@ -230,7 +240,7 @@ def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
     they are. Where the source has none, the output config says so, so that no loader looks for weights it
     lacks."""
     shape = plan.shape
-    if not shape.mtp_layers:
+    if not shape.mtp_layers or shape.mtp_in_source:  # none, or carried by the layout rules
         return set()
     prefixes = shape.mtp_prefixes
     kept = {name for name in names if name.startswith(prefixes)} if base is not None else set()
@@ -291,15 +301,15 @@ def _row(blocks, i: int) -> torch.Tensor:
     raise IndexError(i)
 
 
-def check_copy(copy, original, name: str, original_name: str) -> None:
+def check_copy(copy, original, name: str, original_name: str,
+               why: str = "the embeddings are not tied as the HF config says") -> None:
     """A tensor skipped as a copy of another must look like one (same shards, same first and last rows)."""
     if original is None or copy.shapes != original.shapes:
         raise MergeError(f"{copy[0].where}: {name} should be a copy of {original_name}, but their shapes differ")
     for mine, theirs in zip(copy, original):
         a, b = mine.load(), theirs.load()
         if not (torch.equal(a[:1], b[:1]) and torch.equal(a[-1:], b[-1:])):
-            raise MergeError(f"{mine.where}: {name} differs from {original_name}; the embeddings are not tied "
-                             "as the HF config says")
+            raise MergeError(f"{mine.where}: {name} differs from {original_name}; {why}")
 
 
 def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, allow_partial: bool = False) -> None:
@@ -320,8 +330,10 @@ def check_lora_targets(lora: Checkpoint, arch: Architecture, shape: ModelShape, 
         if target not in found:
             raise MergeError(f"{lora.path}: args.lora_target_modules lists {shown_value(target)} but the checkpoint has no "
                              f"LoRA weights for it")
-    modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, shape, lora.has)
-               if not isinstance(rule, Skip) and names[0].endswith(".weight"))
+    # (the MTP layers of a base that has them are adapted only where the LoRA's run built them)
+    trained = replace(shape, mtp_in_source=shape.mtp_in_source and args_mtp_layers(lora.args) > 0)
+    modules = (names[0].removesuffix(".weight") for rule, names, _ in iter_rules(arch, trained, lora.has)
+               if not isinstance(rule, (Skip, SharedCopy)) and names[0].endswith(".weight"))
     expected = [m for m in modules if m.rsplit(".", 1)[-1] in targets]
     missing = [m for m in expected if m not in lora.lora]
     if missing and not allow_partial:

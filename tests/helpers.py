@@ -143,3 +143,30 @@ def trained_peft_adapter(model, lora_config, seed: int, out: Path):
                 p.add_(torch.randn_like(p) * 0.1)
     peft_model.save_pretrained(out)
     return peft_model
+
+
+def with_mtp_layer(hf_dir: Path, num_layers: int, seed: int = 0) -> dict:
+    """Give the HF model in `hf_dir` one multi-token-prediction layer as releases store it (model.layers.{L}:
+    a decoder layer shaped as the last one, with values of its own, enorm, hnorm, eh_proj [H, 2H],
+    shared_head.norm, and copies of embed_tokens and lm_head), and say so in its config; returns the new tensors."""
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = hf_dir.glob("*.safetensors")
+    tensors = load_file(shard)
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+
+    def like(t):
+        return (torch.randn(t.shape, generator=g) * 0.1).to(t.dtype)
+
+    new = {mtp + k[len(last):]: like(t) for k, t in tensors.items() if k.startswith(last)}
+    embed, head = tensors["model.embed_tokens.weight"], tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    hidden = embed.shape[1]
+    for name, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)),
+                        ("shared_head.norm.weight", (hidden,))):
+        new[mtp + name] = like(torch.empty(shape, dtype=embed.dtype))
+    new[mtp + "embed_tokens.weight"], new[mtp + "shared_head.head.weight"] = embed.clone(), head.clone()
+    save_file({**tensors, **new}, shard, metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return new

@@ -174,6 +174,8 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
         vocab_size=hf["vocab_size"], max_position_embeddings=hf["max_position_embeddings"],
         rotary_base=theta, tied=bool(hf.get("tie_word_embeddings", False)) if tied is None else bool(tied),
         mla=mt in MLA, moe=None, yarn=None,
+        # multi-token-prediction layers (Megatron-Core's mtp block, on the last stage)
+        mtp=int(hf.get("num_nextn_predict_layers") or 0) if mt in ("deepseek_v3", "glm4_moe") else 0,
         # partial RoPE: GPTModel(rotary_percent) rotates the first int(kv_channels * percent) dims of each head
         rotary_percent=float({**hf, **(hf.get("rope_parameters") or {})}.get("partial_rotary_factor", 1.0)),
         # (a window the local spec does not have; megatron_logits refuses inputs longer than it)
@@ -294,14 +296,18 @@ def _free_port() -> int:
 
 def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.Tensor,
                     ckpt_format: str = "torch", expert_layout: str = "sequential", tied: bool | None = None,
-                    *, exact_keys: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+                    *, exact_keys: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
+                    mtp_out: dict | None = None) -> torch.Tensor:
     """float32 logits [B, S, vocab_size] of the real Megatron GPTModel loading the checkpoint iteration dir
     `ckpt` (legacy rank dirs or torch_dist) at `layout` (tp, pp, vpp, ep, etp, first/last_stage_layers).
 
     exact_keys: every model state dict in the checkpoint must hold exactly the keys megatron-core's own save
     writes for that model chunk (state_dict_for_save_checkpoint), ``_extra_state`` entries included. With
     False, only what ``load_state_dict(strict=True)`` enforces: the local spec's linears fill a missing
-    ``_extra_state`` with None themselves (a load pre-hook), so those may be absent."""
+    ``_extra_state`` with None themselves (a load pre-hook), so those may be absent.
+
+    A config with num_nextn_predict_layers builds Megatron-Core's MTP block; its logits [MTP layers, B, S, vocab]
+    (the output layer's calls on each MTP layer's output) go to mtp_out["logits"]."""
     ckpt = Path(ckpt)
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
@@ -345,6 +351,8 @@ def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.
             for p in procs:
                 if p.pid is not None:
                     p.join(5)
+        if mtp_out is not None:
+            mtp_out["logits"] = _collect(tmp, "mtp_logits")
         return _collect(tmp)
 
 
@@ -438,11 +446,11 @@ def _wait(procs, tmp: str, timeout: float, what: str = "Megatron rank"):
         time.sleep(0.05)
 
 
-def _collect(tmp: str) -> torch.Tensor:
-    files = sorted(Path(tmp).glob("logits_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
+def _collect(tmp: str, what: str = "logits") -> torch.Tensor:
+    files = sorted(Path(tmp).glob(f"{what}_*.pt"), key=lambda f: int(f.stem.rsplit("_", 1)[1]))
     if not files:
         raise MegatronOracleError("no rank wrote logits")
-    got = [(int(f.stem.split("_")[1]), torch.load(f, weights_only=True)) for f in files]
+    got = [(int(f.stem.rsplit("_", 1)[1]), torch.load(f, weights_only=True)) for f in files]
     r0, ref = got[0]
     for r, x in got[1:]:
         if x.shape != ref.shape or not torch.equal(x, ref):
@@ -556,7 +564,7 @@ def _make_config(torch, spec: dict, lay: dict, grouped: bool, moe_layer_freq=Non
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    kw = {}
+    kw = {"mtp_num_layers": spec["mtp"]} if spec["mtp"] else {}
     if lay["vpp"]:
         kw["virtual_pipeline_model_parallel_size"] = lay["vpp"]
     if lay["first_stage_layers"] is not None:
@@ -678,7 +686,7 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.moe.experts import GroupedMLP
 
     TP, PP, VPP, EP = lay["tp"], lay["pp"], lay["vpp"], lay["ep"]
@@ -747,7 +755,9 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
                 ls.submodules.self_attention.submodules.core_attention = core_attention
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        m = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vpad,
+        mtp = ({"mtp_block_spec": get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp,
+                                                         pp_rank=pp_rank)} if spec["mtp"] else {})
+        m = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vpad, **mtp,
                      max_sequence_length=spec["max_position_embeddings"], pre_process=pre, post_process=post,
                      parallel_output=True, share_embeddings_and_output_weights=spec["tied"],
                      position_embedding_type="rope", rotary_base=spec["rotary_base"],
@@ -813,8 +823,22 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
                 recv = torch.empty(S, B, spec["hidden_size"], dtype=torch.float32)
                 dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
                 m.set_input_tensor(recv)
-            res = m(input_ids=input_ids if firsts[v] else None, position_ids=position_ids, attention_mask=mask,
-                    runtime_gather_output=True)
+            calls, hook = [], None
+            if spec["mtp"] and lasts[v]:  # with MTP: labels needed, the loss returned; logits from the output layer
+                # (cloned: the loss turns the logits tensor into probabilities in place)
+                hook = m.output_layer.register_forward_hook(lambda mod, a, out: calls.append(out[0].detach().clone()))
+            # (the MTP layers embed the next tokens: the last stage takes the input ids too, as in training)
+            res = m(input_ids=input_ids if firsts[v] or (spec["mtp"] and lasts[v]) else None,
+                    position_ids=position_ids, attention_mask=mask,
+                    runtime_gather_output=True,
+                    **({"labels": torch.zeros_like(input_ids)} if spec["mtp"] and lasts[v] else {}))
+            if hook is not None:
+                hook.remove()
+                if len(calls) != spec["mtp"] + 1:
+                    raise RuntimeError(f"{me}: {len(calls)} output-layer calls, expected {spec['mtp'] + 1}")
+                res = calls[-1].transpose(0, 1)
+                torch.save(torch.stack([c.transpose(0, 1)[..., : spec["vocab_size"]].float() for c in calls[:-1]])
+                           .contiguous().clone(), Path(tmp, f"mtp_logits_{rank}.pt"))
             if not lasts[v]:
                 dist.send(res.float().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
                 res = None

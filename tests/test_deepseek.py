@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mtp_oracle
 from lora_merge.cli import main
 from helpers import fixture_root
 
@@ -26,21 +27,30 @@ def merged(merged_fixture):
     return merged_fixture
 
 
-def hf_logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+def hf_model(model_dir: Path):
+    model, info = mtp_oracle.from_pretrained(model_dir, dtype=torch.float32)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    return model.eval()
+
+
+def hf_logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model.eval()(input_ids).logits
+        return hf_model(model_dir)(input_ids).logits
 
 
 def assert_computes_megatron_lora(out: Path, root: Path, label: str) -> None:
     ref = torch.load(root / "logits.pt", weights_only=True)
-    logits = hf_logits(out, ref["input_ids"])
+    model = hf_model(out)
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits
     print(f"\n{label}: max |logits - Megatron+LoRA| = {(logits - ref['logits_lora']).abs().max():.2e}")
     assert (logits - ref["logits_lora"]).abs().max() <= 1e-4
     assert (logits - ref["logits_base"]).abs().max() > 0.1  # the LoRA changed the model
+    if "mtp_logits_lora" in ref:  # the MTP layer (MLA + MoE), LoRA merged: transformers' MtpModel against Megatron's
+        mtp = mtp_oracle.mtp_logits(model, ref["input_ids"])
+        print(f"{label}: max |MTP logits - Megatron+LoRA| = {(mtp - ref['mtp_logits_lora']).abs().max():.2e}")
+        assert (mtp - ref["mtp_logits_lora"]).abs().max() <= 1e-4
+        assert (mtp - ref["mtp_logits_base"]).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -299,30 +309,23 @@ def test_without_mtp_layers_the_output_config_says_so(tmp_path, capsys):
 
 
 def test_an_hf_base_keeps_its_mtp_layers_as_they_are(tmp_path, merged, base_model_dirs, capsys):
-    """--base an HF DeepSeek model with its MTP layer (model.layers.{num_hidden_layers}.*): the LoRA never
-    trains it, so it is written byte for byte; the rest merges as onto the Megatron base."""
-    from safetensors.torch import load_file, save_file
+    """--base an HF DeepSeek model with its MTP layer (model.layers.{num_hidden_layers}.*) and a LoRA trained
+    without MTP: the MTP layer is written byte for byte, the rest merges as onto the Megatron base, and verify
+    accepts it."""
+    from safetensors.torch import load_file
+
+    from helpers import with_mtp_layer
 
     root = DEEPSEEK / "deepseek_v3_ep2"
     hf_base = tmp_path / "hf_base"
     shutil.copytree(base_model_dirs("deepseek_v3_ep2"), hf_base)
-    (shard,) = hf_base.glob("*.safetensors")
-    tensors = load_file(shard)
-    torch.manual_seed(0)
-    mtp = {f"model.layers.3.{name}": torch.randn(*size).to(torch.bfloat16) for name, size in
-           (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
-            ("shared_head.norm.weight", (64,)), ("self_attn.kv_a_proj_with_mqa.weight", (40, 64)))}
-    mtp["model.layers.3.mlp.gate.e_score_correction_bias"] = torch.randn(16)
-    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
-    for ref in (hf_base, tmp_path / "hf_ref"):
-        if ref == tmp_path / "hf_ref":
-            shutil.copytree(root / "hf_ref", ref)
-        config = json.loads((ref / "config.json").read_text())
-        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    mtp = with_mtp_layer(hf_base, 3)
+    shutil.copytree(root / "hf_ref", tmp_path / "hf_ref")
+    config = json.loads((tmp_path / "hf_ref" / "config.json").read_text())
+    (tmp_path / "hf_ref" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     out = tmp_path / "out"
-    assert main(["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref"),
-                 "--out", str(out), "--no-progress"]) == 0
-    assert "copied the 6 tensors of the multi-token-prediction layer(s) 3" in capsys.readouterr().err
+    args = ["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref")]
+    assert main(args + ["--out", str(out), "--no-progress", "--verify"]) == 0, capsys.readouterr().err
     ours = load_file(next(out.glob("*.safetensors")))
     for name, tensor in mtp.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
@@ -330,25 +333,23 @@ def test_an_hf_base_keeps_its_mtp_layers_as_they_are(tmp_path, merged, base_mode
     assert set(ours) - set(mtp) == set(reference)
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert main(["verify", str(out), *args]) == 0, capsys.readouterr()
 
 
-def test_verify_accepts_the_mtp_layers_kept_from_the_hf_base(tmp_path, base_model_dirs, capsys):
+def test_an_incomplete_mtp_layer_is_refused_naming_what_it_lacks(tmp_path, base_model_dirs, capsys):
     from safetensors.torch import load_file, save_file
+
+    from helpers import run_failing, with_mtp_layer
 
     root = DEEPSEEK / "deepseek_v3_ep2"
     hf_base = tmp_path / "hf_base"
     shutil.copytree(base_model_dirs("deepseek_v3_ep2"), hf_base)
-    shutil.copytree(root / "hf_ref", tmp_path / "hf_ref")
+    with_mtp_layer(hf_base, 3)
     (shard,) = hf_base.glob("*.safetensors")
-    save_file({**load_file(shard), "model.layers.3.eh_proj.weight": torch.ones(64, 128)}, shard,
+    save_file({k: v for k, v in load_file(shard).items() if k != "model.layers.3.eh_proj.weight"}, shard,
               metadata={"format": "pt"})
-    for ref in (hf_base, tmp_path / "hf_ref"):
-        config = json.loads((ref / "config.json").read_text())
-        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    out = tmp_path / "out"
-    args = ["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref")]
-    assert main(args + ["--out", str(out), "--no-progress", "--verify"]) == 0, capsys.readouterr().err
-    assert main(["verify", str(out), *args]) == 0, capsys.readouterr()
+    run_failing(["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(hf_base),
+                 "--out", str(tmp_path / "out")], capsys, "missing model.layers.3.eh_proj.weight")
 
 
 MINDSPEED_NAMES = {"linear_q_up_proj": "linear_qb", "linear_kv_up_proj": "linear_kvb", "kv_layernorm": "k_layernorm"}

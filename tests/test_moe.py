@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mtp_oracle
 from helpers import peft_model_loading_every_key
 from lora_merge.cli import main
 
@@ -31,13 +32,18 @@ def test_moe_merge_computes_what_megatron_with_lora_computes(name, merged):
 
     out = merged(name)
     ref = torch.load(MOE / name / "logits.pt", weights_only=True)
-    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    model, info = mtp_oracle.from_pretrained(out, dtype=torch.float32)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     with torch.no_grad():
         logits = model.eval()(ref["input_ids"]).logits
     print(f"\n{name}: max |logits - Megatron+LoRA| = {(logits - ref['logits_lora']).abs().max():.2e}")
     assert (logits - ref["logits_lora"]).abs().max() <= 1e-4
     assert (logits - ref["logits_base"]).abs().max() > 0.1  # the LoRA (experts included) changed the model
+    if "mtp_logits_lora" in ref:  # the MTP layers, LoRA merged: transformers' MtpModel against Megatron's MTP block
+        mtp = mtp_oracle.mtp_logits(model, ref["input_ids"])
+        print(f"{name}: max |MTP logits - Megatron+LoRA| = {(mtp - ref['mtp_logits_lora']).abs().max():.2e}")
+        assert (mtp - ref["mtp_logits_lora"]).abs().max() <= 1e-4
+        assert (mtp - ref["mtp_logits_base"]).abs().max() > 0.1  # its LoRA changed it
 
 
 @pytest.mark.parametrize("name", ["qwen3moe_ep2", "qwen2moe_tp2ep2"])
@@ -141,8 +147,12 @@ def test_peft_loads_the_expert_adapter_and_merges_it_as_we_do(name, expert_forma
     root, adapter = MOE / name, tmp_path / "adapter"
     assert main(["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out", str(adapter),
                  "--expert-format", expert_format]) == 0
-    # No warning but the one saying the card has no base_model (the fixture is a local dir, no Hub id).
-    assert "warning" not in "".join(line for line in capsys.readouterr().err.splitlines() if "--base-model-id" not in line)
+    # No warning but the one saying the card has no base_model (the fixture is a local dir, no Hub id), and where the
+    # LoRA trained MTP layers, the one saying their factors are not in the adapter (transformers builds no MTP)
+    err = capsys.readouterr().err
+    assert ("multi-token-prediction layers (20 modules) is not in the adapter" in err) == ("mtp" in name)
+    assert "warning" not in "".join(line for line in err.splitlines()
+                                    if "--base-model-id" not in line and "multi-token-prediction" not in line)
 
     def base():
         return AutoModelForCausalLM.from_pretrained(base_model_dirs(name), dtype=torch.float32).eval()
@@ -482,31 +492,21 @@ def test_glm_partial_rope_left_to_the_class_default_is_said_so(tmp_path, capsys)
 
 def test_a_glm_hf_base_keeps_its_mtp_layer_as_it_is(tmp_path, merged, base_model_dirs, capsys):
     """GLM-4.5's releases store their MTP layer as model.layers.{num_hidden_layers}.* (with copies of the
-    embedding and lm_head): an HF base's is written byte for byte; the rest merges as onto the Megatron base."""
+    embedding and lm_head): with a LoRA trained without MTP, an HF base's is written byte for byte; the rest
+    merges as onto the Megatron base."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from helpers import with_mtp_layer
 
     name = "glm4moe_tp2etp1_ep2"
     root, hf_base = MOE / name, tmp_path / "hf_base"
     shutil.copytree(base_model_dirs(name), hf_base)
-    (shard,) = hf_base.glob("*.safetensors")
-    tensors = load_file(shard)
-    torch.manual_seed(0)
-    mtp = {f"model.layers.4.{n}": torch.randn(*size) for n, size in (
-        ("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)), ("shared_head.norm.weight", (64,)),
-        ("shared_head.head.weight", (250, 64)), ("embed_tokens.weight", (250, 64)),
-        ("self_attn.q_proj.weight", (128, 64)), ("self_attn.q_proj.bias", (128,)), ("mlp.gate.weight", (8, 64)))}
-    mtp["model.layers.4.mlp.gate.e_score_correction_bias"] = torch.randn(8)
-    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
-    shutil.copytree(root / "hf_ref", tmp_path / "hf_ref")
-    for ref in (hf_base, tmp_path / "hf_ref"):
-        config = json.loads((ref / "config.json").read_text())
-        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    mtp = with_mtp_layer(hf_base, 4)
     out = tmp_path / "out"
-    assert main(["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(tmp_path / "hf_ref"),
-                 "--out", str(out), "--no-progress"]) == 0
-    assert f"copied the {len(mtp)} tensors of the multi-token-prediction layer(s) 4" in capsys.readouterr().err
+    assert main(["--base", str(hf_base), "--lora", str(root / "lora"), "--hf-ref", str(hf_base),
+                 "--out", str(out), "--no-progress"]) == 0, capsys.readouterr().err
     ours = load_file(next(out.glob("*.safetensors")))
     assert all(torch.equal(ours[k], v) and ours[k].dtype == v.dtype for k, v in mtp.items())
     reference = load_file(next(merged(name).glob("*.safetensors")))

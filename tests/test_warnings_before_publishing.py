@@ -11,10 +11,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 import lora_merge
+from helpers import with_mtp_layer
 
 TESTS = Path(__file__).parent
 DENSE = TESTS / "fixtures/tp2pp2_fp32_filtered"
@@ -43,15 +42,10 @@ def hf_base_with_mtp(tmp_path: Path) -> tuple[Path, Path]:
     hf_base, ref = tmp_path / "mtp_base", tmp_path / "mtp_ref"
     if not hf_base.exists():
         lora_merge.merge(base=MLA / "base", hf_ref=MLA / "hf_ref", out=hf_base, warn=lambda m: None)
-        (shard,) = hf_base.glob("*.safetensors")
-        tensors = load_file(shard)
-        tensors["model.layers.3.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
-        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
-        save_file(tensors, shard, metadata={"format": "pt"})
+        with_mtp_layer(hf_base, 3)
         shutil.copytree(MLA / "hf_ref", ref)
-        for directory in (hf_base, ref):
-            config = json.loads((directory / "config.json").read_text())
-            (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+        config = json.loads((ref / "config.json").read_text())
+        (ref / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return hf_base, ref
 
 
@@ -75,9 +69,6 @@ SCENARIOS = {
         base=DENSE / "base", lora=DENSE / "lora", hf_ref=noisy_reference(tmp, DENSE), out=out, lora_alpha=16.0,
         warn=warn),
         ["does not read", "overrides args.lora_alpha"]),
-    "to_megatron from an HF base with MTP layers": (lambda tmp, out, warn: lora_merge.to_megatron(
-        base=hf_base_with_mtp(tmp)[0], hf_ref=hf_base_with_mtp(tmp)[1], out=out, warn=warn),
-        ["multi-token-prediction tensors are not written"]),
 }
 
 

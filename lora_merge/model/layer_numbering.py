@@ -18,6 +18,11 @@ class LayerNumbering:
     counts: tuple[tuple[int, ...], ...]  # counts[chunk][stage]: layers held by that chunk of that stage
     noop: frozenset[int] = frozenset()
 
+    @property
+    def hf_layers(self) -> int:
+        """The decoder layers that hold parameters (the HF model's num_hidden_layers)."""
+        return sum(sum(row) for row in self.counts) - len(self.noop)
+
     def global_index(self, stage: int, chunk: int, local: int, where: str) -> int:
         if local >= self.counts[chunk][stage]:
             raise MergeError(

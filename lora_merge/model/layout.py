@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 def named_dims(shape: ModelShape) -> dict[str, int]:
     q, kv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
     dims = {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
-            "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab, "one": 1}
+            "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab, "one": 1,
+            "two_hidden": 2 * shape.hidden}
     mla = getattr(shape, "mla", None)
     if mla is not None:
         dims.update(mla.dims(shape.heads))
@@ -303,6 +304,16 @@ class VocabParallel(ColumnParallel):
                 blocks.append(RowBlock((s[:left],)))
                 left -= min(left, s.shape[0])
         return {self.hf: blocks}
+
+
+@dataclass(frozen=True)
+class SharedCopy(VocabParallel):
+    """An HF tensor that copies a parameter the model shares (a multi-token-prediction layer's `embed_tokens` and
+    `shared_head.head`, which Megatron takes from the main model): `megatron` is the shared parameter's full
+    name, read and merged as it is for the main tensor; a Megatron checkpoint holds it once, so it is checked
+    against the main tensor and not written there."""
+
+    copy_of: str = ""  # the HF name of the main tensor it copies
 
 
 @dataclass(frozen=True)

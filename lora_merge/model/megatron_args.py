@@ -11,7 +11,7 @@ from lora_merge.model.mla_shape import check_mla_args
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.moe_shape import check_moe_args
 from lora_merge.model.rope import check_rope_scaling
-from lora_merge.value_checks import finite_number, positive_int
+from lora_merge.value_checks import finite_number, is_int, positive_int
 from lora_merge.shown import shown
 
 
@@ -64,10 +64,11 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     check_mla_args(shape.mla, args, where)
     check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, size, arg, where)
-    if arg("mtp_num_layers"):
-        raise UnsupportedInput(f"{where}: args.mtp_num_layers={shown(arg('mtp_num_layers'))}: the checkpoint has multi-token-"
-                         "prediction layers (mtp.*), which this tool cannot map yet and will not drop; merge a "
-                         "checkpoint trained without MTP")
+    mtp = arg("mtp_num_layers")
+    if mtp and (not is_int(mtp) or mtp != shape.mtp_layers):
+        raise MergeError(f"{where}: args.mtp_num_layers={shown(mtp)} but the HF config's num_nextn_predict_layers is "
+                         f"{shape.mtp_layers}{_defaulted(shape, 'num_nextn_predict_layers')}: the multi-token-prediction "
+                         "layers would not map one to one")
     if arg("swiglu") is False:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
 

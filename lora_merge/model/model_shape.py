@@ -50,6 +50,7 @@ class ModelShape:
     rotary_percent: float = 1.0  # the fraction of each head's dims RoPE rotates (HF partial_rotary_factor)
     tokenizer_vocab: int | None = None  # ids tokenizer.json can produce, when the reference has one
     mtp_layers: int = 0  # multi-token-prediction layers after the decoder (num_nextn_predict_layers)
+    mtp_in_source: bool = False  # the source holds them and the layout rules carry them (model/mtp.py)
     hf_only: str = ""  # why this model has no proven Megatron form ("" where it has one): HF routes only
     defaulted: frozenset[str] = frozenset()  # HF keys absent from config.json, so the config class's default
     moe: MoeShape | None = None  # routed experts, for a Mixture-of-Experts model

@@ -14,6 +14,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.model.layer_numbering import numbering_from_args
+from lora_merge.model.mtp import args_mtp_layers, canonical as mtp_canonical, is_mtp
 from lora_merge.readers.checkpoint import LORA_KEY, Checkpoint, LoraCollector, TensorRef, all_ranks
 from lora_merge.readers.experts import ExpertLayout, expert_layout, expert_params
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
@@ -170,15 +171,21 @@ def read_legacy(path: Path) -> Checkpoint:
                     continue
                 if not isinstance(value, torch.Tensor):
                     raise MergeError(f"{where}: expected a tensor, found {type(value).__name__}")
+                mtp_param = is_mtp(name)
+                if mtp_param:  # Megatron-Core keeps the MTP layers on the last stage's last chunk
+                    if (p, chunk) != (pp - 1, vpp - 1):
+                        raise MergeError(f"{where}: multi-token-prediction parameter outside the last pipeline stage")
+                    name = mtp_canonical(name, numbering.hf_layers, args_mtp_layers(args), where)
                 m = LAYER_KEY.match(name)
-                if m:
+                if m and not mtp_param:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
                 record = archive.record_of(value)
                 per_expert = expert_params(name, value, e, experts, adapter, where) if experts else None
                 # Expert tensors are split over expert-TP ranks; every other tensor is repeated in each
-                # EP rank's file (copy `e`), and those copies must agree.
-                shard, copy = (experts.etp_rank(t), t) if per_expert is not None else (t, e)
+                # EP rank's file (copy `e`), and those copies must agree, as must the embedding the MTP layers'
+                # stage keeps beside the first stage's (copy `p`).
+                shard, copy = (experts.etp_rank(t), t) if per_expert is not None else (t, (e, p))
                 for name, tensor in per_expert or [(name, value)]:
                     ref = TensorRef.of(where, tensor, mapped=True, record=record)
                     if lora.add(name, shard, ref, copy=copy):

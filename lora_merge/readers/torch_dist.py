@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.model.mtp import args_mtp_layers, canonical as mtp_canonical, is_mtp
 from lora_merge.errors import MergeError
 from lora_merge.model.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import GLOBAL, Checkpoint, LoraCollector, Pieces, TensorRef, joined_ref, release_pages
@@ -254,6 +255,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
         if info["dtype"] is None or not isinstance(info["dtype"], torch.dtype):
             raise MergeError(f"{it_dir}: {key} has no readable dtype")
         name = key[len("module."):] if key.startswith("module.") else key
+        if is_mtp(name):  # per-layer keys of the MTP layers, named as decoder layers L+k from here on
+            name = mtp_canonical(name, ckpt.numbering.hf_layers, args_mtp_layers(args), f"{it_dir.name}[{key}]")
         chunks = [(*chunk_getter(key, off, size, info["dtype"]), off, size) for off, size in info["chunks"]]
         for rel in {storage.get((key, off), storage.get((key, None)))[0] for off, _ in info["chunks"]}:
             per_file[rel][0] += 1

@@ -4,13 +4,14 @@ published."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from lora_merge.merge_plan import build_plan
 from lora_merge.model.model_shape import DTYPES
+from lora_merge.model.mtp import in_mtp_layer
 from lora_merge.peft_adapter import ADAPTER_FILE, adapter_config, plan_adapter, write_config
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.report import hash_files, report_text
@@ -56,7 +57,15 @@ def run_export(opts: ExportOptions) -> ExportResult:
         # an unfiltered LoRA holds the base it was trained on: a --base with other weights is refused, as the
         # merge refuses it (the plan's checks compare the two; nothing of the plan is run)
         build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, torch.float32)
-    adapter = plan_adapter(inp.lora, inp.shape, inp.arch, inp.settings, dtype, opts.expert_format,
+    shape = inp.shape
+    mtp = [module for module in inp.lora.lora if in_mtp_layer(module, shape.num_layers)]
+    if mtp:  # transformers builds no MTP layers, so no adapter loader has modules for their factors
+        for module in mtp:
+            del inp.lora.lora[module]
+        shape = replace(shape, mtp_in_source=False)
+        opts.warn(f"the LoRA of the multi-token-prediction layers ({len(mtp)} modules) is not in the adapter: PEFT and "
+                  "vLLM apply an adapter to the main model only; merge the LoRA to keep it")
+    adapter = plan_adapter(inp.lora, shape, inp.arch, inp.settings, dtype, opts.expert_format,
                            opts.allow_partial_lora)
     for warning in adapter.warnings:
         opts.warn(warning)

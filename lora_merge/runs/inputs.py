@@ -4,7 +4,7 @@ base, the LoRA), the paths the run reads (which no output may touch), and what t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from lora_merge.lora import LoraSettings, resolve_settings
 from lora_merge.model.megatron_args import check_against_args
 from lora_merge.merge_plan import check_lora_targets
 from lora_merge.model.model_shape import DTYPES, ModelShape
+from lora_merge.model.mtp import args_mtp_layers
 from lora_merge.options import argument_name
 from lora_merge.readers.detect import (HF_DIR, PEFT_DIR, check_input_dir, input_kind, is_megatron_checkpoint,
                                       open_checkpoint)
@@ -54,6 +55,25 @@ class Inputs:
     lora: Source | None
     settings: LoraSettings | None
 
+    def __post_init__(self):
+        self.shape = carried_mtp(self.shape, self.arch, self.base or self.lora)
+
+
+def carried_mtp(shape: ModelShape, arch: Architecture, source: Source | None) -> ModelShape:
+    """The shape with `mtp_in_source` set where the run carries the multi-token-prediction layers through the
+    layout rules: a Megatron source built them (args.mtp_num_layers, checked against the HF config), or an HF
+    base stores them and this family's MTP layout is known (else an HF base's are copied as stored)."""
+    if not shape.mtp_layers or source is None or (source.hf_named and not arch.mtp_rules):
+        return shape
+    if source.hf_named:
+        carried = any(name.startswith(shape.mtp_prefixes) for name in source.tensors)
+    else:
+        carried = args_mtp_layers(source.args) > 0
+        if carried and not arch.mtp_rules:
+            raise MergeError(f"{source.path}: multi-token-prediction layers (args.mtp_num_layers) in a {shape.model_type} "
+                             "model, whose MTP layout this tool does not know")
+    return replace(shape, mtp_in_source=carried)
+
 
 def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts, need_base: bool,
                 lora_optional: bool = False) -> Inputs:
@@ -76,6 +96,7 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
             return Inputs(shape, hf_config, arch, read_hf_model(base_dir), None, None)
         base = read_hf_model(base_dir)
         check_against_args(shape, lora.args, str(lora.path))
+        shape = carried_mtp(shape, arch, base)
         check_lora_targets(lora, arch, shape, opts.allow_partial_lora)
         settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
         for warning in settings.warnings:
@@ -90,6 +111,7 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         base = None
     for ckpt in {id(c): c for c in (base, lora) if c is not None}.values():
         check_against_args(shape, ckpt.args, str(ckpt.path))
+    shape = carried_mtp(shape, arch, base or lora)
     settings = None
     if lora is not None:
         check_lora_targets(lora, arch, shape, opts.allow_partial_lora)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_merge.errors import MergeError
-from lora_merge.model.layout import AsStored
-from lora_merge.merge_plan import build_plan
+from lora_merge.model.layout import AsStored, SharedCopy
+from lora_merge.merge_plan import build_plan, check_copy
 from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
@@ -47,6 +47,19 @@ class ConvertResult:
     writer: object = None
 
 
+def drop_mtp_copies(plan) -> None:
+    """The MTP layers' copies of the embedding and output head: Megatron shares the main ones, so each copy
+    must be one (first and last rows compared) and is not written."""
+    copies = [task for task in plan.tasks if isinstance(getattr(task.rule, "rule", task.rule), SharedCopy)]
+    main = {out.name: task for task in plan.tasks for out in task.outputs}
+    for task in copies:
+        rule, name = getattr(task.rule, "rule", task.rule), task.outputs[0].name
+        check_copy(task.pieces, main[rule.copy_of].pieces, name, rule.copy_of,
+                   "Megatron's multi-token-prediction layers share the main model's, so they must be equal")
+        plan.tasks.remove(task)
+        plan.skipped["copies of the embedding and output layer in the MTP layers (Megatron shares them)"] += 1
+
+
 def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     target = opts.target
     started = time.monotonic()
@@ -73,8 +86,9 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     for note in plan.notes:
         if "num_nextn_predict_layers" not in note:
             opts.warn(note)
+    drop_mtp_copies(plan)
     mtp = [task for task in plan.tasks if isinstance(getattr(task.rule, "rule", task.rule), AsStored)]
-    if mtp:  # Megatron's own MTP layers (mtp.*) are another module tree; not written, and said so
+    if mtp:  # MTP layers of a family whose Megatron MTP layout is not known: not written, and said so
         plan.tasks = [task for task in plan.tasks if task not in mtp]
         plan.skipped["multi-token-prediction layer tensors of the HF base (Megatron's MTP layers are not written)"] \
             += len(mtp)

@@ -118,7 +118,7 @@ def _model_args(shape: ModelShape) -> dict:
         norm_epsilon=shape.norm_eps, apply_layernorm_1p=False, swiglu=True, add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm or shape.mla is not None,
         untie_embeddings_and_output_weights=not shape.tied, tokenizer_type="PretrainedFromHF",
-        hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=None,
+        hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=shape.mtp_layers if shape.mtp_in_source else None,
     )
     args.update(megatron_rope_args(shape.rope_scaling))
     if shape.moe is not None:

@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
+from lora_merge.model.mtp import OWN as MTP_OWN, args_mtp_layers
 from lora_merge.errors import MergeError
 from lora_merge.model.moe_shape import megatron_moe_layers
 from lora_merge.files.output_file import ALIGN as ALIGN_DIRECT, OutputFile
@@ -147,12 +148,13 @@ class DistModelFacts:
     per_layer_keys: bool = False
     multi_latent_attention: bool = False
     transformer_impl: str = "local"
+    mtp_layers: int = 0  # Megatron-Core's MTP layers: per-layer keys mtp.layers.{k}.… (model/mtp.py)
 
     @classmethod
     def from_args(cls, args) -> "DistModelFacts":
         """The facts of a Megatron-LM training run, from its args (as saved in a checkpoint)."""
         impl = getattr(args, "transformer_impl", "local") or "local"
-        for name in ("heterogeneous_layers_config_path", "linear_attention_freq", "mtp_num_layers"):
+        for name in ("heterogeneous_layers_config_path", "linear_attention_freq"):
             if getattr(args, name, None):
                 raise MergeError(f"writing a torch_dist checkpoint: args.{name} is set; layers of that kind are not "
                                  "laid out by this writer")
@@ -163,8 +165,11 @@ class DistModelFacts:
         moe = megatron_moe_layers(args, num_layers, "writing a torch_dist checkpoint")
         freq = getattr(args, "moe_layer_freq", None)
         per_layer = not (freq is None or (isinstance(freq, int) and freq <= 1))
+        mtp = args_mtp_layers(args)  # built with the last decoder layer's spec
+        if mtp and num_experts and num_layers - 1 in moe:
+            moe = set(moe) | set(range(num_layers, num_layers + mtp))
         return cls(num_layers, frozenset(moe) if num_experts else frozenset(), num_experts, per_layer,
-                   bool(getattr(args, "multi_latent_attention", False)), impl)
+                   bool(getattr(args, "multi_latent_attention", False)), impl, mtp)
 
 
 @dataclass
@@ -319,9 +324,16 @@ class DistCheckpointWriter:
         m = self.model
         if layer is None:
             return name, shape, (0,) * len(shape), None
-        if layer >= m.num_layers:
+        if layer >= m.num_layers + m.mtp_layers:
             raise MergeError(f"writing a torch_dist checkpoint: {name} is in layer {layer}, but the model has "
-                             f"{m.num_layers} layers")
+                             f"{m.num_layers} layers" + (f" and {m.mtp_layers} MTP layers" if m.mtp_layers else ""))
+        mtp = layer >= m.num_layers  # MultiTokenPredictionLayer: keys per layer, its decoder layer's inside
+        if mtp and rest.startswith(MTP_OWN):
+            module = rest.rsplit(".", 1)[0]
+            key = f"mtp.layers.{layer - m.num_layers}.{rest}"
+            extra = _object_key(f"mtp.layers.{layer - m.num_layers}.{module}._extra_state", (0,), (1,)) \
+                if module == "eh_proj" else None
+            return key, shape, (0,) * len(shape), extra
         if not m.multi_latent_attention:
             if rest.startswith(MLA_MODULES):
                 raise MergeError(f"writing a torch_dist checkpoint: {name} is multi-latent attention, but the model "
@@ -334,6 +346,8 @@ class DistCheckpointWriter:
                              "MLA has linear_q_down_proj / linear_kv_down_proj, not MindSpeed's fused linear_qkv)")
         stacked = "decoder.layers." if not m.per_layer_keys else f"decoder.layers.{layer}."
         lead_shape, lead_offsets = ((m.num_layers,), (layer,)) if not m.per_layer_keys else ((), ())
+        if mtp:
+            stacked, lead_shape, lead_offsets = f"mtp.layers.{layer - m.num_layers}.transformer_layer.", (), ()
         expert = EXPERT.match(rest)
         if expert is not None:
             e, tail = int(expert.group(1)), expert.group(2)
@@ -635,14 +649,14 @@ class MegatronDistOutput(RowScatter):
 
     def __init__(self, arch, shape, dtypes: dict, args, padded_vocab: int):
         from lora_merge.model.architectures import iter_rules
-        from lora_merge.model.layout import Skip
+        from lora_merge.model.layout import SharedCopy, Skip
 
         super().__init__(shape)
         self.args, self.out, self.writer = args, None, None
         self.tensors: list[DistTensor] = []
         self._named: list[tuple[str, Target]] = []
         for rule, names, hf_prefix in iter_rules(arch, shape):
-            if isinstance(rule, Skip):
+            if isinstance(rule, (Skip, SharedCopy)):  # (Megatron shares what the MTP layers' copies copy)
                 continue
             name = names[0]
             shard_shapes = target_shard_shapes(rule, shape, 1, padded_vocab, name)

@@ -24,7 +24,8 @@ from pathlib import Path
 from lora_merge.model.architectures import Architecture, iter_rules
 from lora_merge.model.architectures.base import MEGATRON_LAYER
 from lora_merge.errors import MergeError
-from lora_merge.model.layout import Skip, VocabParallel
+from lora_merge.model.layout import SharedCopy, Skip, VocabParallel
+from lora_merge.model.mtp import megatron_name as mtp_megatron_name
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.parallel_layout import ParallelLayout, RankFile
 from lora_merge.readers.experts import is_expert_name
@@ -68,11 +69,13 @@ class MegatronLegacyWriter(RowScatter):
         # MindSpeed-LLM's MLA ("pack_mla"): the two down-projections as one replicated linear_qkv
         fused = (lambda n: n.endswith(".self_attention.linear_qkv.weight")) if fused_mla else None
         for rule, names, hf_prefix in iter_rules(arch, shape, fused):
-            if isinstance(rule, Skip):
+            if isinstance(rule, (Skip, SharedCopy)):
                 continue
             name = names[0]
-            if hf_prefix:  # a decoder layer's parameter: its stage, chunk and local number
-                layer = int(hf_prefix.split(".")[2])  # HF_LAYER: model.layers.{i}.
+            layer = int(hf_prefix.split(".")[2]) if hf_prefix else None  # HF_LAYER: model.layers.{i}.
+            if layer is not None and layer >= shape.num_layers:  # an MTP layer: the last stage's last chunk
+                stage, chunk, local_name = last_stage, last_chunk, mtp_megatron_name(name, shape.num_layers)
+            elif layer is not None:  # a decoder layer's parameter: its stage, chunk and local number
                 stage, chunk, local = homes[layer]
                 local_name = MEGATRON_LAYER.format(i=local) + name[len(MEGATRON_LAYER.format(i=layer)):]
             elif name.startswith("embedding."):
@@ -98,6 +101,12 @@ class MegatronLegacyWriter(RowScatter):
                 # the last stage keeps its own copy of a tied embedding as output_layer (Megatron synchronises
                 # them at start-up); it must be there for a strict load
                 self._place(rule, hf_prefix, name, "output_layer.weight", tp, dtypes, padded_vocab,
+                            [f for f in self.files if f.rank.pp == last_stage], last_chunk)
+            if isinstance(rule, VocabParallel) and name.startswith("embedding.") and shape.mtp_in_source and (
+                    layout.pp > 1 or layout.vpp > 1):
+                # the MTP layers' chunk keeps its own copy of the embedding (Megatron-Core ties it to the first
+                # stage's); a strict load expects it
+                self._place(rule, hf_prefix, name, name, tp, dtypes, padded_vocab,
                             [f for f in self.files if f.rank.pp == last_stage], last_chunk)
         for t in self.targets:
             if not isinstance(t, Block):
@@ -207,13 +216,24 @@ _LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attenti
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.)?")
 
 
+_MTP_ORDER = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")
+
+
 def _megatron_order(name: str):
-    if not name.startswith("decoder.layers."):
-        return (0 if name.startswith("embedding.") else 2 if name.startswith("output_layer.") else 1.5,) + (0,) * 3
-    _, _, layer, rest = name.split(".", 3)
+    """GPTModel registers embedding, decoder (layers, final norm), mtp (each layer: enorm, hnorm, eh_proj, its
+    decoder layer, final norm), output_layer."""
+    group, outer = 1, 0
+    if name.startswith("mtp.layers."):
+        group, (_, _, layer, rest) = 1.7, name.split(".", 3)
+        outer = next(i for i, prefix in enumerate(_MTP_ORDER) if rest.startswith(prefix))
+        rest = rest.removeprefix("transformer_layer.")
+    elif name.startswith("decoder.layers."):
+        _, _, layer, rest = name.split(".", 3)
+    else:
+        return (0 if name.startswith("embedding.") else 2 if name.startswith("output_layer.") else 1.5,) + (0,) * 4
     place = next(i for i, prefix in enumerate(_LAYER_ORDER + ("",)) if rest.startswith(prefix))
     expert = _EXPERT.match(rest)
-    return (1, int(layer), place, int(expert.group(1)) if expert and expert.group(1) else 0)
+    return (group, int(layer), outer, place, int(expert.group(1)) if expert and expert.group(1) else 0)
 
 
 def _with_extra_state(chunk: OrderedDict, linears: set[str]) -> OrderedDict:

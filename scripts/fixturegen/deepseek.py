@@ -80,6 +80,9 @@ BUILT = {
 # The same model and values with the base saved as torch_dist by Megatron's dist_checkpointing: the
 # column-split down-projections become TP chunks of one global tensor.
 BUILT["deepseek_v3_dist_tp2etp1_ep2"] = dict(BUILT["deepseek_v3_tp2etp1_ep2"], base_format="torch_dist")
+# The same model and LoRA with one multi-token-prediction layer (an MLA + MoE layer under mtp.layers.0, which the
+# LoRA trains too): DeepSeek-V3's own MTP, as MindSpeed-LLM's DeepSeek-V3 recipes train with --mtp-num-layers 1
+BUILT["deepseek_v3_mtp_tp2etp1_ep2"] = dict(BUILT["deepseek_v3_tp2etp1_ep2"], mtp=1, mtp_router_seed=31001)
 # MLATransformerConfig (megatron-core 0.16.1) defaults of the YaRN fields that no Megatron-LM argument sets
 # (checked against the built config in the worker)
 MLA_YARN_CONFIG_DEFAULTS = dict(original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
@@ -152,10 +155,10 @@ def attn_shapes(spec: dict) -> dict:
 def canonical_ds_base(torch, spec: dict, vpad: int) -> dict:
     """The GPT base of lib.canonical_gpt_base (embedding, norms, output layer, linear_proj [H, NH*v_head_dim],
     the dense MLPs) with its GQA linear_qkv replaced by the MLA linears, and the MoE layers."""
-    dm = dims(spec)
-    seed = spec["base_seed"]
-    t = lib.canonical_gpt_base(torch, seed, False, vpad, dm)
-    for i in range(dm["num_layers"]):
+    dm, n = dims(spec), spec.get("mtp", 0)
+    L, seed = dm["num_layers"], spec["base_seed"]
+    t = lib.canonical_gpt_base(torch, seed, False, vpad, dict(dm, num_layers=L + n))  # MTP: made as layers L+k
+    for i in range(L + n):
         p = f"decoder.layers.{i}.self_attention."
         del t[p + "linear_qkv.weight"]
         for m, (fin, fout) in attn_shapes(spec).items():
@@ -164,19 +167,20 @@ def canonical_ds_base(torch, spec: dict, vpad: int) -> dict:
         if dm["q_lora_rank"]:
             t[p + "q_layernorm.weight"] = lib.randn(torch, seed, p + "qln", (dm["q_lora_rank"],), 0.1, 1.0)
         t[p + "kv_layernorm.weight"] = lib.randn(torch, seed, p + "kvln", (dm["kv_lora_rank"],), 0.1, 1.0)
-    return lib.add_experts(torch, t, spec, dm, moe_layers(spec), dm["shared_ffn"],
-                           bias_std=spec["bias_std"] if spec["expert_bias"] else None)
+    t = lib.add_experts(torch, t, spec, dm, moe_layers(spec) + list(range(L, L + n)), dm["shared_ffn"],
+                        bias_std=spec["bias_std"] if spec["expert_bias"] else None)
+    return lib.as_mtp_layers(torch, t, spec, dm)
 
 
 def lora_modules(spec: dict) -> dict:
-    """{global module path: (in, out)} of every module PEFT wraps."""
-    dm = dims(spec)
-    out = {}
-    for i in range(dm["num_layers"]):
+    """{global module path: (in, out)} of every module PEFT wraps (the MTP layers' too)."""
+    dm, n = dims(spec), spec.get("mtp", 0)
+    L, out = dm["num_layers"], {}
+    for i in range(L + n):
         for m, io in attn_shapes(spec).items():
             out[f"decoder.layers.{i}.self_attention." + m] = io
-        lib.mlp_lora_modules(out, i, i in moe_layers(spec), dm, spec["num_experts"], dm["shared_ffn"])
-    return out
+        lib.mlp_lora_modules(out, i, i in moe_layers(spec) or i >= L, dm, spec["num_experts"], dm["shared_ffn"])
+    return {lib.mtp_name(k, L): v for k, v in out.items()}
 
 
 def canonical_ds_lora(torch, spec: dict, seed: int) -> dict:
@@ -258,16 +262,18 @@ def hf_mapping(spec: dict, fused_qkv: bool = False) -> list:
 def hf_state_dict(spec: dict, base: dict, lora: dict | None, fused: dict | None = None) -> dict:
     """HF tensors from canonical global Megatron tensors, the LoRA merged in fp32: W + alpha/r * B @ A.
     fused: MindSpeed's linear_qkv LoRA (replaces the q_down / kv_down LoRA)."""
-    dm = dims(spec)
-    ql = dm["q_lora_rank"]
+    dm, n = dims(spec), spec.get("mtp", 0)
+    L, ql = dm["num_layers"], dm["q_lora_rank"]
     if fused is not None:
         lora = fused_as_upstream(spec, lora, fused)
+    base, lora = lib.mtp_as_layers(base, L), lib.mtp_as_layers(lora, L) if lora is not None else None
 
     def W(name):
         return lib.merged_weight(base, lora, name)
 
-    out = lib.hf_outer(base, dm)
-    for i in range(dm["num_layers"]):
+    out = lib.hf_outer(base, dict(dm, num_layers=L + n))
+    lib.hf_mtp_extras(out, base, L, n)
+    for i in range(L + n):
         p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         a, ha = p + "self_attention.", h + "self_attn."
         if ql:
@@ -280,7 +286,7 @@ def hf_state_dict(spec: dict, base: dict, lora: dict | None, fused: dict | None 
         out[ha + "kv_a_layernorm.weight"] = base[a + "kv_layernorm.weight"]
         out[ha + "kv_b_proj.weight"] = W(a + "linear_kv_up_proj")
         out[ha + "o_proj.weight"] = W(a + "linear_proj")
-        if i in moe_layers(spec):
+        if i in moe_layers(spec) or i >= L:
             out[h + "mlp.gate.weight"] = base[p + "mlp.router.weight"]
             if spec["expert_bias"]:
                 out[h + "mlp.gate.e_score_correction_bias"] = base[p + "mlp.router.expert_bias"]
@@ -335,6 +341,7 @@ def make_ds_args(torch, spec, iteration, world, lora, filtered, load, save):
         moe_router_topk_scaling_factor=spec["scaling"], moe_router_num_groups=spec["groups"][0] if spec["groups"] else None,
         moe_router_group_topk=spec["groups"][1] if spec["groups"] else None, moe_router_dtype="fp32",
         lora_target_modules=list(targets(spec)) if lora else [],
+        mtp_num_layers=spec.get("mtp"), mtp_loss_scaling_factor=0.1,
     )
     return a
 
@@ -443,7 +450,7 @@ def hf_config(spec):
         assert spec["topk"] == 2 * GK  # HF's group score is the sum of the top 2 (Megatron's: top topk/GK)
         assert spec["score"] == "sigmoid" and spec["expert_bias"] and not spec["pre_softmax"]
         return DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], n_group=G, topk_group=GK,
-                                norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=0,
+                                norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=spec.get("mtp", 0),
                                 scoring_func="sigmoid", topk_method="noaux_tc", **common)
     assert spec["score"] == "softmax" and spec["pre_softmax"] and not spec["groups"] and not spec["expert_bias"]
     return DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], n_group=1, topk_group=1,
@@ -501,7 +508,7 @@ def hf_check(spec, d: Path, fused: bool = False) -> dict:
             res["yarn_controls_lora_max_abs"] = yarn_controls(torch, spec, tmp, ref, model)
         return res
 
-    return lib.hf_check(d, state_dict, extra)
+    return lib.hf_check(d, state_dict, extra, mtp=spec.get("mtp", 0))
 
 
 def hf_yarn_internals(model) -> dict:
@@ -878,6 +885,7 @@ class DeepSeek(lib.Family):
             tp=spec["tp"], pp=1, ep=spec["ep"], etp=spec["etp"], world_size=world,
             dtype="float32", lora="filtered", r=lib.LORA_R, alpha=lib.LORA_ALPHA, targets=targets(spec),
             num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
+            mtp_num_layers=spec.get("mtp", 0),
             multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
             qk_head_dim=dm["qk_head_dim"], qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
             kv_channels=dm["v_head_dim"], qk_layernorm=True, rope_type="yarn" if spec.get("yarn") else "rope",

@@ -184,14 +184,68 @@ def lora_factors(torch, seed: int, modules: dict) -> dict:
     return t
 
 
+def mtp_name(name: str, num_layers: int) -> str:
+    """A decoder layer L+k's name -> MTP layer k's transformer layer's (other names unchanged)."""
+    if name.startswith("decoder.layers."):
+        i, rest = name.split(".", 3)[2:]
+        if int(i) >= num_layers:
+            return f"mtp.layers.{int(i) - num_layers}.transformer_layer.{rest}"
+    return name
+
+
+def mtp_as_layers(t: dict, num_layers: int) -> dict:
+    """mtp_name's inverse on a whole dict: MTP layer k's transformer layer named as decoder layer L+k."""
+    out = {}
+    for name, x in t.items():
+        if name.startswith("mtp.layers.") and ".transformer_layer." in name:
+            k, rest = name[len("mtp.layers."):].split(".transformer_layer.")
+            name = f"decoder.layers.{num_layers + int(k)}.{rest}"
+        out[name] = x
+    return out
+
+
+def as_mtp_layers(torch, t: dict, spec: dict, dm: dict) -> dict:
+    """A canonical base made with L+n decoder layers (n = spec["mtp"]) -> L layers and n MTP layers, each with
+    its own enorm, hnorm (RMSNorms), eh_proj [H, 2H] and final_layernorm; their routers get a seed of their own
+    (spec["mtp_router_seed"], chosen for their top-k margins)."""
+    L, H, seed = dm["num_layers"], dm["hidden_size"], spec["base_seed"]
+    t = {mtp_name(name, L): x for name, x in t.items()}
+    for k in range(spec.get("mtp", 0)):
+        p = f"mtp.layers.{k}."
+        t[p + "enorm.weight"] = randn(torch, seed, p + "enorm", (H,), 0.1, 1.0)
+        t[p + "hnorm.weight"] = randn(torch, seed, p + "hnorm", (H,), 0.1, 1.0)
+        t[p + "eh_proj.weight"] = randn(torch, seed, p + "eh_proj", (H, 2 * H), 0.06)
+        t[p + "final_layernorm.weight"] = randn(torch, seed, p + "lnf", (H,), 0.1, 1.0)
+        r = p + "transformer_layer.mlp.router."
+        if r + "weight" in t:
+            t[r + "weight"] = randn(torch, spec["mtp_router_seed"], r + "weight", t[r + "weight"].shape,
+                                    spec["router_std"])
+        if r + "expert_bias" in t:
+            t[r + "expert_bias"] = randn(torch, spec["mtp_router_seed"], r + "bias", (spec["num_experts"],),
+                                         spec["bias_std"])
+    return t
+
+
+def hf_mtp_extras(out: dict, base: dict, num_layers: int, n: int) -> None:
+    """MTP layer k's own HF tensors as releases store them under model.layers.{L+k}: enorm, hnorm, eh_proj,
+    shared_head.norm (Megatron's final_layernorm) and copies of the embedding and lm_head (out has the main ones)."""
+    for k in range(n):
+        p, h = f"mtp.layers.{k}.", f"model.layers.{num_layers + k}."
+        for mine, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                             ("final_layernorm", "shared_head.norm")):
+            out[h + theirs + ".weight"] = base[p + mine + ".weight"]
+        out[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        out[h + "shared_head.head.weight"] = out["lm_head.weight"]
+
+
 def shard(torch, name: str, x, tp_rank: int, tp: int):
     """Slice rank tp_rank's shard of a canonical global tensor, as Megatron / PEFT lay it out."""
     if tp == 1:
         return x.clone()
     col0 = lambda: x.chunk(tp, dim=0)[tp_rank].clone()  # noqa: E731
     col1 = lambda: x.chunk(tp, dim=1)[tp_rank].clone()  # noqa: E731
-    if name.endswith("layernorm.weight"):
-        return x.clone()  # replicated
+    if name.endswith(("layernorm.weight", ".enorm.weight", ".hnorm.weight")):
+        return x.clone()  # replicated (the MTP layers' enorm / hnorm too)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return col0()  # vocab parallel
     is_fc1 = ".linear_fc1." in name
@@ -203,7 +257,7 @@ def shard(torch, name: str, x, tp_rank: int, tp: int):
     # is gathered before q_layernorm / kv_layernorm); TransformerEngine's spec duplicates them instead
     mla_column = (".linear_q_down_proj.", ".linear_kv_down_proj.", ".linear_q_up_proj.", ".linear_kv_up_proj.",
                   ".linear_q_proj.")
-    column = ".linear_qkv." in name or is_fc1 or any(m in name for m in mla_column)
+    column = ".linear_qkv." in name or ".eh_proj." in name or is_fc1 or any(m in name for m in mla_column)
     row = ".linear_proj." in name or ".linear_fc2." in name
     if name.endswith("lora_A.weight"):
         return col1() if row else x.clone()  # row: sharded on dim 1; column: replicated
@@ -227,7 +281,7 @@ def to_local_layer(name: str, chunk_layers: list, first: bool, last: bool):
         return f"decoder.layers.{chunk_layers.index(i)}.{rest}"
     if name.startswith("embedding."):
         return name if first else None
-    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+    if name.startswith(("decoder.final_layernorm.", "output_layer.", "mtp.")):
         return name if last else None
     return name
 
@@ -558,7 +612,7 @@ def config_kwargs(rk) -> dict:
         tensor_model_parallel_size=rk.TP, pipeline_model_parallel_size=rk.PP, use_cpu_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, mtp_num_layers=rk.spec.get("mtp"),
     )
 
 
@@ -726,14 +780,20 @@ class Rank:
         """The model chunks of this rank, as megatron.training.get_model builds them (one per virtual
         stage, pre_process / post_process per chunk); Megatron's own layer numbering checked."""
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         chunks, firsts, lasts = [], [], []
         for v in range(self.VPP or 1):
             vp = v if self.VPP else None
             pre = self.ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = self.ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+            layer_spec = self.family.layer_spec(self, config, **variant)
+            mtp = {}
+            if self.spec.get("mtp"):  # multi-token-prediction layers: on the last stage, the last layer's spec
+                mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False,
+                                                               vp_stage=vp, pp_rank=self.pp_rank)
             m = GPTModel(
-                config=config, transformer_layer_spec=self.family.layer_spec(self, config, **variant),
+                config=config, transformer_layer_spec=layer_spec, **mtp,
                 vocab_size=self.vpad, max_sequence_length=self.dm["max_position_embeddings"], pre_process=pre,
                 post_process=post, parallel_output=True, share_embeddings_and_output_weights=self.tied,
                 position_embedding_type="rope", rotary_base=self.dm["rotary_base"],
@@ -760,9 +820,10 @@ class Rank:
                     continue
                 if ".mlp.experts." in k:
                     parts, e_loc = lk.split("."), self.spec["num_experts"] // self.EP
-                    if int(parts[5]) // e_loc != self.ep_rank:
+                    at = parts.index("experts") + 1  # decoder.layers.i.mlp.experts.E / mtp.layers.k.….experts.E
+                    if int(parts[at]) // e_loc != self.ep_rank:
                         continue
-                    lk = ".".join(parts[:5] + ["local_experts", str(int(parts[5]) % e_loc)] + parts[6:])
+                    lk = ".".join(parts[:at] + ["local_experts", str(int(parts[at]) % e_loc)] + parts[at + 1:])
                     x = shard(torch, lk, x, self.etp_rank, self.spec["etp"])
                 elif k.endswith(("mlp.router.weight", "mlp.router.expert_bias", "shared_experts.gate_weight")):
                     x = x.clone()  # replicated
@@ -804,19 +865,31 @@ class Rank:
         activations go to the next pipeline rank (ring: the last rank's chunk v feeds pp0's v+1).
         The logits on the last stage (trimmed to the vocabulary), None elsewhere."""
         torch, S, B = self.torch, self.dm["seq_length"], BATCH
-        res = None
+        res, mtp = None, self.spec.get("mtp")
         with torch.no_grad():
             for v, m in enumerate(self.chunks):
                 if not self.chunk_first[v]:
                     recv = torch.empty(S, B, self.dm["hidden_size"], dtype=torch.float32)
                     self.dist.recv(recv, src=self.ps.get_pipeline_model_parallel_prev_rank())
                     m.set_input_tensor(recv)
+                calls, hook = [], None
+                if mtp and self.chunk_last[v]:
+                    # GPTModel with MTP needs labels and then returns the loss: the logits are the output layer's
+                    # calls, one per MTP layer, then the main one
+                    hook = m.output_layer.register_forward_hook(lambda mod, a, out: calls.append(out[0].detach().clone()))
                 res = m(
                     input_ids=self.input_ids if self.chunk_first[v] else None,
                     position_ids=self.position_ids,
                     attention_mask=self.mask,
                     runtime_gather_output=True,
+                    **({"labels": torch.zeros_like(self.input_ids)} if mtp and self.chunk_last[v] else {}),
                 )
+                if hook is not None:
+                    hook.remove()
+                    assert len(calls) == mtp + 1, len(calls)
+                    res = calls[-1].transpose(0, 1)
+                    self.mtp_logits = torch.stack([c.transpose(0, 1)[..., : self.dm["vocab_size"]].float()
+                                                   for c in calls[:-1]]).contiguous()
                 if not self.chunk_last[v]:
                     self.dist.send(res.contiguous().float(), dst=self.ps.get_pipeline_model_parallel_next_rank())
                     res = None
@@ -921,6 +994,7 @@ class Rank:
         # ---------- base ----------
         self.fill(self.base_local)
         self.logits_base = self.forward()
+        self.mtp_logits_base = getattr(self, "mtp_logits", None)
         self.route_base = self.routing_stats()
         base_sd = self.chunk_sds()
         self.check_replicated(base_sd)
@@ -960,6 +1034,7 @@ class Rank:
         self.lora_global = fam.canonical_lora(torch, spec, spec["lora_seed"])
         self.fill(with_lora(self.lora_global))
         self.logits_lora = self.forward()
+        self.mtp_logits_lora = getattr(self, "mtp_logits", None)
         self.route_lora = self.routing_stats()
         lora_sd = self.chunk_sds(lora_only=self.filtered)
         self.check_replicated(lora_sd, lora=True)
@@ -970,8 +1045,10 @@ class Rank:
         gathered = fam.rank_summary(self)
         if self.writer:
             assert self.logits_lora.shape == (B, S, self.dm["vocab_size"])
+            mtp = ({"mtp_logits_lora": self.mtp_logits_lora.clone(), "mtp_logits_base": self.mtp_logits_base.clone()}
+                   if self.spec.get("mtp") else {})
             torch.save({"input_ids": self.input_ids.clone(), "logits_lora": self.logits_lora.clone(),
-                        "logits_base": self.logits_base.clone()}, self.out / "logits.pt")
+                        "logits_base": self.logits_base.clone(), **mtp}, self.out / "logits.pt")
             summary = dict(
                 layout=self.layout_info,
                 lora_vs_base_max_abs=(self.logits_lora - self.logits_base).abs().max().item(),
@@ -1036,10 +1113,17 @@ def expert_peft_layout(rk, dense_prefix: bool):
                 assert isinstance(Bm, ColumnParallelLinear) and li["B_is_expert"] == li["base_is_expert"], li
             layout_info.setdefault(kind, li)
     e_loc = rk.spec["num_experts"] // rk.EP
+    def expert_at(name):
+        return name.split(".").index("experts") + 1
+
     expect = {k for k in rk.family.lora_modules(rk.spec)
-              if ".experts." not in k or int(k.split(".")[5]) // e_loc == rk.ep_rank}
-    got = {(".".join(w.split(".")[:5] + [str(rk.ep_rank * e_loc + int(w.split(".")[6]))] + w.split(".")[7:])
-            if ".experts.local_experts." in w else w) for w in wrapped}
+              if ".experts." not in k or int(k.split(".")[expert_at(k)]) // e_loc == rk.ep_rank}
+
+    def global_name(w):
+        parts, at = w.split("."), expert_at(w)
+        return ".".join(parts[:at] + [str(rk.ep_rank * e_loc + int(parts[at + 1]))] + parts[at + 2:])
+
+    got = {global_name(w) if ".experts.local_experts." in w else w for w in wrapped}
     assert got == expect, (sorted(got ^ expect)[:6])
     assert not [w for w in wrapped if "router" in w]
     return layout_info, wrapped
@@ -1271,7 +1355,7 @@ def hf_outer(base: dict, dm: dict) -> dict:
     return out
 
 
-def hf_check(d: Path, state_dict, extra=None) -> dict:
+def hf_check(d: Path, state_dict, extra=None, mtp: int = 0) -> dict:
     """transformers' own model class (hf_ref/config.json) loaded by from_pretrained from state_dict(tag)
     (tag base: no LoRA; lora: LoRA merged), no missing / unexpected / mismatched keys; max |logits -
     Megatron logits| per tag. extra(tag, state dict, model, folder, logits.pt): more result entries."""
@@ -1280,7 +1364,10 @@ def hf_check(d: Path, state_dict, extra=None) -> dict:
     warnings.filterwarnings("ignore")
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    import mtp_oracle  # transformers' MtpModel, as the tests use it
 
     ref = torch.load(d / "logits.pt", weights_only=True)
     res = {}
@@ -1289,8 +1376,11 @@ def hf_check(d: Path, state_dict, extra=None) -> dict:
             shutil.copy(d / "hf_ref" / "config.json", tmp)
             sd = state_dict(tag)
             save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            model, info = AutoModelForCausalLM.from_pretrained(
-                tmp, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+            num_layers = json.loads((d / "hf_ref" / "config.json").read_text())["num_hidden_layers"]
+            cls = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(tmp))]
+            with (mtp_oracle.expecting_mtp_at(cls, num_layers) if mtp else contextlib.nullcontext()):
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    tmp, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
             bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
             assert not bad, bad
             model.eval()
@@ -1298,6 +1388,9 @@ def hf_check(d: Path, state_dict, extra=None) -> dict:
                 logits = model(ref["input_ids"]).logits.float()
             res[f"hf_{type(model).__name__}_vs_megatron_{tag}_max_abs"] = \
                 (logits - ref[f"logits_{tag}"]).abs().max().item()
+            if mtp:  # transformers' MtpModel on the MTP layers, against Megatron's MTP logits
+                got = mtp_oracle.mtp_logits(model, ref["input_ids"])
+                res[f"hf_MtpModel_vs_megatron_mtp_{tag}_max_abs"] = (got - ref[f"mtp_logits_{tag}"]).abs().max().item()
             if extra is not None:
                 res.update(extra(tag, sd, model, tmp, ref))
     return res

@@ -71,6 +71,12 @@ BUILT = {
     "glm4moe_tp2etp1_ep2": dict(QWEN3MOE, family="glm4_moe", tp=2, num_experts=8, moe_layer_freq=[0, 1, 1, 1],
                                 shared=32, score="sigmoid", bias_std=0.05, scaling=2.5, rotary_percent=0.5,
                                 base_seed=19000, lora_seed=20000, router_seed=19007),
+    # the same GLM-4.5 model and LoRA with one multi-token-prediction layer (mtp.layers.0: enorm, hnorm, eh_proj,
+    # a MoE transformer_layer, final_layernorm) that the LoRA trains too
+    "glm4moe_mtp_tp2etp1_ep2": dict(QWEN3MOE, family="glm4_moe", tp=2, num_experts=8, moe_layer_freq=[0, 1, 1, 1],
+                                    shared=32, score="sigmoid", bias_std=0.05, scaling=2.5, rotary_percent=0.5,
+                                    base_seed=19000, lora_seed=20000, router_seed=19007, mtp=1,
+                                    mtp_router_seed=30001),
 }
 # derived (no Megatron run): from qwen3moe_ep2's real checkpoint by the documented layouts
 DERIVED = {
@@ -100,23 +106,29 @@ def moe_layers(spec):
 
 
 def canonical_moe_base(torch, spec: dict, vpad: int) -> dict:
-    dm = dims(spec)
-    t = lib.canonical_gpt_base(torch, spec["base_seed"], qkv_bias(spec), vpad, dm, qk_norm=qk_norm(spec))
-    return lib.add_experts(torch, t, spec, dm, moe_layers(spec), spec["shared"], spec["shared_gate"],
-                           bias_std=spec.get("bias_std"))
+    """The global tensors; MTP layer k is made as decoder layer L+k (the last layer's kind: MoE) and moved under
+    mtp.layers.{k}.transformer_layer, beside its own enorm, hnorm, eh_proj and final_layernorm."""
+    dm, n = dims(spec), spec.get("mtp", 0)
+    L = dm["num_layers"]
+    t = lib.canonical_gpt_base(torch, spec["base_seed"], qkv_bias(spec), vpad, dict(dm, num_layers=L + n),
+                               qk_norm=qk_norm(spec))
+    t = lib.add_experts(torch, t, spec, dm, moe_layers(spec) + list(range(L, L + n)), spec["shared"],
+                        spec["shared_gate"], bias_std=spec.get("bias_std"))
+    return lib.as_mtp_layers(torch, t, spec, dm)
 
 
 def lora_modules(spec: dict) -> dict:
-    """{global module path: (in, out)} of every module PEFT wraps for TARGETS."""
-    dm = dims(spec)
+    """{global module path: (in, out)} of every module PEFT wraps for TARGETS (the MTP layers' too: PEFT
+    matches by suffix)."""
+    dm, n = dims(spec), spec.get("mtp", 0)
     H, NH, NG, D = dm["hidden_size"], dm["num_attention_heads"], dm["num_query_groups"], dm["kv_channels"]
-    out = {}
-    for i in range(dm["num_layers"]):
+    L, out = dm["num_layers"], {}
+    for i in range(L + n):
         p = f"decoder.layers.{i}."
         out[p + "self_attention.linear_qkv"] = (H, (NH + 2 * NG) * D)
         out[p + "self_attention.linear_proj"] = (NH * D, H)
-        lib.mlp_lora_modules(out, i, i in moe_layers(spec), dm, spec["num_experts"], spec["shared"])
-    return out
+        lib.mlp_lora_modules(out, i, i in moe_layers(spec) or i >= L, dm, spec["num_experts"], spec["shared"])
+    return {lib.mtp_name(k, L): v for k, v in out.items()}
 
 
 def canonical_moe_lora(torch, spec: dict, seed: int) -> dict:
@@ -143,7 +155,7 @@ class MoE(lib.Family):
     def targets(self, spec):
         return list(TARGETS)
 
-    def model_kwargs(self, spec):
+    def model_kwargs(self, spec):  # (MTP: library.Rank.build)
         return {"rotary_percent": spec["rotary_percent"]} if "rotary_percent" in spec else {}
 
     def make_config(self, rk, grouped=False):
@@ -174,7 +186,8 @@ class MoE(lib.Family):
         a = lib.moe_args(torch, spec, dims(spec), ATTENTION[spec["family"]], TOPK, iteration, world, lora,
                          filtered, load, save)
         vars(a).update(add_qkv_bias=qkv_bias(spec), qk_layernorm=qk_norm(spec),
-                       rotary_percent=spec.get("rotary_percent", 1.0))
+                       rotary_percent=spec.get("rotary_percent", 1.0), mtp_num_layers=spec.get("mtp"),
+                       mtp_loss_scaling_factor=0.1)
         if sigmoid(spec):  # Megatron-LM 0.16.1: --moe-router-score-function sigmoid --moe-router-enable-expert-bias
             vars(a).update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                            moe_router_bias_update_rate=1e-3, moe_router_topk_scaling_factor=spec["scaling"],
@@ -264,7 +277,7 @@ class MoE(lib.Family):
                                  moe_intermediate_size=dm["moe_ffn_hidden_size"], n_routed_experts=spec["num_experts"],
                                  n_shared_experts=1, first_k_dense_replace=len(dense), n_group=1, topk_group=1,
                                  norm_topk_prob=True, routed_scaling_factor=spec["scaling"],
-                                 num_nextn_predict_layers=0,
+                                 num_nextn_predict_layers=spec.get("mtp", 0),
                                  rope_parameters={"rope_type": "default", "rope_theta": float(dm["rotary_base"]),
                                                   "partial_rotary_factor": spec["rotary_percent"]}, **common)
         if spec["family"] == "qwen2_moe":
@@ -309,6 +322,7 @@ class MoE(lib.Family):
             dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
             moe_shared_expert_intermediate_size=spec["shared"], moe_shared_expert_gate=bool(spec["shared_gate"]),
             qkv_bias=qkv_bias(spec), qk_layernorm=qk_norm(spec), rotary_percent=spec.get("rotary_percent", 1.0),
+            mtp_num_layers=spec.get("mtp", 0), mtp_layers_in_hf="model.layers.{num_layers + k}" if spec.get("mtp") else None,
             router_weight_std=spec["router_std"], base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
             **({"moe_router_enable_expert_bias": True, "expert_bias_std": spec["bias_std"],
                 "moe_router_topk_scaling_factor": spec["scaling"]} if sigmoid(spec) else {}),
@@ -333,7 +347,8 @@ class MoE(lib.Family):
         if not opts.no_hf_check:
             base = canonical_moe_base(torch, spec, lib.padded_vocab(spec["tp"]))
             lora = canonical_moe_lora(torch, spec, spec["lora_seed"])
-            fx["hf_check"] = lib.hf_check(d, lambda tag: hf_state_dict(spec, base, lora if tag == "lora" else None))
+            fx["hf_check"] = lib.hf_check(d, lambda tag: hf_state_dict(spec, base, lora if tag == "lora" else None),
+                                          mtp=spec.get("mtp", 0))
         fx["description"] = describe(spec)
         return fx
 
@@ -378,11 +393,17 @@ class MoE(lib.Family):
 # --------------------------------------------------------------------------------------------
 
 def hf_state_dict(spec, base: dict, lora: dict | None) -> dict:
-    dm = dims(spec)
+    """The HF tensors, MTP layer k as the releases store it: model.layers.{L+k} with enorm, hnorm, eh_proj,
+    shared_head.norm (Megatron's final_layernorm), copies of the embedding and the output layer, and a decoder
+    layer."""
+    dm, n = dims(spec), spec.get("mtp", 0)
+    L = dm["num_layers"]
     H, NH, NG, D = dm["hidden_size"], dm["num_attention_heads"], dm["num_query_groups"], dm["kv_channels"]
-    out = lib.hf_outer(base, dm)
+    base, lora = lib.mtp_as_layers(base, L), lib.mtp_as_layers(lora, L) if lora is not None else None
+    out = lib.hf_outer(base, dict(dm, num_layers=L + n))
     mix = spec["family"] == "mixtral"
-    for i in range(dm["num_layers"]):
+    lib.hf_mtp_extras(out, base, L, n)
+    for i in range(L + n):
         p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = lib.merged_weight(base, lora, p + "self_attention.linear_qkv").view(NG, NH // NG + 2, D, H)
         out[h + "self_attn.q_proj.weight"] = qkv[:, : NH // NG].reshape(-1, H)
@@ -397,7 +418,7 @@ def hf_state_dict(spec, base: dict, lora: dict | None) -> dict:
             out[h + "self_attn.q_norm.weight"] = base[p + "self_attention.q_layernorm.weight"]
             out[h + "self_attn.k_norm.weight"] = base[p + "self_attention.k_layernorm.weight"]
         out[h + "self_attn.o_proj.weight"] = lib.merged_weight(base, lora, p + "self_attention.linear_proj")
-        if i in moe_layers(spec):
+        if i in moe_layers(spec) or i >= L:
             m = h + ("block_sparse_moe." if mix else "mlp.")
             out[m + "gate.weight"] = base[p + "mlp.router.weight"]
             if p + "mlp.router.expert_bias" in base:

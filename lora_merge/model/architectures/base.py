@@ -3,11 +3,11 @@ over layers and experts in output order."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from lora_merge.errors import MergeError
-from lora_merge.model.layout import Rule
+from lora_merge.model.layout import Rule, SharedCopy
 
 if TYPE_CHECKING:
     from lora_merge.model.model_shape import ModelShape
@@ -65,10 +65,16 @@ class Architecture:
     layer_rules: tuple[Rule, ...]  # names relative to MEGATRON_LAYER / HF_LAYER; `{expert}` per routed expert
     after_layers: tuple[Rule, ...]
     config: HfConfig | None = None  # the HF model type it is; None for shared tables (dense.DENSE_DECODER)
+    # a multi-token-prediction layer's own parameters beside its decoder layer (names relative to the layer, as
+    # layer_rules'; SharedCopy rules name the shared parameter in full); () where no MTP layout is known
+    mtp_rules: tuple[Rule, ...] = ()
 
     def of(self, config: HfConfig) -> "Architecture":
         """This table for one HF model type."""
-        return Architecture(config.model_type, self.before_layers, self.layer_rules, self.after_layers, config)
+        return replace(self, name=config.model_type, config=config)
+
+    def with_mtp(self, rules: tuple[Rule, ...]) -> "Architecture":
+        return replace(self, mtp_rules=rules)
 
     def active(self, rules: tuple[Rule, ...], shape: ModelShape) -> list[Rule]:
         return [r for r in rules if r.requires is None or r.requires in shape.features]
@@ -84,17 +90,35 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
     for rule in arch.active(arch.before_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
     for i in range(shape.num_layers):
-        prefix, kind = MEGATRON_LAYER.format(i=i), "moe" if shape.is_moe_layer(i) else "dense"
-        rules = arch.active(arch.layer_rules, shape)
-        chosen = [r for r in rules if r.instead_of and present is not None and present(prefix + r.megatron)]
-        replaced = {name for r in chosen for name in r.instead_of}
-        for rule in rules:
-            if rule.layers not in ("all", kind) or rule.megatron in replaced or (rule.instead_of and rule not in chosen):
-                continue
-            for bound in ([rule.bind(expert=e) for e in range(shape.moe.num_experts)] if rule.per_expert else [rule]):
-                yield bound, tuple(prefix + n for n in (bound.megatron, *bound.aliases)), HF_LAYER.format(i=i)
+        yield from _layer(arch, shape, i, "moe" if shape.is_moe_layer(i) else "dense", present)
     for rule in arch.active(arch.after_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
+    # The multi-token-prediction layers the source holds, as decoder layers L+k (see model/mtp.py): built with
+    # the last decoder layer's spec, and their own parameters beside it
+    last = "moe" if shape.is_moe_layer(shape.num_layers - 1) else "dense"
+    for i in range(shape.num_layers, shape.num_layers + shape.mtp_layers if shape.mtp_in_source else 0):
+        prefix, hf_prefix = MEGATRON_LAYER.format(i=i), HF_LAYER.format(i=i)
+        for rule in arch.active(arch.mtp_rules, shape)[:MTP_OWN_BEFORE]:
+            yield rule, (prefix + rule.megatron,), hf_prefix
+        yield from _layer(arch, shape, i, last, present)
+        for rule in arch.active(arch.mtp_rules, shape)[MTP_OWN_BEFORE:]:
+            names = (rule.megatron,) if isinstance(rule, SharedCopy) else (prefix + rule.megatron,)
+            yield rule, names, hf_prefix
+
+
+MTP_OWN_BEFORE = 3  # an MTP table's rules before its decoder layer (enorm, hnorm, eh_proj; HF's order)
+
+
+def _layer(arch: Architecture, shape: ModelShape, i: int, kind: str, present):
+    prefix = MEGATRON_LAYER.format(i=i)
+    rules = arch.active(arch.layer_rules, shape)
+    chosen = [r for r in rules if r.instead_of and present is not None and present(prefix + r.megatron)]
+    replaced = {name for r in chosen for name in r.instead_of}
+    for rule in rules:
+        if rule.layers not in ("all", kind) or rule.megatron in replaced or (rule.instead_of and rule not in chosen):
+            continue
+        for bound in ([rule.bind(expert=e) for e in range(shape.moe.num_experts)] if rule.per_expert else [rule]):
+            yield bound, tuple(prefix + n for n in (bound.megatron, *bound.aliases)), HF_LAYER.format(i=i)
 
 
 def pick_name(names: tuple[str, ...], available, where) -> str | None:

@@ -4,6 +4,7 @@ renormalised and scaled weights.
 """
 
 from lora_merge.model.architectures.base import HfConfig, PeftQuirks
+from lora_merge.model.architectures.mtp import MTP_LAYER
 from lora_merge.model.architectures.mla import MLA_KEYS, deepseek_decoder, read_mla
 from lora_merge.model.architectures.moe import DEEPSEEK_MOE_KEYS, EXPERT_BIAS, expected_values, sigmoid_moe
 from lora_merge.errors import MergeError
@@ -30,4 +31,4 @@ CONFIG = HfConfig(
     peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
 )
 
-ARCHITECTURE = deepseek_decoder(CONFIG, EXPERT_BIAS)
+ARCHITECTURE = deepseek_decoder(CONFIG, EXPERT_BIAS).with_mtp(MTP_LAYER)

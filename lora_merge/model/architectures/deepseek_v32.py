@@ -13,6 +13,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.model.architectures.base import HfConfig, PeftQuirks
+from lora_merge.model.architectures.mtp import MTP_LAYER
 from lora_merge.model.architectures.mla import MLA_ATTENTION, MLA_KEYS
 from lora_merge.model.architectures.moe import (DEEPSEEK_MOE_KEYS, EXPERT_BIAS, deepseek_moe_decoder, expected_values,
                                                 sigmoid_moe)
@@ -65,4 +66,4 @@ INDEXER_RULES = (
                hf="self_attn.indexer.weights_proj.weight", requires="indexer", keep_dtype=torch.float32),
 )
 
-ARCHITECTURE = deepseek_moe_decoder(CONFIG, MLA_ATTENTION + INDEXER_RULES, EXPERT_BIAS)
+ARCHITECTURE = deepseek_moe_decoder(CONFIG, MLA_ATTENTION + INDEXER_RULES, EXPERT_BIAS).with_mtp(MTP_LAYER)

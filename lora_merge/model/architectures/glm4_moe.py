@@ -7,6 +7,7 @@ weights, and a shared expert. Its multi-token-prediction layers (num_nextn_predi
 DeepSeek's are."""
 
 from lora_merge.model.architectures.base import HfConfig, PeftQuirks
+from lora_merge.model.architectures.mtp import MTP_LAYER
 from lora_merge.model.architectures.dense import ATTENTION
 from lora_merge.model.architectures.moe import EXPERT_BIAS, deepseek_moe_decoder, sigmoid_moe
 
@@ -20,4 +21,4 @@ CONFIG = HfConfig(
     fused_experts="mlp.experts", peft=PeftQuirks(converts_expert_targets=True, remaps_every_mlp_target=True),
 )
 
-ARCHITECTURE = deepseek_moe_decoder(CONFIG, ATTENTION, EXPERT_BIAS)
+ARCHITECTURE = deepseek_moe_decoder(CONFIG, ATTENTION, EXPERT_BIAS).with_mtp(MTP_LAYER)
