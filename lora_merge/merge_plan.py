@@ -143,7 +143,7 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     if lora is not None and shape.mtp_in_source and not any(
             (t.lora or t.delta) and in_mtp_layer(t.megatron, shape.num_layers) for t in plan.tasks):
         plan.notes.append(f"the LoRA does not adapt the multi-token-prediction layer(s) "
-                          f"{', '.join(p.split('.')[2] for p in shape.mtp_prefixes)}: written from the base as they are")
+                          f"{shape.mtp_label}: written from the base as they are")
     if unclaimed:
         raise MergeError(f"{base.path}: {'tensors' if base.hf_named else 'parameters'} this {shape.model_type} layout "
                          f"does not know: {_preview(unclaimed)}")
@@ -235,10 +235,10 @@ def _check_own_base(plan: MergePlan, rule: Rule, names, task: Task, shape: Model
 
 
 def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
-    """The multi-token-prediction layers of DeepSeek-V3/V3.2 and GLM-4.5 (HF layers num_hidden_layers…): a
-    Megatron LoRA never trains them (checkpoints with MTP layers are refused), so an HF base's are written as
-    they are. Where the source has none, the output config says so, so that no loader looks for weights it
-    lacks."""
+    """The multi-token-prediction layers of an HF base whose layout no rule table carries (a family without
+    `mtp_rules`: Qwen3-Next's mtp.*): no LoRA of this tool's inputs adapts them, so they are written as they are
+    stored. Where the source has none (here or carried), the output config says so, so that no loader looks for
+    weights it lacks."""
     shape = plan.shape
     if not shape.mtp_layers or shape.mtp_in_source:  # none, or carried by the layout rules
         return set()
@@ -251,13 +251,12 @@ def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
                                outputs=[PlannedTensor(name, tuple(ref.shape), ref.dtype)]))
     if kept:
         plan.notes.append(f"copied the {len(kept)} tensors of the multi-token-prediction layer(s) "
-                          f"{', '.join(p.split('.')[2] for p in prefixes)} from the base as they are (not trained by "
-                          "the LoRA)")
+                          f"{shape.mtp_label} from the base as they are (not trained by the LoRA)")
     else:
-        plan.config_changes["num_nextn_predict_layers"] = 0
+        plan.config_changes[shape.mtp_key] = 0
         plan.notes.append(f"the source has no multi-token-prediction layers: the output's config.json says "
-                          f"num_nextn_predict_layers=0 instead of {shape.mtp_layers} (use an HF base that has them to "
-                          "keep them)")
+                          f"{shape.mtp_key}=0 instead of {shape.mtp_layers} (use an HF base that has them to keep "
+                          "them)")
     return kept
 
 

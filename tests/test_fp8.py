@@ -367,3 +367,26 @@ def test_a_ue8m0_release_with_a_scale_that_is_not_a_power_of_two_is_refused(tmp_
 
     run_failing(["--base", str(fp8), "--lora", str(fixture / "lora"), "--hf-ref", str(fixture / "hf_ref"), "--out",
                  str(tmp_path / "out")], capsys, name, "not a power of two", "scale_fmt ue8m0")
+
+
+def test_an_fp8_release_with_its_mtp_layer_merges_as_its_dequantized_values_and_back_to_fp8(tmp_path):
+    """DeepSeek-V3's FP8 release quantizes its MTP layer (model.layers.{L}) as every layer: with a LoRA that
+    trained the MTP layer too, the merge equals the one onto the dequantized base bit for bit, and an FP8 output
+    quantizes the MTP layer's linears as the base had them."""
+    fixture = TESTS / "fixtures_deepseek/deepseek_v3_mtp_tp2etp1_ep2"
+    fp8, dequantized = fp8_release(hf_base(fixture, tmp_path / "hf"), tmp_path)
+    assert "model.layers.2.self_attn.kv_b_proj.weight_scale_inv" in load_file(fp8 / "model-00002-of-00002.safetensors")
+    for base, out in ((fp8, tmp_path / "from-fp8"), (dequantized, tmp_path / "from-deq")):
+        lora_merge.merge(base=base, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=out, dtype="float32",
+                         warn=quiet)
+    a, b = (load_file(tmp_path / f"{d}/model.safetensors") for d in ("from-fp8", "from-deq"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "model.layers.2.eh_proj.weight" in a
+    lora_merge.merge(base=fp8, lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=tmp_path / "fp8-out", dtype="fp8",
+                     warn=quiet)
+    out = {}
+    for shard in (tmp_path / "fp8-out").glob("*.safetensors"):
+        out.update(load_file(shard))
+    quantized = {k for k, v in out.items() if v.dtype == torch.float8_e4m3fn}
+    assert "model.layers.2.self_attn.kv_b_proj.weight" in quantized and "model.layers.2.mlp.experts.3.up_proj.weight" in quantized
+    assert "model.layers.2.eh_proj.weight" not in quantized

@@ -31,7 +31,7 @@ from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.fp8 import read_fp8_config
 from lora_merge.interrupts import raise_if_received
 from lora_merge.model.model_shape import DTYPES, ModelShape, RopeScaling
-from lora_merge.model.rope import hf_rope
+from lora_merge.model.rope import hf_rope, per_layer_type_rope
 from lora_merge.shown import shown
 from lora_merge.files.small_files import json_kind, read_json
 from lora_merge.value_checks import is_int, is_number
@@ -318,7 +318,12 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim")
                                    or "head_dim" in _class_parameters(type(fields.config)))
     max_positions = fields.positive_int("max_position_embeddings")
-    rope_theta, rope_scaling, rotary_percent = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
+    if spec.hf_only and per_layer_type_rope(fields.config):
+        # one RoPE per layer type (Gemma 3): it acts in the forward only, and with no Megatron form there is no
+        # one RoPE to check it against; the config keeps it as published
+        rope_theta, rope_scaling, rotary_percent = None, None, 1.0
+    else:
+        rope_theta, rope_scaling, rotary_percent = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
     _check_partial_rope(fields, spec, rotary_percent, head_dim or hidden // heads, rope_scaling)
     if not any("partial_rotary_factor" in d for d in (fields.raw, fields.raw.get("rope_scaling") or {},
                                                       fields.raw.get("rope_parameters") or {}) if isinstance(d, dict)):
@@ -342,6 +347,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         qk_norm=spec.qk_norm if isinstance(spec.qk_norm, bool) else fields.flag(spec.qk_norm),
         moe=spec.read_moe(fields, num_layers) if spec.read_moe else None,
         mla=spec.read_mla(fields) if spec.read_mla else None,
+        linear_attention=spec.read_linear_attention(fields, num_layers) if spec.read_linear_attention else None,
         dtype=_dtype(fields),
         rope_theta=rope_theta,
         norm_eps=fields.number("rms_norm_eps"),
@@ -349,7 +355,9 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         tokenizer_vocab=tokenizer_ids,
         rotary_percent=rotary_percent,
         hf_only=spec.hf_only,
-        mtp_layers=fields.count("num_nextn_predict_layers") if "num_nextn_predict_layers" in spec.examined_keys else 0,
+        mtp_layers=fields.count(spec.mtp_key) if spec.mtp_key in spec.examined_keys else 0,
+        mtp_prefix=spec.mtp_prefix,
+        mtp_key=spec.mtp_key,
         defaulted=frozenset(fields.defaulted),
     )
 

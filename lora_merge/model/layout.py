@@ -29,9 +29,13 @@ def named_dims(shape: ModelShape) -> dict[str, int]:
     dims = {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
             "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab, "one": 1,
             "two_hidden": 2 * shape.hidden}
+    dims["gated_q"] = 2 * q  # attention with an output gate: q_proj rows doubled (Qwen3-Next)
     mla = getattr(shape, "mla", None)
     if mla is not None:
         dims.update(mla.dims(shape.heads))
+    linear = getattr(shape, "linear_attention", None)
+    if linear is not None:
+        dims.update(linear.dims())
     moe = getattr(shape, "moe", None)
     if moe is not None:
         dims.update(experts=moe.num_experts, moe_ffn=moe.ffn, gated_moe_ffn=2 * moe.ffn,
@@ -140,7 +144,9 @@ class Rule:
     dims: tuple[str, ...]  # global Megatron shape, in named dimensions
     requires: str | None = None  # a ModelShape feature this parameter exists only with
     aliases: tuple[str, ...] = ()  # other names of the same parameter (TransformerEngine spec, torch_dist)
-    layers: str = "all"  # in which decoder layers: "all", "dense" (plain MLP) or "moe" (routed experts)
+    # in which decoder layers: "all", or those of a kind (ModelShape.layer_kinds): "dense" (plain MLP) or "moe"
+    # (routed experts); "attention" or "linear" (Gated DeltaNet); "indexer" (their own sparse-attention indexer)
+    layers: str = "all"
     keep_dtype: torch.dtype | None = None  # written in this dtype whatever --dtype says (a routing bias)
     instead_of: tuple[str, ...] = ()  # another naming: the rules (by Megatron name) it replaces when present
     parallel = "replicated"  # how TP ranks split it: "replicated", "column" (dim 0) or "row" (dim 1)

@@ -19,6 +19,7 @@ class MlaShape:
     # DeepSeek-V3.2's sparse-attention indexer (DSA): its heads and head size, None without one
     index_heads: int | None = None
     index_head_dim: int | None = None
+    indexer_layers: frozenset[int] | None = None  # the layers with their own indexer (None: every layer; GLM-5)
 
     def __str__(self) -> str:
         indexer = f", DSA indexer {self.index_heads}x{self.index_head_dim}" if self.index_heads else ""

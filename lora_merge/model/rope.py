@@ -55,12 +55,18 @@ def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
     return (None if theta is None else float(theta)), applied_scaling, float(partial)
 
 
+def per_layer_type_rope(config) -> bool:
+    """transformers 5's rope_parameters keyed by layer type (Gemma 3: full and sliding attention), one RoPE each."""
+    params = getattr(config, "rope_parameters", None) if _TRANSFORMERS_MAJOR >= 5 else None
+    return isinstance(params, dict) and bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
 def transformers_rope(config, path: Path) -> dict:
     """The RoPE dict a transformers config object applies: 5.x's rope_parameters, or 4.x's rope_scaling with
     its rope_theta."""
     # transformers 4.x keeps a config.json "rope_parameters" as an attribute it never reads
     params = getattr(config, "rope_parameters", None) if _TRANSFORMERS_MAJOR >= 5 else None
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+    if per_layer_type_rope(config):
         raise UnsupportedInput(f"{path}: per-layer-type RoPE parameters are not supported: Megatron applies one RoPE to every layer")
     merged = {**(getattr(config, "rope_scaling", None) or {}), **(params or {})}
     if "rope_theta" not in merged and getattr(config, "rope_theta", None) is not None:

@@ -341,8 +341,9 @@ def make_ds_args(torch, spec, iteration, world, lora, filtered, load, save):
         moe_router_topk_scaling_factor=spec["scaling"], moe_router_num_groups=spec["groups"][0] if spec["groups"] else None,
         moe_router_group_topk=spec["groups"][1] if spec["groups"] else None, moe_router_dtype="fp32",
         lora_target_modules=list(targets(spec)) if lora else [],
-        mtp_num_layers=spec.get("mtp"), mtp_loss_scaling_factor=0.1,
     )
+    if spec.get("mtp"):  # Megatron-LM: --mtp-num-layers N (--mtp-loss-scaling-factor keeps its 0.1)
+        vars(a).update(mtp_num_layers=spec["mtp"], mtp_loss_scaling_factor=0.1)
     return a
 
 
@@ -885,7 +886,7 @@ class DeepSeek(lib.Family):
             tp=spec["tp"], pp=1, ep=spec["ep"], etp=spec["etp"], world_size=world,
             dtype="float32", lora="filtered", r=lib.LORA_R, alpha=lib.LORA_ALPHA, targets=targets(spec),
             num_layers=dm["num_layers"], hidden_size=dm["hidden_size"], num_attention_heads=dm["num_attention_heads"],
-            mtp_num_layers=spec.get("mtp", 0),
+            **({"mtp_num_layers": spec["mtp"]} if spec.get("mtp") else {}),
             multi_latent_attention=True, q_lora_rank=dm["q_lora_rank"], kv_lora_rank=dm["kv_lora_rank"],
             qk_head_dim=dm["qk_head_dim"], qk_pos_emb_head_dim=dm["qk_pos_emb_head_dim"], v_head_dim=dm["v_head_dim"],
             kv_channels=dm["v_head_dim"], qk_layernorm=True, rope_type="yarn" if spec.get("yarn") else "rope",

@@ -186,8 +186,9 @@ class MoE(lib.Family):
         a = lib.moe_args(torch, spec, dims(spec), ATTENTION[spec["family"]], TOPK, iteration, world, lora,
                          filtered, load, save)
         vars(a).update(add_qkv_bias=qkv_bias(spec), qk_layernorm=qk_norm(spec),
-                       rotary_percent=spec.get("rotary_percent", 1.0), mtp_num_layers=spec.get("mtp"),
-                       mtp_loss_scaling_factor=0.1)
+                       rotary_percent=spec.get("rotary_percent", 1.0))
+        if spec.get("mtp"):  # Megatron-LM: --mtp-num-layers N (--mtp-loss-scaling-factor keeps its 0.1)
+            vars(a).update(mtp_num_layers=spec["mtp"], mtp_loss_scaling_factor=0.1)
         if sigmoid(spec):  # Megatron-LM 0.16.1: --moe-router-score-function sigmoid --moe-router-enable-expert-bias
             vars(a).update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                            moe_router_bias_update_rate=1e-3, moe_router_topk_scaling_factor=spec["scaling"],
@@ -322,7 +323,8 @@ class MoE(lib.Family):
             dense_layers=[i for i in range(dm["num_layers"]) if i not in moe_layers(spec)],
             moe_shared_expert_intermediate_size=spec["shared"], moe_shared_expert_gate=bool(spec["shared_gate"]),
             qkv_bias=qkv_bias(spec), qk_layernorm=qk_norm(spec), rotary_percent=spec.get("rotary_percent", 1.0),
-            mtp_num_layers=spec.get("mtp", 0), mtp_layers_in_hf="model.layers.{num_layers + k}" if spec.get("mtp") else None,
+            **({"mtp_num_layers": spec["mtp"], "mtp_layers_in_hf": "model.layers.{num_layers + k}"} if spec.get("mtp")
+               else {}),
             router_weight_std=spec["router_std"], base_seed=spec["base_seed"], lora_seed=spec["lora_seed"],
             **({"moe_router_enable_expert_bias": True, "expert_bias_std": spec["bias_std"],
                 "moe_router_topk_scaling_factor": spec["scaling"]} if sigmoid(spec) else {}),

@@ -51,6 +51,12 @@ class HfConfig:
     # (config fields, number of layers) -> moe_shape.MoeShape, for Mixture-of-Experts types
     read_moe: Callable | None = None
     read_mla: Callable | None = None  # (config fields) -> mla_shape.MlaShape, for multi-latent attention
+    # (config fields, number of layers) -> model_shape.GatedDeltaNetShape, for hybrid linear-attention models
+    read_linear_attention: Callable | None = None
+    # the key that counts its multi-token-prediction layers, and the HF prefix they are stored under ("": as
+    # decoder layers L+k)
+    mtp_key: str = "num_nextn_predict_layers"
+    mtp_prefix: str = ""
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
     peft: PeftQuirks = PeftQuirks()  # what PEFT (0.21, on transformers 5) does with this type's adapters
 
@@ -90,12 +96,12 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
     for rule in arch.active(arch.before_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
     for i in range(shape.num_layers):
-        yield from _layer(arch, shape, i, "moe" if shape.is_moe_layer(i) else "dense", present)
+        yield from _layer(arch, shape, i, shape.layer_kinds(i), present)
     for rule in arch.active(arch.after_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
     # The multi-token-prediction layers the source holds, as decoder layers L+k (see model/mtp.py): built with
     # the last decoder layer's spec, and their own parameters beside it
-    last = "moe" if shape.is_moe_layer(shape.num_layers - 1) else "dense"
+    last = shape.layer_kinds(shape.num_layers - 1)
     for i in range(shape.num_layers, shape.num_layers + shape.mtp_layers if shape.mtp_in_source else 0):
         prefix, hf_prefix = MEGATRON_LAYER.format(i=i), HF_LAYER.format(i=i)
         for rule in arch.active(arch.mtp_rules, shape)[:MTP_OWN_BEFORE]:
@@ -109,13 +115,14 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
 MTP_OWN_BEFORE = 3  # an MTP table's rules before its decoder layer (enorm, hnorm, eh_proj; HF's order)
 
 
-def _layer(arch: Architecture, shape: ModelShape, i: int, kind: str, present):
+def _layer(arch: Architecture, shape: ModelShape, i: int, kinds: frozenset[str], present):
     prefix = MEGATRON_LAYER.format(i=i)
     rules = arch.active(arch.layer_rules, shape)
     chosen = [r for r in rules if r.instead_of and present is not None and present(prefix + r.megatron)]
     replaced = {name for r in chosen for name in r.instead_of}
     for rule in rules:
-        if rule.layers not in ("all", kind) or rule.megatron in replaced or (rule.instead_of and rule not in chosen):
+        if (rule.layers != "all" and rule.layers not in kinds) or rule.megatron in replaced \
+                or (rule.instead_of and rule not in chosen):
             continue
         for bound in ([rule.bind(expert=e) for e in range(shape.moe.num_experts)] if rule.per_expert else [rule]):
             yield bound, tuple(prefix + n for n in (bound.megatron, *bound.aliases)), HF_LAYER.format(i=i)

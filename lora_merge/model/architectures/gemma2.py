@@ -12,13 +12,13 @@ from lora_merge.model.architectures.base import Architecture, HfConfig
 from lora_merge.model.architectures.dense import ATTENTION, DENSE_MLP, EMBEDDING, FINAL
 from lora_merge.model.layout import Replicated
 
-CONFIG = HfConfig(
-    "gemma2", causal_lm="Gemma2ForCausalLM", family="llama",
-    examined_keys=frozenset({"hidden_activation", "query_pre_attn_scalar", "sliding_window", "final_logit_softcapping",
-                             "attn_logit_softcapping", "use_bidirectional_attention", "cache_implementation"}),
-    hf_only="megatron-core (0.16.1) has no post-attention or post-feedforward norm in its decoder layer and no "
-            "(1 + w) RMSNorm, so no Megatron model of it can be built to prove a layout",
-)
+GEMMA_KEYS = frozenset({"hidden_activation", "query_pre_attn_scalar", "sliding_window", "final_logit_softcapping",
+                        "attn_logit_softcapping", "use_bidirectional_attention", "cache_implementation"})
+NO_MEGATRON_FORM = ("megatron-core (0.16.1) has no post-attention or post-feedforward norm in its decoder layer and no "
+                    "(1 + w) RMSNorm, so no Megatron model of it can be built to prove a layout")
+
+CONFIG = HfConfig("gemma2", causal_lm="Gemma2ForCausalLM", family="llama", examined_keys=GEMMA_KEYS,
+                  hf_only=NO_MEGATRON_FORM)
 
 ARCHITECTURE = Architecture(
     name="gemma2", before_layers=EMBEDDING, after_layers=FINAL, config=CONFIG,
