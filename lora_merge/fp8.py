@@ -60,7 +60,7 @@ def read_fp8_config(q, path) -> Fp8Format:
                          "block-scaled FP8 (quant_method fp8, weight_block_size [128, 128]) is, and unquantized "
                          "float weights are")
     fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # (MiniMax-M2 names the torch dtype)
         raise MergeError(f"{path}: quantization_config fmt={shown(fmt)}; only e4m3 FP8 weights are read")
     block = q.get("weight_block_size")
     if block is None:

@@ -240,9 +240,12 @@ def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
     stored. Where the source has none (here or carried), the output config says so, so that no loader looks for
     weights it lacks."""
     shape = plan.shape
-    if not shape.mtp_layers or shape.mtp_in_source:  # none, or carried by the layout rules
+    if shape.mtp_in_source:  # carried by the layout rules
         return set()
-    prefixes = shape.mtp_prefixes
+    # (a family storing them under a prefix of their own may ship them without counting them: Qwen3-Next)
+    prefixes = (shape.mtp_prefix,) if shape.mtp_prefix else shape.mtp_prefixes
+    if not prefixes:
+        return set()
     kept = {name for name in names if name.startswith(prefixes)} if base is not None else set()
     for name in sorted(kept):
         ref = base.tensors[name]
@@ -252,7 +255,7 @@ def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
     if kept:
         plan.notes.append(f"copied the {len(kept)} tensors of the multi-token-prediction layer(s) "
                           f"{shape.mtp_label} from the base as they are (not trained by the LoRA)")
-    else:
+    elif shape.mtp_layers:
         plan.config_changes[shape.mtp_key] = 0
         plan.notes.append(f"the source has no multi-token-prediction layers: the output's config.json says "
                           f"{shape.mtp_key}=0 instead of {shape.mtp_layers} (use an HF base that has them to keep "

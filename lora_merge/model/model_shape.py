@@ -83,7 +83,7 @@ class ModelShape:
         """HF name prefixes of the multi-token-prediction layers: decoder layers after the decoder's, or the
         family's own prefix."""
         if self.mtp_prefix:
-            return (self.mtp_prefix,) if self.mtp_layers else ()
+            return (self.mtp_prefix,)
         return tuple(f"model.layers.{i}." for i in range(self.num_layers, self.num_layers + self.mtp_layers))
 
     @property

@@ -35,6 +35,11 @@ def read_mla_v32(fields) -> MlaShape:
 
 def read_moe(fields, num_layers: int) -> MoeShape:
     expected_values(fields, "deepseek_v32", {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1})
+    return sparse_layers(fields, num_layers)
+
+
+def sparse_layers(fields, num_layers: int) -> MoeShape:
+    """DeepSeek-V3's routing in the layers transformers' `mlp_layer_types` makes sparse."""
     moe = sigmoid_moe(fields, num_layers)
     types = getattr(fields.config, "mlp_layer_types", None)  # what the class builds each layer as
     if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
