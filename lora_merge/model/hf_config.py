@@ -358,6 +358,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         mtp_layers=fields.count(spec.mtp_key) if spec.mtp_key in spec.examined_keys else 0,
         mtp_prefix=spec.mtp_prefix,
         mtp_key=spec.mtp_key,
+        config_features=frozenset(flag for flag in spec.flags if fields.flag(flag)),
         defaulted=frozenset(fields.defaulted),
     )
 

@@ -77,6 +77,7 @@ class ModelShape:
     moe: MoeShape | None = None  # routed experts, for a Mixture-of-Experts model
     mla: MlaShape | None = None  # multi-latent attention (DeepSeek) instead of grouped-query attention
     linear_attention: GatedDeltaNetShape | None = None  # layers with Gated DeltaNet instead of attention
+    config_features: frozenset[str] = frozenset()  # the family's own config flags that are on (HfConfig.flags)
 
     @property
     def mtp_prefixes(self) -> tuple[str, ...]:
@@ -95,7 +96,8 @@ class ModelShape:
                                                ("shared_expert", shared), ("mla", self.mla is not None),
                                                ("q_lora", self.mla is not None and bool(self.mla.q_lora)),
                                                ("no_q_lora", self.mla is not None and not self.mla.q_lora),
-                                               ("indexer", self.mla is not None and bool(self.mla.index_heads))) if on)
+                                               ("indexer", self.mla is not None and bool(self.mla.index_heads))) if on) \
+            | self.config_features
 
     def mechanics(self) -> list[str]:
         """What the model computes beyond a plain decoder layer, in words (the dry run's model line)."""

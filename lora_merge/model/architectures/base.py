@@ -57,6 +57,7 @@ class HfConfig:
     # decoder layers L+k)
     mtp_key: str = "num_nextn_predict_layers"
     mtp_prefix: str = ""
+    flags: tuple[str, ...] = ()  # its config's booleans that add weights: each a feature (Rule.requires) when true
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
     peft: PeftQuirks = PeftQuirks()  # what PEFT (0.21, on transformers 5) does with this type's adapters
 
