@@ -79,7 +79,8 @@ def check_replica(first, other, differs: str | None = None, chunk_bytes: int = 1
         x, y = (a[start:start + step], b[start:start + step]) if a.dim() else (a, b)
         if not torch.equal(x, y):
             raise MergeError(differs or f"{other.where}: differs from its copy in {first.where}; the files of the "
-                             "expert-parallel ranks must hold the same dense weights")
+                             "expert-parallel ranks must hold the same dense weights, and the MTP layers' stage the "
+                             "first stage's embedding")
         for view, ref in ((x, first), (y, other)):
             if ref.mapped:
                 release_pages(view)

@@ -48,6 +48,9 @@ class MegatronTarget:
         if self.mla_naming == "mindspeed" and (shape.mla is None or self.ckpt_format != "torch"):
             raise MergeError("--mla-naming mindspeed: MindSpeed-LLM's fused MLA naming is written for multi-latent "
                              "attention models in --ckpt-format torch only")
+        if self.mla_naming == "mindspeed" and shape.mtp_in_source:
+            raise MergeError("--mla-naming mindspeed with multi-token-prediction layers: MindSpeed-LLM's MTP layout "
+                             "differs from Megatron-Core's and is not written; use --mla-naming megatron-core")
         if self.expert_layout == "grouped" and shape.moe is None:
             raise MergeError("--expert-layout grouped: the model has no routed experts")
         return vocab_padding(shape.vocab, self.layout.tp, self.make_vocab_size_divisible_by, self.padded_vocab_size)

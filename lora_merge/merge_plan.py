@@ -64,7 +64,8 @@ class MergePlan:
 
     @property
     def merged_modules(self) -> int:
-        return sum(task.lora is not None for task in self.tasks) + sum(len(task.delta or ()) for task in self.tasks)
+        own = [task for task in self.tasks if not isinstance(getattr(task.rule, "rule", task.rule), SharedCopy)]
+        return sum(task.lora is not None for task in own) + sum(len(task.delta or ()) for task in own)
 
 
 def _preview(names) -> str:
@@ -110,8 +111,10 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     for rule, names, hf_prefix in iter_rules(arch, shape, namer.has if namer is not None else None):
         if isinstance(rule, Skip):
             if not base.hf_named:
-                _skip(plan, base, rule, names, unclaimed)
+                _skip(plan, base, rule, names, unclaimed, shape)
             continue
+        if isinstance(rule, SharedCopy) and base.hf_named and hf_prefix + rule.hf not in base.tensors:
+            continue  # a release whose MTP layer stores no copy of the shared tensor (GLM-4.6): none is written
         if base.hf_named:
             megatron, task_rule = names[0], HfTensors(rule)
             pieces = _hf_pieces(base, rule, hf_prefix, shape, unclaimed, biases)
@@ -140,8 +143,14 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
             task.delta = _peft_delta(rule, hf_prefix, shape, factors) or None
         plan.tasks.append(task)
     unclaimed -= keep_mtp_layers(plan, base if base.hf_named else None, unclaimed)
+    copies = [t for t in plan.tasks if isinstance(t.rule, SharedCopy) or isinstance(getattr(t.rule, "rule", None), SharedCopy)]
+    for task in copies:
+        if task.lora or task.delta:
+            plan.notes.append(f"{task.outputs[0].name}, the multi-token-prediction layer's copy of "
+                              f"{getattr(task.rule, 'rule', task.rule).copy_of}, carries the LoRA's change to it (the "
+                              "model has one such tensor)")
     if lora is not None and shape.mtp_in_source and not any(
-            (t.lora or t.delta) and in_mtp_layer(t.megatron, shape.num_layers) for t in plan.tasks):
+            (t.lora or t.delta) and in_mtp_layer(t.megatron, shape.num_layers) for t in plan.tasks if t not in copies):
         plan.notes.append(f"the LoRA does not adapt the multi-token-prediction layer(s) "
                           f"{shape.mtp_label}: written from the base as they are")
     if unclaimed:
@@ -179,11 +188,13 @@ def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch
         plan.skipped["LoRA modules in the --base checkpoint (--lora is used instead)"] += len(base.lora)
 
 
-def _skip(plan: MergePlan, base: Source, rule: Skip, names, unclaimed: set) -> None:
+def _skip(plan: MergePlan, base: Source, rule: Skip, names, unclaimed: set, shape: ModelShape) -> None:
     """A Megatron parameter deliberately not written (a tied copy, checked to be one; rotary buffers)."""
     megatron = pick_name(names, base.params, base.path)
     if megatron is not None:
-        if rule.same_as:
+        # with MTP, Megatron-Core ties the output to the embedding itself and never syncs the last stage's
+        # output_layer (shared_embedding_or_output_weight): an unused tensor, not a copy to compare
+        if rule.same_as and not shape.mtp_in_source:
             check_copy(base.params[megatron], base.params.get(rule.same_as), megatron, rule.same_as)
         unclaimed.discard(megatron)
         plan.skipped[rule.reason] += 1

@@ -130,9 +130,9 @@ def reference_beside(files_of: Path, dest: Path, config, **changes) -> Path:
     return dest
 
 
-def trained_peft_adapter(model, lora_config, seed: int, out: Path):
+def trained_peft_adapter(model, lora_config, seed: int, out: Path, **save):
     """`model` wrapped by PEFT with `lora_config`, every lora_B given random values (PEFT starts B at zero, a
-    trained adapter does not), saved to `out`; returns the PEFT model."""
+    trained adapter does not), saved to `out` (`save`: save_pretrained's options); returns the PEFT model."""
     from peft import get_peft_model
 
     peft_model = get_peft_model(model, lora_config)
@@ -141,7 +141,7 @@ def trained_peft_adapter(model, lora_config, seed: int, out: Path):
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    peft_model.save_pretrained(out)
+    peft_model.save_pretrained(out, **save)
     return peft_model
 
 

@@ -179,3 +179,112 @@ def test_export_adapter_leaves_out_the_mtp_lora_and_says_so(tmp_path, capsys):
 
     with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
         assert not [k for k in f.keys() if ".layers.4." in k]
+
+
+def _without(hf_dir: Path, *names: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = hf_dir.glob("*.safetensors")
+    save_file({k: v for k, v in load_file(shard).items() if k not in names}, shard, metadata={"format": "pt"})
+
+
+def test_an_mtp_layer_stored_without_copies_of_the_shared_tensors_merges_without_them(base_model, tmp_path, capsys):
+    """GLM-4.6's release stores its MTP layer without embed_tokens and shared_head.head: none is written, the
+    rest merges as usual (the Megatron LoRA's MTP modules included), and verify accepts it."""
+    from safetensors.torch import load_file
+
+    hf = tmp_path / "glm46"
+    shutil.copytree(base_model(NAME), hf)
+    _without(hf, "model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight")
+    out = tmp_path / "out"
+    args = ["--base", str(hf), "--lora", str(ROOT / "lora"), "--hf-ref", str(ROOT / "hf_ref")]
+    assert main(args + ["--out", str(out), "--no-progress", "--verify"]) == 0, capsys.readouterr().err
+    written = load_file(next(out.glob("*.safetensors")))
+    assert "model.layers.4.shared_head.head.weight" not in written and "model.layers.4.eh_proj.weight" in written
+
+
+def test_a_lora_without_mtp_on_a_base_with_it_writes_megatron_args_that_say_mtp(base_model, tmp_path, capsys):
+    """The args written come from the LoRA's run (trained without MTP), but the checkpoint holds the base's MTP
+    layer: they say mtp_num_layers=1, and the checkpoint converts back."""
+    def no_mtp(state):
+        state["args"].mtp_num_layers = None
+        for key in [k for k in state["model"] if k.startswith("mtp.")]:
+            del state["model"][key]
+
+    lora = tmp_path / "lora"
+    shutil.copytree(ROOT / "lora", lora)
+    for f in rank_files(lora):
+        rewrite(f, no_mtp)
+    out = tmp_path / "megatron"
+    assert main(["--base", str(base_model(NAME)), "--lora", str(lora), "--hf-ref", str(ROOT / "hf_ref"), "--to",
+                 "megatron", "--out", str(out), "--pp", "2", "--no-progress"]) == 0, capsys.readouterr().err
+    last = torch.load(out / "release/mp_rank_00_001/model_optim_rng.pt", weights_only=False)
+    assert last["args"].mtp_num_layers == 1 and "mtp.layers.0.eh_proj.weight" in last["model"]
+    assert main(["--base", str(out), "--hf-ref", str(ROOT / "hf_ref"), "--out", str(tmp_path / "back"),
+                 "--no-progress"]) == 0, capsys.readouterr().err
+
+
+def test_a_lora_that_trained_mtp_onto_a_base_without_it_is_refused_by_name(base_model, tmp_path, capsys):
+    hf = tmp_path / "no_mtp"
+    shutil.copytree(base_model(NAME), hf)
+    from safetensors.torch import load_file
+
+    _without(hf, *[k for k in load_file(next(hf.glob("*.safetensors"))) if k.startswith("model.layers.4.")])
+    run_failing(["--base", str(hf), "--lora", str(ROOT / "lora"), "--hf-ref", str(ROOT / "hf_ref"), "--out",
+                 str(tmp_path / "out")], capsys, "the LoRA trained 1 multi-token-prediction layer(s)", "has none")
+
+
+def test_a_peft_adapter_on_lm_head_reaches_the_mtp_copy_and_verify_agrees(base_model, tmp_path, capsys):
+    """The MTP layer's shared_head.head is the model's lm_head: a PEFT adapter's change to lm_head is made to both,
+    counted once, said, and verify checks the copy against the adapter's lm_head factors."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from helpers import trained_peft_adapter
+
+    hf = base_model(NAME)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    trained_peft_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]), 8,
+                         tmp_path / "adapter", save_embedding_layers=False)
+    out = tmp_path / "out"
+    assert main(["--base", str(hf), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(hf), "--out", str(out),
+                 "--no-progress", "--verify"]) == 0
+    printed = capsys.readouterr()
+    assert "copy of lm_head.weight, carries the LoRA's change to it" in printed.err
+    assert "merged 5 LoRA modules" in printed.out  # q_proj of 4 layers and lm_head
+    written = load_file(next(out.glob("*.safetensors")))
+    assert torch.equal(written["model.layers.4.shared_head.head.weight"], written["lm_head.weight"])
+    assert not torch.equal(written["lm_head.weight"], load_file(next(hf.glob("*.safetensors")))["lm_head.weight"])
+
+
+def test_with_tied_embeddings_the_mtp_stages_unused_output_layer_is_not_compared(merged_fixture, tmp_path, capsys):
+    """Tied embeddings with MTP at PP>1: megatron-core takes the embedding for the output itself and never syncs the
+    last stage's output_layer (shared_embedding_or_output_weight), so a real checkpoint holds other values there;
+    they are skipped, not compared as a copy of the embedding."""
+    from safetensors.torch import load_file, save_file
+
+    source = merged_fixture("deepseek_v3_mtp_tp2etp1_ep2")
+    tied = tmp_path / "tied"
+    shutil.copytree(source, tied)
+    (shard,) = tied.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors["lm_head.weight"]
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    out = _convert(tied, tmp_path / "megatron", "--pp", "2", "--ep", "2")
+    for f in (out / "release").glob("mp_rank_*_001_*/model_optim_rng.pt"):  # (the same on every EP rank)
+        rewrite(f, lambda state: state["model"]["output_layer.weight"].normal_(generator=torch.Generator().manual_seed(0)))
+    back = tmp_path / "back"
+    assert main(["--base", str(out), "--hf-ref", str(tied), "--out", str(back), "--no-progress"]) == 0, \
+        capsys.readouterr().err
+    ours, theirs = load_file(back / shard.name), load_file(shard)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_mindspeed_mla_naming_is_refused_with_mtp_layers(merged_fixture, tmp_path, capsys):
+    run_failing(["--base", str(merged_fixture("deepseek_v3_mtp_tp2etp1_ep2")), "--to", "megatron", "--mla-naming",
+                 "mindspeed", "--out", str(tmp_path / "out")], capsys,
+                "--mla-naming mindspeed with multi-token-prediction layers")

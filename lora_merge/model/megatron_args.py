@@ -66,8 +66,8 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     _check_vocab_args(shape, size, arg, where)
     mtp = arg("mtp_num_layers")
     if mtp and (not is_int(mtp) or mtp != shape.mtp_layers):
-        raise MergeError(f"{where}: args.mtp_num_layers={shown(mtp)} but the HF config's num_nextn_predict_layers is "
-                         f"{shape.mtp_layers}{_defaulted(shape, 'num_nextn_predict_layers')}: the multi-token-prediction "
+        raise MergeError(f"{where}: args.mtp_num_layers={shown(mtp)} but the HF config's {shape.mtp_key} is "
+                         f"{shape.mtp_layers}{_defaulted(shape, shape.mtp_key)}: the multi-token-prediction "
                          "layers would not map one to one")
     if arg("swiglu") is False:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")

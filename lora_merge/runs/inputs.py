@@ -97,6 +97,10 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         base = read_hf_model(base_dir)
         check_against_args(shape, lora.args, str(lora.path))
         shape = carried_mtp(shape, arch, base)
+        if args_mtp_layers(lora.args) and not shape.mtp_in_source:
+            raise MergeError(f"{lora.path}: the LoRA trained {args_mtp_layers(lora.args)} multi-token-prediction "
+                             f"layer(s) (args.mtp_num_layers), but the base {base_dir} has none; give a base with "
+                             "its MTP layers")
         check_lora_targets(lora, arch, shape, opts.allow_partial_lora)
         settings = resolve_settings(lora.args, opts.lora_r, opts.lora_alpha, str(lora_dir))
         for warning in settings.warnings:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError
 from lora_merge.model.layout import AsStored, SharedCopy
-from lora_merge.merge_plan import build_plan, check_copy
+from lora_merge.integrity import check_replica
+from lora_merge.merge_plan import build_plan
 from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
@@ -49,13 +50,18 @@ class ConvertResult:
 
 def drop_mtp_copies(plan) -> None:
     """The MTP layers' copies of the embedding and output head: Megatron shares the main ones, so each copy
-    must be one (first and last rows compared) and is not written."""
+    must be one (every row compared) and is not written."""
     copies = [task for task in plan.tasks if isinstance(getattr(task.rule, "rule", task.rule), SharedCopy)]
     main = {out.name: task for task in plan.tasks for out in task.outputs}
     for task in copies:
         rule, name = getattr(task.rule, "rule", task.rule), task.outputs[0].name
-        check_copy(task.pieces, main[rule.copy_of].pieces, name, rule.copy_of,
-                   "Megatron's multi-token-prediction layers share the main model's, so they must be equal")
+        theirs = main[rule.copy_of].pieces
+        if len(task.pieces) != len(theirs) or task.pieces.shapes != theirs.shapes:
+            raise MergeError(f"{task.pieces[0].where}: {name} should be a copy of {rule.copy_of}, but their shapes "
+                             "differ")
+        for mine, original in zip(task.pieces, theirs):
+            check_replica(original, mine, f"{mine.where}: {name} differs from {rule.copy_of}; Megatron's "
+                          "multi-token-prediction layers share the main model's, so they must be equal")
         plan.tasks.remove(task)
         plan.skipped["copies of the embedding and output layer in the MTP layers (Megatron shares them)"] += 1
 

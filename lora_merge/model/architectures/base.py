@@ -102,7 +102,9 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
         yield rule, (rule.megatron, *rule.aliases), ""
     # The multi-token-prediction layers the source holds, as decoder layers L+k (see model/mtp.py): built with
     # the last decoder layer's spec, and their own parameters beside it
-    last = shape.layer_kinds(shape.num_layers - 1)
+    # (an MTP layer's attention stands alone: with an indexer model it runs its own indexer)
+    last = shape.layer_kinds(shape.num_layers - 1) | (
+        {"indexer"} if shape.mla is not None and shape.mla.index_heads else set())
     for i in range(shape.num_layers, shape.num_layers + shape.mtp_layers if shape.mtp_in_source else 0):
         prefix, hf_prefix = MEGATRON_LAYER.format(i=i), HF_LAYER.format(i=i)
         for rule in arch.active(arch.mtp_rules, shape)[:MTP_OWN_BEFORE]:

@@ -3,12 +3,14 @@ without biases whose q and k norms run over the whole projection (q_norm [headsÂ
 [kv headsÂ·head_dim]: the statistics span every head, so a tensor-parallel split would need their all-reduce),
 partial RoPE (the release's `rotary_dim`, read by transformers as partial_rotary_factor), and in every layer
 Mixtral-named routed experts (`block_sparse_moe`, w1 gate, w3 up, w2 down) chosen by sigmoid scores plus the
-expert bias (`block_sparse_moe.e_score_correction_bias`, in the model's dtype: transformers' class keeps it so,
-unlike DeepSeek's, which keeps it fp32).
+expert bias (`block_sparse_moe.e_score_correction_bias`, written fp32: it only chooses experts, and vLLM and
+SGLang keep it fp32; transformers casts it to the model's dtype as it loads).
 The block-FP8 release is read as the other block-FP8 releases are.
 
 No Megatron form is read or written: megatron-core (0.16.1) normalises q and k per head only, so no Megatron
 model of it can be built to prove a layout. Names of what Megatron lacks are this table's own keys."""
+
+import torch
 
 from lora_merge.model.architectures.base import Architecture, HfConfig, PeftQuirks
 from lora_merge.model.architectures.dense import EMBEDDING, FINAL, INPUT_NORM, O_PROJ, PRE_MLP_NORM
@@ -50,6 +52,7 @@ ARCHITECTURE = Architecture(
         *routed_experts(router="block_sparse_moe.gate.weight", gate="block_sparse_moe.experts.{expert}.w1.weight",
                         up="block_sparse_moe.experts.{expert}.w3.weight",
                         down="block_sparse_moe.experts.{expert}.w2.weight"),
-        Replicated("mlp.router.expert_bias", ("experts",), hf="block_sparse_moe.e_score_correction_bias", layers="moe"),
+        Replicated("mlp.router.expert_bias", ("experts",), hf="block_sparse_moe.e_score_correction_bias", layers="moe",
+                   keep_dtype=torch.float32),
     ),
 )
