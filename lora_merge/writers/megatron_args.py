@@ -87,8 +87,9 @@ def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, p
         no_save_optim=True, no_save_rng=True, use_mcore_models=True,
         use_legacy_models=False, moe_grouped_gemm=grouped_experts if shape.moe else False,
     )
-    # the MTP layers written (whatever the source's args say: a LoRA trained without them on a base that has them)
-    args["mtp_num_layers"] = shape.mtp_layers if shape.mtp_in_source else None
+    # the MTP layers written, whatever the source's args say (a LoRA trained without them on a base that has them)
+    if shape.mtp_in_source or args.get("mtp_num_layers"):
+        args["mtp_num_layers"] = shape.mtp_layers if shape.mtp_in_source else None
     if shape.moe is not None and args.get("first_k_dense_replace"):
         # MindSpeed's dense first layers on top of an every-k-th-layer rule: Megatron-LM (and its torch_dist
         # layout) knows only moe_layer_freq, so it is written as Megatron's per-layer list of the same layers
