@@ -138,6 +138,34 @@ class LowRankDelta:
         return merge_weight(weight, self.b[start:stop], self.a, self.scale, dtype, name)
 
 
+@dataclass(frozen=True)
+class StackedExpertsDelta:
+    """PEFT's LoRA on a stacked experts parameter [E, in, out] stored as it is (gpt-oss's gate_up_proj and
+    down_proj; PEFT's ParamWrapper without swapped features): A [E·r, in] is (E, r, in), B [out, r·E] is
+    (out, r, E), and expert e changes by scale·(B_e·A_e)ᵀ, an [in, out] slab. A row of the tensor is one expert,
+    merged whole, so the result's bits do not depend on how the rows are cut."""
+
+    b: torch.Tensor  # [out, r·E]
+    a: torch.Tensor  # [E·r, in]
+    scale: float
+    experts: int
+
+    def factors_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's change as low-rank factors of its [in, out] slab: (A_eᵀ [in, r], B_eᵀ [r, out])."""
+        r = self.a.shape[0] // self.experts
+        return self.a.reshape(self.experts, r, -1)[e].t(), self.b.reshape(self.b.shape[0], r, self.experts)[:, :, e].t()
+
+    def row_unit(self, cols: int) -> int:
+        return 1
+
+    def merge_rows(self, weight: torch.Tensor, start: int, stop: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        out = torch.empty(weight.shape, dtype=dtype)
+        for i, e in enumerate(range(start, stop)):
+            b, a = self.factors_of(e)
+            out[i] = merge_weight(weight[i], b, a, self.scale, dtype, f"{name} (expert {e})")
+        return out
+
+
 def megatron_deltas(rule: Rule, lora: LoraModule, shape: ModelShape, module: str, scale: float) -> dict[str, Delta]:
     """The deltas of a Megatron LoRA module, by the HF tensor each changes."""
     return {name: LowRankDelta(b, a, scale) for name, (b, a) in hf_factors(rule, lora, shape, module).items()}

@@ -29,7 +29,7 @@ from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
 from lora_merge.model.layout import QuantizedRowBlock
-from lora_merge.lora import LowRankDelta, megatron_deltas
+from lora_merge.lora import megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS
 from lora_merge.readers.checkpoint import release_pages
@@ -252,7 +252,7 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
     if task.lora is not None:
         deltas = megatron_deltas(task.rule, task.lora, shape, task.lora_module, plan.settings.scale)
     else:  # a PEFT adapter's factors, already by HF name, each with its own scale
-        deltas = {name: LowRankDelta(f.b.load(), f.a.load(), f.scale) for name, f in (task.delta or {}).items()}
+        deltas = {name: f.delta() for name, f in (task.delta or {}).items()}
     scales = {planned.name + SCALE_SUFFIX for planned in task.outputs if planned.name in plan.quantized}
     for planned in task.outputs:
         if planned.name in scales:

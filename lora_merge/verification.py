@@ -34,7 +34,7 @@ from lora_merge.errors import MergeError
 from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
                             skip_patterns)
 from lora_merge.model.layout import RowBlock, SharedCopy, Skip
-from lora_merge.lora import LoraSettings, hf_factors
+from lora_merge.lora import LoraSettings, StackedExpertsDelta, hf_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
@@ -187,7 +187,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             tensor_factors, scale = factors.get(name), settings.scale if settings else None
             if peft and copied in lora.factors:
                 f = lora.factors[copied]
-                tensor_factors, scale = (f.b.load(), f.a.load()), f.scale
+                tensor_factors, scale = (f.delta() if f.experts else (f.b.load(), f.a.load())), f.scale
             if peft and full in lora.biases:  # the trained bias replaces the base's
                 source = lambda a, b, t=lora.biases[full].load(): t[a:b]  # noqa: E731
             report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report,
@@ -306,10 +306,15 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
                                        f"(max abs diff {diff:.3g} in rows {start}..{stop - 1})")
                 return "differs from baseline"
             continue
-        b, a = factors
-        b_rows = b[start:stop].float()
-        expected = torch.addmm(base.float(), b_rows, a.float(), alpha=scale)
-        noise = base.float().abs() + scale * (b_rows.abs() @ a.float().abs())
+        if isinstance(factors, StackedExpertsDelta):  # each row one expert's [in, out] slab
+            pairs = [tuple(f.float() for f in factors.factors_of(e)) for e in range(start, stop)]
+            expected = torch.stack([torch.addmm(base[i].float(), b, a, alpha=scale) for i, (b, a) in enumerate(pairs)])
+            noise = torch.stack([base[i].float().abs() + scale * (b.abs() @ a.abs()) for i, (b, a) in enumerate(pairs)])
+        else:
+            b, a = factors
+            b_rows = b[start:stop].float()
+            expected = torch.addmm(base.float(), b_rows, a.float(), alpha=scale)
+            noise = base.float().abs() + scale * (b_rows.abs() @ a.float().abs())
         if not within_one_rounding(tensor, expected, noise):
             worst = max(worst, (tensor.float() - expected).abs().max().item())
     if baseline is None:

@@ -113,5 +113,5 @@ def test_the_published_config_reads_as_transformers_reads_it(tmp_path):
     assert raw == published and shape.model_type == "deepseek_v32"
     assert (shape.mla.index_heads, shape.mla.index_head_dim) == (hf.index_n_heads, hf.index_head_dim) == (64, 128)
     assert sorted(shape.moe.layers) == [i for i, kind in enumerate(hf.mlp_layer_types) if kind == "sparse"]
-    assert shape.rope_scaling.type == "yarn" and shape.mtp_layers == 1
+    assert shape.rope_scaling is None and shape.mtp_layers == 1  # (RoPE of an HF-only type: kept as published)
     assert read_fp8_config(published["quantization_config"], tmp_path).pow2

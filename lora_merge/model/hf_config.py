@@ -31,7 +31,7 @@ from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.fp8 import read_fp8_config
 from lora_merge.interrupts import raise_if_received
 from lora_merge.model.model_shape import DTYPES, ModelShape, RopeScaling
-from lora_merge.model.rope import hf_rope, per_layer_type_rope
+from lora_merge.model.rope import hf_rope, rotated_fraction
 from lora_merge.shown import shown
 from lora_merge.files.small_files import json_kind, read_json
 from lora_merge.value_checks import is_int, is_number
@@ -318,10 +318,10 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim")
                                    or "head_dim" in _class_parameters(type(fields.config)))
     max_positions = fields.positive_int("max_position_embeddings")
-    if spec.hf_only and per_layer_type_rope(fields.config):
-        # one RoPE per layer type (Gemma 3): it acts in the forward only, and with no Megatron form there is no
-        # one RoPE to check it against; the config keeps it as published
-        rope_theta, rope_scaling, rotary_percent = None, None, 1.0
+    if spec.hf_only:
+        # RoPE acts in the forward only, and with no Megatron form there is nothing to check it against (a YaRN
+        # variant, one RoPE per layer type): the config keeps it as published; the rotated fraction is shown
+        rope_theta, rope_scaling, rotary_percent = None, None, rotated_fraction(fields.config)
     else:
         rope_theta, rope_scaling, rotary_percent = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
     _check_partial_rope(fields, spec, rotary_percent, head_dim or hidden // heads, rope_scaling)

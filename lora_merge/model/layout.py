@@ -28,7 +28,7 @@ def named_dims(shape: ModelShape) -> dict[str, int]:
     q, kv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
     dims = {"hidden": shape.hidden, "q": q, "kv": kv, "qkv": q + 2 * kv, "ffn": shape.ffn,
             "gated_ffn": 2 * shape.ffn, "head_dim": shape.head_dim, "vocab": shape.vocab, "one": 1,
-            "two_hidden": 2 * shape.hidden}
+            "two_hidden": 2 * shape.hidden, "heads": shape.heads}
     dims["gated_q"] = 2 * q  # attention with an output gate: q_proj rows doubled (Qwen3-Next)
     mla = getattr(shape, "mla", None)
     if mla is not None:

@@ -55,6 +55,15 @@ def hf_rope(raw: dict, config, path: Path, max_positions: int, notes: list[str],
     return (None if theta is None else float(theta)), applied_scaling, float(partial)
 
 
+def rotated_fraction(config) -> float:
+    """The fraction of each head's dims transformers rotates (1.0 with one RoPE per layer type)."""
+    if per_layer_type_rope(config):
+        return 1.0
+    params = (getattr(config, "rope_parameters", None) if _TRANSFORMERS_MAJOR >= 5 else None) or {}
+    fraction = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return float(fraction) if _is_number(fraction) and 0 < fraction <= 1 else 1.0
+
+
 def per_layer_type_rope(config) -> bool:
     """transformers 5's rope_parameters keyed by layer type (Gemma 3: full and sliding attention), one RoPE each."""
     params = getattr(config, "rope_parameters", None) if _TRANSFORMERS_MAJOR >= 5 else None

@@ -53,6 +53,15 @@ class Factors:
     a: TensorRef
     scale: float
     r: int
+    experts: int = 0  # a stacked experts parameter [E, in, out] stored as it is (StackedParam): its E
+
+    def delta(self):
+        """The change these factors make to their HF tensor (lora.Delta)."""
+        from lora_merge.lora import LowRankDelta, StackedExpertsDelta
+
+        if self.experts:
+            return StackedExpertsDelta(self.b.load(), self.a.load(), self.scale, self.experts)
+        return LowRankDelta(self.b.load(), self.a.load(), self.scale)
 
 
 @dataclass
@@ -361,6 +370,15 @@ class ExpertParam:
 
 
 @dataclass(frozen=True)
+class StackedParam:
+    """A transformers 5 experts parameter [E, in, out] that the HF checkpoint stores as it is, one tensor
+    (gpt-oss's mlp.experts.gate_up_proj and down_proj)."""
+
+    shape: tuple[int, int, int]
+    name: str
+
+
+@dataclass(frozen=True)
 class MatrixParam:
     """A 2-D parameter [out, in], one HF checkpoint tensor."""
 
@@ -398,6 +416,10 @@ def model_parameters(arch, shape) -> dict[str, list[tuple[str, ExpertParam | Mat
     for rule, _, prefix in iter_rules(arch, shape):
         for name, dims in rule.hf_shapes(shape).items():
             full = prefix + name
+            if len(dims) == 3 and fused and name.startswith(fused + ".") and not name.endswith("_bias"):
+                module, param = full.rsplit(".", 1)  # stored stacked, as the parameter is
+                found.setdefault(module, []).append((param, StackedParam(tuple(dims), full)))
+                continue
             if len(dims) != 2 or not name.endswith(".weight") or full in per_expert:
                 continue
             if renamed and renamed[0] != renamed[1] and name.startswith(renamed[0] + "."):
@@ -460,8 +482,8 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
             raise MergeError(f"{weights.parent / CONFIG}: rank {r!r} for {key} (r / rank_pattern); expected a positive "
                              "integer")
         a, b = ab["A"], ab["B"]
-        experts = what.shape[0] if isinstance(what, ExpertParam) else 1
-        out_dim, in_dim = what.shape[-2:]
+        experts = what.shape[0] if isinstance(what, (ExpertParam, StackedParam)) else 1
+        out_dim, in_dim = what.shape[-2:] if not isinstance(what, StackedParam) else what.shape[:0:-1]
         if tuple(a.shape) != (experts * r, in_dim) or tuple(b.shape) != (out_dim, r * experts):
             raise MergeError(f"{weights}: {key} {list(what.shape)} has lora_A {list(a.shape)} and lora_B "
                              f"{list(b.shape)}; with r={r} (adapter_config.json) PEFT's are [{experts * r}, {in_dim}] "
@@ -469,6 +491,9 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
         scale = lora_scale(alpha, r, config.get("use_rslora", False), key, str(weights.parent / CONFIG))
         if isinstance(what, MatrixParam):
             factors[what.name] = Factors(b=b, a=a, scale=scale, r=r)
+            continue
+        if isinstance(what, StackedParam):
+            factors[what.name] = Factors(b=b, a=a, scale=scale, r=r, experts=experts)
             continue
         for e, parts in enumerate(what.parts):
             a_e = _derived(a, f"expert {e}", (r, in_dim), lambda t, rows=slice(e * r, (e + 1) * r): t[rows])
