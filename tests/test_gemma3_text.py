@@ -7,57 +7,33 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-import lora_merge
-from helpers import run_failing, trained_peft_adapter
+from helpers import assert_merges_as_peft, random_hf_model, run_failing
 
 TESTS = Path(__file__).parent
 PUBLISHED = TESTS / "data/published_configs/google__gemma-3-1b-it.json"
 
 
-def quiet(message):
-    pass
-
-
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
-    config = Gemma3TextConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                              sliding_window=8, query_pre_attn_scalar=32, architectures=["Gemma3ForCausalLM"],
-                              bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():  # norms too: Gemma stores the w of (1 + w), random here
-            p.copy_(torch.randn_like(p, dtype=torch.float32) * (0.05 if p.dim() > 1 else 0.1))
-    out = tmp_path_factory.mktemp("gemma3") / "base"
-    model.save_pretrained(out)
-    return out
+    # (norms random too: Gemma stores the w of (1 + w))
+    return random_hf_model(Gemma3TextConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, sliding_window=8, query_pre_attn_scalar=32,
+        architectures=["Gemma3ForCausalLM"], bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16"),
+        tmp_path_factory.mktemp("gemma3") / "base")
 
 
 def test_a_peft_adapter_merges_as_peft_does(hf_base, tmp_path):
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                          "down_proj"])
-    expected = trained_peft_adapter(model, lora, 5, tmp_path / "adapter").merge_and_unload()
-    out = tmp_path / "out"
-    lora_merge.merge(base=hf_base, lora=tmp_path / "adapter", hf_ref=hf_base, out=out, dtype="float32", warn=quiet)
-    merged, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert type(merged).__name__ == "Gemma3ForCausalLM" and not any(info.values()), info
-    ours, theirs = merged.state_dict(), expected.state_dict()
-    assert ours.keys() == theirs.keys() and any(k.endswith("q_norm.weight") for k in ours)
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6
-    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert (merged.eval()(ids).logits - expected.eval()(ids).logits).abs().max() <= 1e-4
+    ours, _ = assert_merges_as_peft(hf_base, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]), 5, tmp_path)
+    assert any(k.endswith("q_norm.weight") for k in ours)
     published = json.loads((hf_base / "config.json").read_text())
-    written = json.loads((out / "config.json").read_text())
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["rope_parameters"] == published["rope_parameters"]
     assert written["layer_types"] == published["layer_types"]
 

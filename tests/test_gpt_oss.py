@@ -7,59 +7,30 @@ by name."""
 from pathlib import Path
 
 import pytest
-import torch
 
-import lora_merge
-from helpers import run_failing, trained_peft_adapter
-
-
-def quiet(message):
-    pass
+from helpers import assert_merges_as_peft, random_hf_model, run_failing
 
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    from transformers import GptOssConfig
 
-    config = GptOssConfig(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
-                          rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
-                          architectures=["GptOssForCausalLM"], bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                          dtype="bfloat16")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():  # biases and sinks random too
-            p.copy_(torch.randn_like(p, dtype=torch.float32) * (0.05 if p.dim() > 1 else 0.1) + (p.dim() == 1))
-    out = tmp_path_factory.mktemp("gpt_oss") / "base"
-    model.save_pretrained(out)
-    return out
+    return random_hf_model(GptOssConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        architectures=["GptOssForCausalLM"], bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16"),
+        tmp_path_factory.mktemp("gpt_oss") / "base")
 
 
-def test_a_peft_adapter_on_the_stacked_experts_merges_as_peft_does(hf_base, tmp_path, capsys):
+def test_a_peft_adapter_on_the_stacked_experts_merges_as_peft_does(hf_base, tmp_path):
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    expected = trained_peft_adapter(model, lora, 9, tmp_path / "adapter").merge_and_unload()
-    out = tmp_path / "out"
-    lora_merge.merge(base=hf_base, lora=tmp_path / "adapter", hf_ref=hf_base, out=out, dtype="float32", warn=quiet,
-                     verify=True)
-    merged, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info
-    ours, theirs = merged.state_dict(), expected.state_dict()
-    assert ours.keys() == theirs.keys()
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6
-    base_sd = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).state_dict()
+    ours, base = assert_merges_as_peft(hf_base, lora, 9, tmp_path, verify=True)
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
-        changed = [(ours[name][e] - base_sd[name][e]).abs().max().item() > 0 for e in range(4)]
-        assert all(changed), name  # every expert's own factors are in
-    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert (merged.eval()(ids).logits - expected.eval()(ids).logits).abs().max() <= 1e-4
+        assert all((ours[name][e] - base[name][e]).abs().max() > 0 for e in range(4)), name  # each expert's own
 
 
 def test_megatron_checkpoints_of_it_are_refused_by_name(hf_base, tmp_path, capsys):

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lora_merge
-from helpers import run_failing, trained_peft_adapter
+from helpers import assert_merges_as_peft, run_failing
 
 TESTS = Path(__file__).parent
 TOKENIZER = TESTS / "fixtures_moe/qwen3moe_ep2/hf_ref"
@@ -65,23 +64,12 @@ def hf_base(tmp_path_factory) -> Path:
 def test_a_peft_adapter_on_every_kind_of_layer_merges_as_peft_does(hf_base, tmp_path):
     from peft import LoraConfig
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj",
                                                          "v_proj", "o_proj", "shared_expert_gate", "gate_proj",
                                                          "up_proj", "down_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    peft_model = trained_peft_adapter(model, lora, 1, tmp_path / "adapter")
-    expected = peft_model.merge_and_unload()
-    out = tmp_path / "out"
-    lora_merge.merge(base=hf_base, lora=tmp_path / "adapter", hf_ref=hf_base, out=out, dtype="float32", warn=quiet)
-    merged, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info
-    ours, theirs = merged.state_dict(), expected.state_dict()
-    assert ours.keys() == theirs.keys()
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6
-    base_sd = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).state_dict()
+    ours, base_sd = assert_merges_as_peft(hf_base, lora, 1, tmp_path)
     adapted = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight", "linear_attn.out_proj.weight",
                "self_attn.q_proj.weight", "mlp.shared_expert_gate.weight", "mlp.experts.gate_up_proj")
     for name in adapted:  # the LoRA of each kind is in
@@ -89,10 +77,8 @@ def test_a_peft_adapter_on_every_kind_of_layer_merges_as_peft_does(hf_base, tmp_
         assert keys and all(not torch.equal(ours[k], base_sd[k]) for k in keys), name
     kept = ("conv1d.weight", "A_log", "dt_bias", "linear_attn.norm.weight", "layernorm.weight")
     assert all(torch.equal(ours[k], base_sd[k]) for k in ours if k.endswith(kept))
-    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert (merged.eval()(ids).logits - expected.eval()(ids).logits).abs().max() <= 1e-4
-    stored, written = load_file(next(hf_base.glob("*.safetensors"))), load_file(next(out.glob("*.safetensors")))
+    stored = load_file(next(hf_base.glob("*.safetensors")))
+    written = load_file(next((tmp_path / "out").glob("*.safetensors")))
     mtp = [k for k in stored if k.startswith("mtp.")]
     assert mtp and all(torch.equal(written[k], stored[k]) and written[k].dtype == stored[k].dtype for k in mtp)
 

@@ -15,12 +15,15 @@ INPUT_NORM = Replicated("input_layernorm.weight", ("hidden",), hf="input_layerno
                         aliases=("self_attention.linear_qkv.layer_norm_weight",))
 O_PROJ = RowParallel("self_attention.linear_proj.weight", ("hidden", "q"), hf="self_attn.o_proj.weight")
 DOWN_PROJ = RowParallel("mlp.linear_fc2.weight", ("hidden", "ffn"), hf="mlp.down_proj.weight")
-ATTENTION = (
-    INPUT_NORM,
+QKV = (
     QkvColumn("self_attention.linear_qkv.weight", ("qkv", "hidden"),
               q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"),
     QkvColumn("self_attention.linear_qkv.bias", ("qkv",), requires="qkv_bias",
               q="self_attn.q_proj.bias", k="self_attn.k_proj.bias", v="self_attn.v_proj.bias"),
+)
+ATTENTION = (
+    INPUT_NORM,
+    *QKV,
     Replicated("self_attention.q_layernorm.weight", ("head_dim",), requires="qk_norm", hf="self_attn.q_norm.weight"),
     Replicated("self_attention.k_layernorm.weight", ("head_dim",), requires="qk_norm", hf="self_attn.k_norm.weight"),
     O_PROJ,

@@ -10,8 +10,8 @@ form is read or written: no Megatron checkpoint of its clamped SwiGLU and sinks 
 layout. Names of what Megatron lacks are this table's own keys."""
 
 from lora_merge.model.architectures.base import Architecture, HfConfig, PeftQuirks
-from lora_merge.model.architectures.dense import EMBEDDING, FINAL, INPUT_NORM, O_PROJ, PRE_MLP_NORM
-from lora_merge.model.layout import QkvColumn, Replicated
+from lora_merge.model.architectures.dense import EMBEDDING, FINAL, INPUT_NORM, O_PROJ, PRE_MLP_NORM, QKV
+from lora_merge.model.layout import Replicated
 from lora_merge.model.moe_shape import MoeShape
 
 
@@ -36,10 +36,7 @@ ARCHITECTURE = Architecture(
     name="gpt_oss", before_layers=EMBEDDING, after_layers=FINAL, config=CONFIG,
     layer_rules=(
         INPUT_NORM,
-        QkvColumn("self_attention.linear_qkv.weight", ("qkv", "hidden"),
-                  q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"),
-        QkvColumn("self_attention.linear_qkv.bias", ("qkv",), requires="qkv_bias",
-                  q="self_attn.q_proj.bias", k="self_attn.k_proj.bias", v="self_attn.v_proj.bias"),
+        *QKV,
         O_PROJ,
         hf_tensor("self_attn.o_proj.bias", ("hidden",), requires="qkv_bias"),
         hf_tensor("self_attn.sinks", ("heads",)),

@@ -13,9 +13,9 @@ model of it can be built to prove a layout. Names of what Megatron lacks are thi
 import torch
 
 from lora_merge.model.architectures.base import Architecture, HfConfig, PeftQuirks
-from lora_merge.model.architectures.dense import EMBEDDING, FINAL, INPUT_NORM, O_PROJ, PRE_MLP_NORM
+from lora_merge.model.architectures.dense import EMBEDDING, FINAL, INPUT_NORM, O_PROJ, PRE_MLP_NORM, QKV
 from lora_merge.model.architectures.moe import expected_values, routed_experts
-from lora_merge.model.layout import QkvColumn, Replicated
+from lora_merge.model.layout import Replicated
 from lora_merge.model.moe_shape import MoeShape
 
 
@@ -43,8 +43,7 @@ ARCHITECTURE = Architecture(
     name="minimax_m2", before_layers=EMBEDDING, after_layers=FINAL, config=CONFIG,
     layer_rules=(
         INPUT_NORM,
-        QkvColumn("self_attention.linear_qkv.weight", ("qkv", "hidden"),
-                  q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"),
+        QKV[0],  # (no biases)
         Replicated("hf.self_attn.q_norm.weight", ("q",), hf="self_attn.q_norm.weight"),
         Replicated("hf.self_attn.k_norm.weight", ("kv",), hf="self_attn.k_norm.weight"),
         O_PROJ,

@@ -7,8 +7,9 @@ No Megatron form is read or written: megatron-core (0.16.1) has no SparseMixer r
 can be built to prove a layout. Names of what Megatron lacks are this table's own keys."""
 
 from lora_merge.model.architectures.base import Architecture, HfConfig, PeftQuirks
+from lora_merge.model.architectures.dense import O_PROJ, QKV
 from lora_merge.model.architectures.moe import routed_experts
-from lora_merge.model.layout import QkvColumn, Replicated, RowParallel, VocabParallel
+from lora_merge.model.layout import Replicated, VocabParallel
 from lora_merge.model.moe_shape import MoeShape
 
 
@@ -36,11 +37,8 @@ ARCHITECTURE = Architecture(
     before_layers=(VocabParallel("embedding.word_embeddings.weight", ("vocab", "hidden"), hf="model.embed_tokens.weight"),),
     layer_rules=(
         *layer_norm("input_layernorm", "input_layernorm"),
-        QkvColumn("self_attention.linear_qkv.weight", ("qkv", "hidden"),
-                  q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"),
-        QkvColumn("self_attention.linear_qkv.bias", ("qkv",), requires="qkv_bias",
-                  q="self_attn.q_proj.bias", k="self_attn.k_proj.bias", v="self_attn.v_proj.bias"),
-        RowParallel("self_attention.linear_proj.weight", ("hidden", "q"), hf="self_attn.o_proj.weight"),
+        *QKV,
+        O_PROJ,
         Replicated("hf.self_attn.o_proj.bias", ("hidden",), hf="self_attn.o_proj.bias", requires="qkv_bias"),
         *layer_norm("pre_mlp_layernorm", "post_attention_layernorm"),
         *routed_experts(router="block_sparse_moe.gate.weight", gate="block_sparse_moe.experts.{expert}.w1.weight",
