@@ -1,12 +1,13 @@
-"""gpt-oss (gpt_oss) on the HF routes, from a bf16 base: q/k/v/o biases and attention sinks, a router with a bias,
-experts stored stacked ([E, hidden, 2·ffn] with interleaved gate/up columns, [E, ffn, hidden]) and adapted by PEFT's
-target_parameters expert by expert. Our merge equals PEFT's merge_and_unload, loads whole in transformers'
-GptOssForCausalLM, and verify checks the stacked experts against the factors. Megatron checkpoints of it are refused
-by name."""
+"""gpt-oss (gpt_oss) on the HF routes: q/k/v/o biases and attention sinks, a router with a bias, experts stored
+stacked ([E, hidden, 2·ffn] with interleaved gate/up columns, [E, ffn, hidden]) and adapted by PEFT's
+target_parameters expert by expert. From a bf16 base our merge equals PEFT's merge_and_unload, loads whole in
+transformers' GptOssForCausalLM, and verify checks the stacked experts against the factors. The MXFP4 release is read
+dequantized as transformers dequantizes it. Megatron checkpoints of it are refused by name."""
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import assert_merges_as_peft, random_hf_model, run_failing
 
@@ -38,18 +39,121 @@ def test_megatron_checkpoints_of_it_are_refused_by_name(hf_base, tmp_path, capsy
                 "--to megatron: gpt_oss is merged from HF bases (with PEFT adapters) only")
 
 
-def test_the_published_config_reads_and_its_mxfp4_weights_are_refused_by_name(tmp_path):
-    """openai/gpt-oss-20b's config.json as published: the model reads as transformers reads it; its MXFP4
-    quantization_config is refused in one line until the MXFP4 reader exists."""
+def test_the_published_config_reads_as_transformers_reads_it(tmp_path):
+    """openai/gpt-oss-20b's config.json as published (its MXFP4 quantization_config included)."""
     import json
 
-    from lora_merge.errors import MergeError
     from lora_merge.model.hf_config import read_hf_config
 
     published = json.loads((Path(__file__).parent / "data/published_configs/openai__gpt-oss-20b.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(published))
-    with pytest.raises(MergeError, match="quantization_config \\(mxfp4\\)"):
-        read_hf_config(tmp_path, [])
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in published.items() if k != "quantization_config"}))
     shape, _ = read_hf_config(tmp_path, [])
     assert shape.model_type == "gpt_oss" and shape.moe.num_experts == 32 and shape.qkv_bias
+
+
+def test_dequantization_is_transformers_own_block_by_block():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from lora_merge.mxfp4 import Mxfp4Weight
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 8, 2), dtype=torch.uint8, generator=g)
+    weight = Mxfp4Weight(blocks, scales)
+    assert weight.shape == (3, 64, 8)
+    assert torch.equal(weight.rows(0, 3), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    assert torch.equal(weight.rows(1, 2), convert_moe_packed_tensors(blocks[1:2], scales[1:2], dtype=torch.float32))
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def reference_mxfp4(w: torch.Tensor):
+    """OCP MX quantization of a stacked [E, in, out] parameter, written from the spec: per 32 consecutive input
+    values of each output row, the shared exponent floor(log2(amax)) - 2 (E2M1's largest exponent), stored as
+    E8M0 (+127); each value the nearest E2M1 code of w / 2^exponent (clamped to ±6); two codes a byte, low first."""
+    t = w.transpose(1, 2).float()  # [E, out, in]: the blocks run along the input
+    x = t.reshape(*t.shape[:2], -1, 32)
+    amax = x.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-30))) - 2, torch.full_like(amax, -127))
+    scales = (exponent + 127).clamp(0, 254).to(torch.uint8)
+    v = x / torch.exp2(scales.float() - 127).unsqueeze(-1)
+    magnitude = (v.abs().unsqueeze(-1) - E2M1).abs().argmin(-1)  # nearest (the first of two at a tie)
+    codes = (magnitude | ((v < 0).to(torch.int64) << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), scales.contiguous()
+
+
+@pytest.fixture(scope="module")
+def mxfp4_release(hf_base, tmp_path_factory):
+    """The MXFP4 release of hf_base (experts quantized as OpenAI's release is, the rest as it was), and its twin
+    holding the same values dequantized by transformers' own convert_moe_packed_tensors, in bf16 (exact: E2M1
+    values times powers of two)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    root = tmp_path_factory.mktemp("mxfp4")
+    tensors = load_file(hf_base / "model.safetensors")
+    release, twin = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = reference_mxfp4(t)
+            release[name + "_blocks"], release[name + "_scales"] = blocks, scales
+            twin[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).to(torch.bfloat16)
+        else:
+            release[name] = twin[name] = t
+    config = json.loads((hf_base / "config.json").read_text())
+    for d, weights, quantized in ((root / "mxfp4", release, True), (root / "dequantized", twin, False)):
+        shutil.copytree(hf_base, d, ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+        if quantized:
+            (d / "config.json").write_text(json.dumps({**config, "quantization_config": {
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}}))
+    return root / "mxfp4", root / "dequantized"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_mxfp4_release_merges_as_its_dequantized_values(mxfp4_release, tmp_path, dtype):
+    """Its experts read dequantized expert by expert: the merge with a PEFT adapter on the experts is the same
+    bytes as the merge onto transformers' own dequantization of them; the output is unquantized."""
+    import json
+
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import lora_merge
+    from helpers import trained_peft_adapter
+
+    mxfp4, dequantized = mxfp4_release
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+                         11, tmp_path / "adapter")
+    for base, out in ((mxfp4, tmp_path / "from-mxfp4"), (dequantized, tmp_path / "from-deq")):
+        lora_merge.merge(base=base, lora=tmp_path / "adapter", hf_ref=base, out=out, dtype=dtype,
+                         warn=lambda m: None)
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("from-mxfp4", "from-deq"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "quantization_config" not in json.loads((tmp_path / "from-mxfp4/config.json").read_text())
+
+
+def test_inspect_names_mxfp4_and_fp8_output_of_it_is_refused(mxfp4_release, tmp_path, capsys):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from helpers import trained_peft_adapter
+    from lora_merge.cli import main
+
+    mxfp4, dequantized = mxfp4_release
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), 12, tmp_path / "adapter")
+    capsys.readouterr()  # (transformers' loading messages)
+    run_failing(["--base", str(mxfp4), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(mxfp4), "--out",
+                 str(tmp_path / "fp8"), "--dtype", "fp8"], capsys, "--dtype fp8 with the MXFP4 base")
+    assert main(["inspect", str(mxfp4)]) == 0
+    assert "MXFP4 experts read dequantized" in capsys.readouterr().out

@@ -29,6 +29,7 @@ import torch
 from lora_merge.model.architectures import ARCHITECTURES, HfConfig
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.fp8 import read_fp8_config
+from lora_merge.mxfp4 import is_mxfp4_config
 from lora_merge.interrupts import raise_if_received
 from lora_merge.model.model_shape import DTYPES, ModelShape, RopeScaling
 from lora_merge.model.rope import hf_rope, rotated_fraction
@@ -420,8 +421,9 @@ def _check_plain_fields(raw: dict, path: Path) -> None:
     for key in ("dtype", "torch_dtype"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise MergeError(f"{path}: {shown(key)} must be a dtype name or null, found {shown(raw[key])}")
-    if raw.get("quantization_config") is not None:  # block-FP8 releases are read (dequantized); others refused
-        read_fp8_config(raw["quantization_config"], path)
+    q = raw.get("quantization_config")
+    if q is not None and not (is_mxfp4_config(q) and raw.get("model_type") == "gpt_oss"):
+        read_fp8_config(q, path)  # block-FP8 releases are read (dequantized), gpt-oss's MXFP4 experts too; others refused
 
 
 _TYPED_KEYS = {

@@ -18,6 +18,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import Fp8Weight
+from lora_merge.mxfp4 import Mxfp4Weight
 from lora_merge.integrity import check_finite
 
 if TYPE_CHECKING:
@@ -120,6 +121,17 @@ class QuantizedRowBlock(RowBlock):
         return self.weight.rows(start, stop)
 
 
+@dataclass(frozen=True)
+class Mxfp4RowBlock(RowBlock):
+    """An MXFP4 stacked experts parameter's rows (one expert each; `parts`: its blocks as stored), taken
+    dequantized to float32."""
+
+    weight: Mxfp4Weight | None = None
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        return self.weight.rows(start, stop)
+
+
 def join_blocks(blocks: list[RowBlock]) -> torch.Tensor:
     return unshard_column([b.whole() for b in blocks])
 
@@ -127,6 +139,8 @@ def join_blocks(blocks: list[RowBlock]) -> torch.Tensor:
 def single(t: torch.Tensor | Fp8Weight) -> list[RowBlock]:
     if isinstance(t, Fp8Weight):
         return [QuantizedRowBlock((t.q,), t)]
+    if isinstance(t, Mxfp4Weight):
+        return [Mxfp4RowBlock((t.blocks,), t)]
     return [RowBlock((t,))]
 
 

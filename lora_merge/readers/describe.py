@@ -92,7 +92,7 @@ def _per_file(tensors: dict[str, TensorRef], verbose: bool) -> list[str]:
 
 
 def describe_hf_model(model, verbose: bool = False) -> list[str]:
-    from lora_merge.readers.hf_model import Fp8Ref
+    from lora_merge.readers.hf_model import Fp8Ref, Mxfp4Ref
     config = read_json(Path(model.path) / "config.json")
     if not isinstance(config, dict):
         raise MergeError(f"{Path(model.path) / 'config.json'}: the top level is a JSON {json_kind(config)}; expected "
@@ -103,9 +103,11 @@ def describe_hf_model(model, verbose: bool = False) -> list[str]:
     lines.append(f"  architecture (config.json): {', '.join(arch) or 'none of the usual keys'}")
     lines.append(f"  dtype (config.json): {config.get('dtype') or config.get('torch_dtype')}")
     fp8 = [ref for ref in model.tensors.values() if isinstance(ref, Fp8Ref)]
-    plain = [ref for ref in model.tensors.values() if not isinstance(ref, Fp8Ref)]
+    mxfp4 = [ref for ref in model.tensors.values() if isinstance(ref, Mxfp4Ref)]
+    plain = [ref for ref in model.tensors.values() if not isinstance(ref, (Fp8Ref, Mxfp4Ref))]
     kinds = ", ".join(filter(None, [_dtypes(plain) if plain else "", f"{len(fp8)} block-FP8 e4m3 with "
-                                    f"{model.fp8.block[0]}x{model.fp8.block[1]} scales" if fp8 else ""]))
+                                    f"{model.fp8.block[0]}x{model.fp8.block[1]} scales" if fp8 else "",
+                                    f"{len(mxfp4)} MXFP4 experts read dequantized" if mxfp4 else ""]))
     lines.append(f"  tensors: {len(model.tensors)} ({kinds}), in layers {_layers(model.tensors)}")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(model.skipped.items()))
     if skipped:

@@ -20,6 +20,8 @@ from lora_merge.files.pages import release_pages
 from lora_merge.readers.checkpoint import TensorRef
 from lora_merge.readers.safetensors_file import tensor_refs
 from lora_merge.files.small_files import read_json
+from lora_merge.mxfp4 import (BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight, check_pair, check_scales as check_mxfp4_scales,
+                              is_mxfp4_config)
 INDEX = "model.safetensors.index.json"
 DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from the config, not weights
 
@@ -41,13 +43,14 @@ class HfModel:
     format: str = "HF"
 
     fp8: Fp8Format | None = None  # a block-FP8 release: its quantized weights read dequantized
+    mxfp4: bool = False  # an MXFP4 release (gpt-oss): its stacked experts read dequantized
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype most of its bytes have (of an FP8 release: that of the tensors it left unquantized)."""
         weight: dict[torch.dtype, int] = {}
         for ref in self.tensors.values():
-            if not isinstance(ref, Fp8Ref):
+            if not isinstance(ref, (Fp8Ref, Mxfp4Ref)):
                 weight[ref.dtype] = weight.get(ref.dtype, 0) + ref.nbytes
         return max(weight, key=weight.get) if weight else torch.bfloat16
 
@@ -67,7 +70,8 @@ class HfModel:
         return False
 
     def describe(self) -> str:
-        return f"HF model {self.path} ({len(self.tensors)} tensors in {len(self.sources) - 1} file(s))"
+        return (f"HF model {self.path} ({len(self.tensors)} tensors in {len(self.sources) - 1} file(s)"
+                + (", MXFP4 experts read dequantized" if self.mxfp4 else "") + ")")
 
 
 def read_hf_model(path: Path) -> HfModel:
@@ -79,10 +83,13 @@ def read_hf_model(path: Path) -> HfModel:
         raise MergeError(f"{found.problems[0]}; the HF base's weights must be intact")
     if not found:
         raise MergeError(f"{path}: no safetensors weights (an HF base needs model.safetensors or an index)")
-    model = HfModel(path=path, sources=[path / "config.json"], fp8=_fp8_format(path))
+    q = read_json(path / "config.json").get("quantization_config")
+    mxfp4 = is_mxfp4_config(q)
+    model = HfModel(path=path, sources=[path / "config.json"], fp8=None if mxfp4 else _fp8_format(path), mxfp4=mxfp4)
     for file in sorted(set(found.file_of.values())):
         model.sources.append(path / file)
-        for name, ref in tensor_refs(path / file, "the HF base's weights", fp8=model.fp8 is not None).items():
+        for name, ref in tensor_refs(path / file, "the HF base's weights", fp8=model.fp8 is not None,
+                                     mxfp4=mxfp4).items():
             if name.endswith(DERIVED):
                 model.skipped["rotary tables (recomputed from the config)"] = \
                     model.skipped.get("rotary tables (recomputed from the config)", 0) + 1
@@ -92,7 +99,48 @@ def read_hf_model(path: Path) -> HfModel:
         model.sources.append(path / INDEX)
     if model.fp8 is not None:
         _pair_fp8_weights(model)
+    if model.mxfp4:
+        _pair_mxfp4_weights(model)
     return model
+
+
+@dataclass(frozen=True)
+class Mxfp4Ref(TensorRef):
+    """A stacked experts parameter [E, in, out] stored as MXFP4 blocks and scales; load() gives an Mxfp4Weight,
+    read dequantized expert by expert."""
+
+    blocks: TensorRef | None = None
+    scales: TensorRef | None = None
+
+    @property
+    def nbytes(self) -> int:  # as stored
+        return self.blocks.nbytes + self.scales.nbytes
+
+    def load(self) -> Mxfp4Weight:
+        return Mxfp4Weight(self.blocks.load(), self.scales.load())
+
+    def release(self) -> None:
+        self.blocks.release()
+        self.scales.release()
+
+
+def _pair_mxfp4_weights(model: HfModel) -> None:
+    """Each `X_blocks` with its `X_scales` (the shapes agreeing, no scale E8M0's NaN) as the parameter X; either
+    one alone is refused."""
+    for name in [n for n in model.tensors if n.endswith(BLOCKS_SUFFIX)]:
+        base = name.removesuffix(BLOCKS_SUFFIX)
+        blocks, scales = model.tensors.pop(name), model.tensors.pop(base + SCALES_SUFFIX, None)
+        if scales is None:
+            raise MergeError(f"{blocks.where}: MXFP4 blocks without their {base + SCALES_SUFFIX}; the release is "
+                             "incomplete")
+        shape = check_pair(blocks, scales, base, blocks.where)
+        check_mxfp4_scales(scales.load(), scales.where)
+        scales.release()
+        model.tensors[base] = Mxfp4Ref(blocks.where, shape, torch.float32, blocks.loader, blocks.mapped, blocks=blocks,
+                                       scales=scales)
+    strays = [n for n, r in model.tensors.items() if r.dtype == torch.uint8]
+    if strays:
+        raise MergeError(f"{model.tensors[strays[0]].where}: MXFP4 {strays[0]} without its blocks")
 
 
 @dataclass(frozen=True)

@@ -135,11 +135,12 @@ def _entry(name: str, entry) -> Entry:
     return Entry(tuple(shape), dtype, offsets[0], offsets[1])
 
 
-def tensor_refs(path: Path, what: str, fp8: bool = False) -> dict[str, TensorRef]:
+def tensor_refs(path: Path, what: str, fp8: bool = False, mxfp4: bool = False) -> dict[str, TensorRef]:
     """Every tensor of a file a merge uses (an HF base shard, a PEFT adapter), each a view of the mapped
     file; damage, and any dtype that is not a float a merge can use, is a MergeError naming the file.
     `what` says what the file is, for messages ("the HF base's weights"); `fp8`: float8_e4m3fn tensors are
-    let through (a block-FP8 release's weights, which the caller pairs with their scales)."""
+    let through (a block-FP8 release's weights, which the caller pairs with their scales); `mxfp4`: uint8
+    `*_blocks` / `*_scales` tensors too (an MXFP4 release's, paired by the caller)."""
     try:
         header = read_header(path)
     except Damaged as exc:
@@ -149,7 +150,8 @@ def tensor_refs(path: Path, what: str, fp8: bool = False) -> dict[str, TensorRef
     for name, entry in header.entries.items():
         where = f"{path}[{shown_name(name)}]"
         dtype = TORCH_DTYPES.get(entry.dtype)
-        if not (fp8 and dtype == torch.float8_e4m3fn):  # an FP8 release's quantized weights: paired with scales later
+        packed = mxfp4 and dtype == torch.uint8 and name.endswith(("_blocks", "_scales"))
+        if not (fp8 and dtype == torch.float8_e4m3fn) and not packed:  # quantized weights: paired later
             require_float(where, dtype, entry.dtype)
         offset = header.data_start + entry.begin
         # A misaligned tensor is loaded as a copy, which is not the mapping: `mapped` is what lets release()

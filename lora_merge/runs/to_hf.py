@@ -95,6 +95,9 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
     fp8 = opts.dtype == FP8
+    if fp8 and getattr(inp.base, "mxfp4", False):
+        raise MergeError(f"--dtype fp8 with the MXFP4 base {inp.base.path}: block-FP8 is written for weights an FP8 "
+                         "release quantizes, not for MXFP4 experts; write bfloat16 or float32")
     dtype = torch.bfloat16 if fp8 else output_dtype(opts.dtype, inp.shape, inp.base, inp.lora)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
     # what the rest keep: bf16, as the releases (an FP8 reference's config is read when it was checked)

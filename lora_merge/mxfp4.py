@@ -1,0 +1,72 @@
+"""MXFP4 (OCP Microscaling, FP4 E2M1 values with one E8M0 scale per 32), as gpt-oss's release stores its experts.
+
+    quantization_config: {quant_method: mxfp4, modules_to_not_convert: [...]}
+    model.layers.{i}.mlp.experts.gate_up_proj_blocks   uint8 [E, 2·ffn, hidden/32, 16]   two FP4 codes a byte
+    model.layers.{i}.mlp.experts.gate_up_proj_scales   uint8 [E, 2·ffn, hidden/32]       2^(s - 127) per 32 values
+    (down_proj likewise, [E, hidden, ffn/32, 16])
+
+A byte holds two consecutive values, the low nibble first; a code is sign (bit 3) and magnitude
+0, 0.5, 1, 1.5, 2, 3, 4, 6. The blocks run along the input dimension of an [E, out, in] weight, the transpose of
+the [E, in, out] parameter transformers builds, so a dequantized expert is transposed once. Scale 255 is E8M0's
+NaN and is refused. Read expert by expert as rows stream, like the block-FP8 path; the output is unquantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lora_merge.errors import MergeError
+
+BLOCK = 32  # values per scale
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+# E2M1 codes 0..15: magnitude by the low three bits, negative with bit 3
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_NAN = 255
+
+
+def is_mxfp4_config(q) -> bool:
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [..., rows, G·32] from uint8 blocks [..., rows, G, 16] and scales [..., rows, G]."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int64)  # [..., G, 16, 2]: low nibble first
+    values = lut[codes].reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])  # [..., rows, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """A stacked experts parameter [E, in, out] stored as MXFP4 blocks of its transpose; `rows(a, b)` gives
+    experts a..b dequantized, float32, in the parameter's layout."""
+
+    blocks: torch.Tensor  # uint8 [E, out, G, 16]
+    scales: torch.Tensor  # uint8 [E, out, G]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, out, groups, _ = self.blocks.shape
+        return experts, groups * BLOCK, out
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return dequantize(self.blocks[start:stop], self.scales[start:stop]).transpose(1, 2)
+
+
+def check_pair(blocks, scales, name: str, where: str) -> tuple[int, int, int]:
+    """The parameter shape [E, in, out] of an MXFP4 pair, or a MergeError naming what does not fit."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or len(blocks.shape) != 4 or \
+            blocks.shape[-1] != BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise MergeError(f"{where}: MXFP4 {name}{BLOCKS_SUFFIX} {list(blocks.shape)} {blocks.dtype} with "
+                         f"{name}{SCALES_SUFFIX} {list(scales.shape)} {scales.dtype}; expected uint8 [E, out, G, 16] "
+                         "and uint8 [E, out, G]")
+    experts, out, groups, _ = blocks.shape
+    return experts, groups * BLOCK, out
+
+
+def check_scales(scales: torch.Tensor, where: str) -> None:
+    if (scales == E8M0_NAN).any():
+        raise MergeError(f"{where}: an MXFP4 scale is 255, E8M0's NaN; the release is damaged")
