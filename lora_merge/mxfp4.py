@@ -30,13 +30,22 @@ def is_mxfp4_config(q) -> bool:
     return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
 
 
+# a byte's two values (low nibble, high nibble), and a scale byte's power of two (exact in float32: 2^-127 is a
+# subnormal); multiplying by it is ldexp, rounded once where the product is subnormal or overflows, as ldexp is
+_PAIRS = torch.tensor([(FP4_VALUES[b & 0x0F], FP4_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32)
+_POWERS = torch.tensor([2.0 ** (s - 127) for s in range(256)], dtype=torch.float64).to(torch.float32)
+CHUNK_GROUPS = 1 << 16  # groups of 32 values dequantized at a time: 8 MB of values, 8 MB of indices
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 [..., rows, G·32] from uint8 blocks [..., rows, G, 16] and scales [..., rows, G]."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int64)  # [..., G, 16, 2]: low nibble first
-    values = lut[codes].reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])  # [..., rows, G, 32]
-    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
-    return values.reshape(*blocks.shape[:-2], -1)
+    flat_blocks, flat_scales = blocks.reshape(-1, blocks.shape[-1]), scales.reshape(-1)
+    out = torch.empty((flat_blocks.shape[0], 2 * blocks.shape[-1]), dtype=torch.float32)
+    for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):
+        stop = start + CHUNK_GROUPS
+        values = _PAIRS[flat_blocks[start:stop].long()].reshape(-1, 2 * blocks.shape[-1])
+        torch.mul(values, _POWERS[flat_scales[start:stop].long()].unsqueeze(-1), out=out[start:stop])
+    return out.reshape(*blocks.shape[:-2], -1)
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,10 @@ class Mxfp4RowBlock(RowBlock):
 
     weight: Mxfp4Weight | None = None
 
+    @property
+    def row_numel(self) -> int:  # an expert's values, dequantized (its blocks hold two a byte)
+        return self.weight.shape[1] * self.weight.shape[2]
+
     def take(self, start: int, stop: int) -> torch.Tensor:
         return self.weight.rows(start, stop)
 
