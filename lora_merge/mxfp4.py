@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from lora_merge.errors import MergeError
 
@@ -41,10 +42,10 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 [..., rows, G·32] from uint8 blocks [..., rows, G, 16] and scales [..., rows, G]."""
     flat_blocks, flat_scales = blocks.reshape(-1, blocks.shape[-1]), scales.reshape(-1)
     out = torch.empty((flat_blocks.shape[0], 2 * blocks.shape[-1]), dtype=torch.float32)
-    for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):
+    for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):  # (embedding: torch's fast row gather)
         stop = start + CHUNK_GROUPS
-        values = _PAIRS[flat_blocks[start:stop].long()].reshape(-1, 2 * blocks.shape[-1])
-        torch.mul(values, _POWERS[flat_scales[start:stop].long()].unsqueeze(-1), out=out[start:stop])
+        values = F.embedding(flat_blocks[start:stop].int(), _PAIRS).reshape(-1, 2 * blocks.shape[-1])
+        torch.mul(values, F.embedding(flat_scales[start:stop].int(), _POWERS.unsqueeze(1)), out=out[start:stop])
     return out.reshape(*blocks.shape[:-2], -1)
 
 
