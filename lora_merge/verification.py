@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
@@ -180,6 +181,14 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
                     report.problems.append(f"{full}: the reference has shape {list(ref_shape)}, expected {list(dims)}")
                     continue
                 source = lambda a, b, n=full: ref.rows(n, a, b)  # noqa: E731
+            elif ref and full + BLOCKS_SUFFIX in ref.file_of and full + SCALES_SUFFIX in ref.file_of:
+                blocks_shape = ref.meta(full + BLOCKS_SUFFIX)[0]  # an MXFP4 baseline: [E, out, in/32, 16]
+                if len(blocks_shape) != 4 or (blocks_shape[0], blocks_shape[2] * 32, blocks_shape[1]) != tuple(dims):
+                    report.problems.append(f"{full}: the reference's MXFP4 blocks {list(blocks_shape)} do not hold "
+                                           f"{list(dims)}")
+                    continue
+                source = lambda a, b, n=full: Mxfp4Weight(  # noqa: E731
+                    ref.rows(n + BLOCKS_SUFFIX, a, b), ref.rows(n + SCALES_SUFFIX, a, b)).rows(0, b - a)
             elif megatron_blocks is not None:
                 source = megatron_blocks[name].rows
             else:

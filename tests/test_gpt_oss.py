@@ -157,3 +157,33 @@ def test_inspect_names_mxfp4_and_fp8_output_of_it_is_refused(mxfp4_release, tmp_
                  str(tmp_path / "fp8"), "--dtype", "fp8"], capsys, "--dtype fp8 with the MXFP4 base")
     assert main(["inspect", str(mxfp4)]) == 0
     assert "MXFP4 experts read dequantized" in capsys.readouterr().out
+
+
+def test_verify_reads_an_mxfp4_baseline_dequantized(mxfp4_release, tmp_path):
+    """verify compares the stacked experts with the MXFP4 base's dequantized values plus each expert's change, and
+    finds a changed expert."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import lora_merge
+    from helpers import trained_peft_adapter
+
+    mxfp4, dequantized = mxfp4_release
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+                         13, tmp_path / "adapter")
+    out = tmp_path / "out"
+    lora_merge.merge(base=mxfp4, lora=tmp_path / "adapter", hf_ref=mxfp4, out=out, dtype="float32",
+                     warn=lambda m: None)
+    args = dict(lora=tmp_path / "adapter", base=mxfp4, hf_ref=mxfp4, warn=lambda m: None)
+    report = lora_merge.verify(out, **args)
+    assert not report.problems, report.problems
+    status = report.statuses["model.layers.0.mlp.experts.gate_up_proj"]
+    assert status.startswith("merged") and "no baseline" not in status, status
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj"][2, 5, 7] += 0.5
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    problems = lora_merge.verify(out, **args).problems
+    assert any(p.startswith("model.layers.1.mlp.experts.down_proj") for p in problems), problems
