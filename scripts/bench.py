@@ -31,6 +31,7 @@ each rank file built and torch.save'd (the same layout, computed from the same p
 for DeepSeek, whose lora-merge run writes torch_dist).
 
 --glm: GLM-4.5-Air layer shapes (synthetic_moe_checkpoint.py --family glm4.5-air), GroupedMLP at EP=4.
+--gpt-oss: gpt-oss-20b shapes, an MXFP4 HF base + a PEFT adapter on every expert (synthetic_gpt_oss_checkpoint.py).
 
 --fp8: a block-FP8 DeepSeek-V3-shaped HF base (128x128 scales) + the Megatron LoRA, merged into bf16 and into
 FP8, against a copy of the same inputs.
@@ -297,6 +298,21 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
     return result
 
 
+def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
+    """A gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on q_proj and every expert (synthetic_gpt_oss_checkpoint.py),
+    merged into bf16, against a plain copy of both."""
+    root = work / f"L{layers}gpt_oss"
+    drop(root)
+    generate_start = time.monotonic()
+    subprocess.run([sys.executable, str(HERE / "synthetic_gpt_oss_checkpoint.py"), str(root), "--layers", str(layers)],
+                   check=True)
+    result = copy_vs_merge(root, root / "base", root / "adapter", root / "base", repeat,
+                           {"layers": layers, "layout": "gpt-oss-20b shapes, MXFP4 HF base + PEFT adapter",
+                            "generate_seconds": time.monotonic() - generate_start})
+    drop(root)
+    return result
+
+
 def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None,
           deepseek_shape: list[str] | None = None, preset: str = "qwen32b", moe_family: str = "qwen3-30b") -> dict:
     root = work / ("deepseek_v3_ep8" if moe_layout == "deepseek" else f"L{layers}{moe_layout or ''}")
@@ -464,6 +480,8 @@ def main() -> None:
                    "the whole model in RAM)")
     p.add_argument("--fp8", action="store_true", help="a block-FP8 DeepSeek-V3-shaped HF base + LoRA merged into bf16 "
                    "and into FP8 (--deepseek-shape applies)")
+    p.add_argument("--gpt-oss", action="store_true", help="a gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on every "
+                   "expert, merged into bf16")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers
@@ -483,6 +501,10 @@ def main() -> None:
 
     if args.fp8:
         report_one(deepseek_title + ", FP8", bench_fp8(args.workdir, args.repeat, args.deepseek_shape))
+        return
+    if args.gpt_oss:
+        for n in args.layers:
+            report_one(f"gpt-oss-20b shapes, MXFP4, {n} layers", bench_gpt_oss(n, args.workdir, args.repeat))
         return
     if args.to_megatron:
         runs = [bench_to_megatron(2, args.workdir, args.repeat, True, args.deepseek_shape,
