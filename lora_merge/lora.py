@@ -149,11 +149,14 @@ class StackedExpertsDelta:
     a: torch.Tensor  # [E·r, in]
     scale: float
     experts: int
+    in_out: bool = True  # the slabs are [in, out] (transformers' is_transposed experts); else [out, in]
 
     def factors_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's change as low-rank factors of its [in, out] slab: (A_eᵀ [in, r], B_eᵀ [r, out])."""
+        """Expert e's change as low-rank factors of its slab: (A_eᵀ [in, r], B_eᵀ [r, out]) for an [in, out] slab,
+        (B_e [out, r], A_e [r, in]) for an [out, in] one."""
         r = self.a.shape[0] // self.experts
-        return self.a.reshape(self.experts, r, -1)[e].t(), self.b.reshape(self.b.shape[0], r, self.experts)[:, :, e].t()
+        a_e, b_e = self.a.reshape(self.experts, r, -1)[e], self.b.reshape(self.b.shape[0], r, self.experts)[:, :, e]
+        return (a_e.t(), b_e.t()) if self.in_out else (b_e, a_e)
 
     def row_unit(self, cols: int) -> int:
         return 1

@@ -222,7 +222,8 @@ def _peft_delta(rule: Rule, hf_prefix: str, shape: ModelShape, factors: dict) ->
         full = hf_prefix + name
         if full in factors:
             f = factors.pop(full)
-            got = (f.experts, f.a.shape[1], f.b.shape[0]) if f.experts else (f.b.shape[0], f.a.shape[1])
+            got = (f.b.shape[0], f.a.shape[1]) if not f.experts else (f.experts, f.a.shape[1], f.b.shape[0]) if \
+                f.in_out else (f.experts, f.b.shape[0], f.a.shape[1])
             if got != tuple(dims):
                 raise MergeError(f"{f.a.where}: LoRA factors of {full} give [{f.b.shape[0]}, {f.a.shape[1]}], "
                                  f"the weight is {list(dims)}")

@@ -257,13 +257,13 @@ def test_missing_config(tmp_path):
         read_hf_config(tmp_path)
 
 
-@pytest.mark.parametrize("model_type", [None, "llama4_text", 7])
+@pytest.mark.parametrize("model_type", [None, "falcon_h1", 7])
 def test_unsupported_model_type(tmp_path, model_type):
     # every model type a module of the architectures package registers, by name
     supported = ("deepseek_v2, deepseek_v3, deepseek_v32, ernie4_5_moe, gemma2, gemma3_text, glm4_moe, glm_moe_dsa, "
-                 "gpt_oss, llama, minimax_m2, mistral, mixtral, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, seed_oss")
+                 "gpt_oss, llama, llama4_text, minimax_m2, mistral, mixtral, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, seed_oss")
     refused(tmp_path, f"is not supported (expected one of {supported}, or a config whose architectures names one of",
-            model_type=model_type, architectures=["Llama4ForCausalLM"])
+            model_type=model_type, architectures=["FalconH1ForCausalLM"])
     refused(tmp_path, f"no model_type (expected one of {supported}", model_type=DROP)
 
 

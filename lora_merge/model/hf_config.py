@@ -341,7 +341,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         # multi-latent attention gives every head its own key and value; its head sizes are in `mla`
         groups=heads if spec.read_mla else groups or heads,
         head_dim=head_dim or hidden // heads,
-        ffn=fields.positive_int("intermediate_size"),
+        ffn=fields.positive_int(spec.dense_ffn_key),
         vocab=fields.positive_int("vocab_size"),
         tied=fields.flag("tie_word_embeddings"),
         qkv_bias=spec.qkv_bias if isinstance(spec.qkv_bias, bool) else fields.flag(spec.qkv_bias),

@@ -53,14 +53,15 @@ class Factors:
     a: TensorRef
     scale: float
     r: int
-    experts: int = 0  # a stacked experts parameter [E, in, out] stored as it is (StackedParam): its E
+    experts: int = 0  # a stacked experts parameter stored as it is (StackedParam): its E
+    in_out: bool = True  # and its slabs' layout: [in, out], or [out, in]
 
     def delta(self):
         """The change these factors make to their HF tensor (lora.Delta)."""
         from lora_merge.lora import LowRankDelta, StackedExpertsDelta
 
         if self.experts:
-            return StackedExpertsDelta(self.b.load(), self.a.load(), self.scale, self.experts)
+            return StackedExpertsDelta(self.b.load(), self.a.load(), self.scale, self.experts, self.in_out)
         return LowRankDelta(self.b.load(), self.a.load(), self.scale)
 
 
@@ -371,11 +372,12 @@ class ExpertParam:
 
 @dataclass(frozen=True)
 class StackedParam:
-    """A transformers 5 experts parameter [E, in, out] that the HF checkpoint stores as it is, one tensor
-    (gpt-oss's mlp.experts.gate_up_proj and down_proj)."""
+    """A transformers 5 experts parameter that the HF checkpoint stores as it is, one tensor: [E, in, out] where
+    transformers marks the experts is_transposed (gpt-oss), else [E, out, in] as PEFT reads it (Llama-4)."""
 
     shape: tuple[int, int, int]
     name: str
+    in_out: bool = True
 
 
 @dataclass(frozen=True)
@@ -418,7 +420,7 @@ def model_parameters(arch, shape) -> dict[str, list[tuple[str, ExpertParam | Mat
             full = prefix + name
             if len(dims) == 3 and fused and name.startswith(fused + ".") and not name.endswith("_bias"):
                 module, param = full.rsplit(".", 1)  # stored stacked, as the parameter is
-                found.setdefault(module, []).append((param, StackedParam(tuple(dims), full)))
+                found.setdefault(module, []).append((param, StackedParam(tuple(dims), full, arch.config.peft.stacked_in_out)))
                 continue
             if len(dims) != 2 or not name.endswith(".weight") or full in per_expert:
                 continue
@@ -483,7 +485,7 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
                              "integer")
         a, b = ab["A"], ab["B"]
         experts = what.shape[0] if isinstance(what, (ExpertParam, StackedParam)) else 1
-        out_dim, in_dim = what.shape[-2:] if not isinstance(what, StackedParam) else what.shape[:0:-1]
+        out_dim, in_dim = what.shape[:0:-1] if isinstance(what, StackedParam) and what.in_out else what.shape[-2:]
         if tuple(a.shape) != (experts * r, in_dim) or tuple(b.shape) != (out_dim, r * experts):
             raise MergeError(f"{weights}: {key} {list(what.shape)} has lora_A {list(a.shape)} and lora_B "
                              f"{list(b.shape)}; with r={r} (adapter_config.json) PEFT's are [{experts * r}, {in_dim}] "
@@ -493,7 +495,7 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
             factors[what.name] = Factors(b=b, a=a, scale=scale, r=r)
             continue
         if isinstance(what, StackedParam):
-            factors[what.name] = Factors(b=b, a=a, scale=scale, r=r, experts=experts)
+            factors[what.name] = Factors(b=b, a=a, scale=scale, r=r, experts=experts, in_out=what.in_out)
             continue
         for e, parts in enumerate(what.parts):
             a_e = _derived(a, f"expert {e}", (r, in_dim), lambda t, rows=slice(e * r, (e + 1) * r): t[rows])

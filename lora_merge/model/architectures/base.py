@@ -24,11 +24,14 @@ class PeftQuirks:
     pattern is mixtral's or qwen2_moe's), so non-expert modules named like an expert projection get LoRA on their
     weights instead; remaps_every_mlp_target: every gate/up/down_proj target becomes a routed-expert parameter,
     so the dense layers' and shared experts' MLP LoRA is dropped unloaded; drops_per_expert: a per-expert
-    adapter is not converted at all and dropped without an error."""
+    adapter is not converted at all and dropped without an error; stacked_in_out: see below."""
 
     converts_expert_targets: bool = False
     remaps_every_mlp_target: bool = False
     drops_per_expert: bool = False
+    # a stacked experts parameter [E, a, b] stored as it is: PEFT reads it as [E, out, in] (swapped) unless
+    # transformers marks the experts class is_transposed (gpt-oss: [E, in, out])
+    stacked_in_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class HfConfig:
     mtp_key: str = "num_nextn_predict_layers"
     mtp_prefix: str = ""
     flags: tuple[str, ...] = ()  # its config's booleans that add weights: each a feature (Rule.requires) when true
+    dense_ffn_key: str = "intermediate_size"  # the key of its dense MLPs' width (Llama-4: intermediate_size_mlp)
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
     peft: PeftQuirks = PeftQuirks()  # what PEFT (0.21, on transformers 5) does with this type's adapters
 

@@ -28,7 +28,7 @@ CONFIG = HfConfig(
     "gpt_oss", causal_lm="GptOssForCausalLM", family="mistral", qkv_bias="attention_bias",
     examined_keys=frozenset({"num_local_experts", "num_experts_per_tok", "attention_bias", "swiglu_limit",
                              "swiglu_alpha", "layer_types", "sliding_window", "router_aux_loss_coef"}),
-    read_moe=read_moe, fused_experts="mlp.experts", peft=PeftQuirks(),
+    read_moe=read_moe, fused_experts="mlp.experts", peft=PeftQuirks(stacked_in_out=True),
     hf_only="no Megatron checkpoint of its clamped SwiGLU and attention sinks could be made here to prove a layout",
 )
 
