@@ -140,10 +140,11 @@ class LowRankDelta:
 
 @dataclass(frozen=True)
 class StackedExpertsDelta:
-    """PEFT's LoRA on a stacked experts parameter [E, in, out] stored as it is (gpt-oss's gate_up_proj and
-    down_proj; PEFT's ParamWrapper without swapped features): A [E·r, in] is (E, r, in), B [out, r·E] is
-    (out, r, E), and expert e changes by scale·(B_e·A_e)ᵀ, an [in, out] slab. A row of the tensor is one expert,
-    merged whole, so the result's bits do not depend on how the rows are cut."""
+    """PEFT's LoRA on a stacked experts parameter stored as it is (gpt-oss's and Llama-4's gate_up_proj and
+    down_proj): A [E·r, in] is (E, r, in), B [out, r·E] is (out, r, E), and expert e changes by scale·B_e·A_e,
+    added transposed to an [in, out] slab (transformers' is_transposed experts: gpt-oss) or as it is to an
+    [out, in] one (Llama-4: PEFT swaps the features). A row of the tensor is one expert, merged whole, so the
+    result's bits do not depend on how the rows are cut."""
 
     b: torch.Tensor  # [out, r·E]
     a: torch.Tensor  # [E·r, in]

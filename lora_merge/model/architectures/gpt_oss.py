@@ -5,7 +5,7 @@ biases on q/k/v/o and a learned attention sink per head (`self_attn.sinks`), alt
 whole stacked tensor never has to take apart), `down_proj` [E, ffn, hidden], and their biases. PEFT adapts the
 stacked parameters through target_parameters, each expert by its own factors (lora.StackedExpertsDelta).
 
-The MXFP4 release (`_blocks`/`_scales`) is not read yet: give a bf16 base (the dequantized checkpoint). No Megatron
+The MXFP4 release (`_blocks`/`_scales`) is read dequantized expert by expert (lora_merge/mxfp4.py). No Megatron
 form is read or written: no Megatron checkpoint of its clamped SwiGLU and sinks could be made here to prove a
 layout. Names of what Megatron lacks are this table's own keys."""
 
