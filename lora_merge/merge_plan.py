@@ -21,7 +21,8 @@ from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.mtp import args_mtp_layers, in_mtp_layer
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
-from lora_merge.readers.hf_model import Fp8Ref
+from lora_merge.mxfp4 import BLOCK as MXFP4_BLOCK, BLOCKS_SUFFIX, DEFAULT_CONFIG as MXFP4_CONFIG, SCALES_SUFFIX, is_mxfp4_config
+from lora_merge.readers.hf_model import Fp8Ref, Mxfp4Ref
 from lora_merge.value_checks import shown_value
 from lora_merge.readers.source import Source
 from lora_merge.writers.safetensors_stream import PlannedTensor
@@ -57,6 +58,7 @@ class MergePlan:
     notes: list = field(default_factory=list)  # what the user should know about the output (warnings)
     quantized: dict = field(default_factory=dict)  # HF name -> FP8 block size, for an FP8 output (--dtype fp8)
     pow2_scales: bool = False  # the FP8 output's scales are powers of two (its quantization_config: scale_fmt ue8m0)
+    mxfp4: dict = field(default_factory=dict)  # HF name -> its [E, in, out] shape, written as MXFP4 (--dtype mxfp4)
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -400,3 +402,36 @@ def plan_fp8_output(plan: MergePlan, base, reference_config: dict | None = None)
     if note is not None:
         plan.notes.append(note)
     return config
+
+
+STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def plan_mxfp4_output(plan: MergePlan, base, base_config: dict | None = None) -> dict:
+    """Turn the plan into gpt-oss's MXFP4 release layout: each stacked experts parameter the base stores as MXFP4
+    (from an unquantized base: every mlp.experts.gate_up_proj and down_proj, as the release quantizes) becomes
+    NAME_blocks and NAME_scales (plan.mxfp4); everything else keeps the plan's dtype. Returns the
+    quantization_config the output's config.json carries: the base's, else the release's."""
+    if plan.shape.model_type != "gpt_oss":
+        raise MergeError(f"--dtype mxfp4 writes gpt-oss's MXFP4 release form; {plan.shape.model_type} has no MXFP4 "
+                         "release (write bfloat16, float32, or fp8)")
+    stored = {name for name, ref in base.tensors.items() if isinstance(ref, Mxfp4Ref)} \
+        if getattr(base, "mxfp4", False) else None
+    for task in plan.tasks:
+        outputs = []
+        for t in task.outputs:
+            chosen = t.name in stored if stored is not None else \
+                bool(STACKED_EXPERTS.search(t.name)) and len(t.shape) == 3
+            if not chosen:
+                outputs.append(t)
+                continue
+            experts, inputs, out = t.shape
+            if inputs % MXFP4_BLOCK:
+                raise MergeError(f"--dtype mxfp4: {t.name} {list(t.shape)} has {inputs} inputs, not a multiple of "
+                                 f"{MXFP4_BLOCK} (MXFP4 scales each {MXFP4_BLOCK} inputs of an output)")
+            groups = inputs // MXFP4_BLOCK
+            outputs.append(PlannedTensor(t.name + BLOCKS_SUFFIX, (experts, out, groups, MXFP4_BLOCK // 2), torch.uint8))
+            outputs.append(PlannedTensor(t.name + SCALES_SUFFIX, (experts, out, groups), torch.uint8))
+            plan.mxfp4[t.name] = tuple(t.shape)
+        task.outputs = outputs
+    return dict(base_config) if is_mxfp4_config(base_config) else dict(MXFP4_CONFIG)

@@ -8,7 +8,13 @@
 A byte holds two consecutive values, the low nibble first; a code is sign (bit 3) and magnitude
 0, 0.5, 1, 1.5, 2, 3, 4, 6. The blocks run along the input dimension of an [E, out, in] weight, the transpose of
 the [E, in, out] parameter transformers builds, so a dequantized expert is transposed once. Scale 255 is E8M0's
-NaN and is refused. Read expert by expert as rows stream, like the block-FP8 path; the output is unquantized.
+NaN and is refused. Read expert by expert as rows stream, like the block-FP8 path.
+
+Written back (`--dtype mxfp4`) as transformers quantizes gpt-oss (`quantize_to_mxfp4`, through triton_kernels'
+`downcast_to_mxfp` with its default ROUND_UP scales): per group of 32 input values of an output row, the scale is
+the float32 amax / 6 rounded up to a power of two (so no value clips), and each value the nearest E2M1 code of
+value / scale, ties away from zero, the sign kept (a negative value too small for 0.5 is -0). The merged float32
+values are quantized directly (transformers first rounds to bf16: that would round twice).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 # E2M1 codes 0..15: magnitude by the low three bits, negative with bit 3
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_NAN = 255
+
+
+# the output's quantization_config from an unquantized base: gpt-oss's release's (only the experts are MXFP4)
+DEFAULT_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                             "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
 
 
 def is_mxfp4_config(q) -> bool:
@@ -47,6 +58,42 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         values = F.embedding(flat_blocks[start:stop].int(), _PAIRS).reshape(-1, 2 * blocks.shape[-1])
         torch.mul(values, F.embedding(flat_scales[start:stop].int(), _POWERS.unsqueeze(1)), out=out[start:stop])
     return out.reshape(*blocks.shape[:-2], -1)
+
+
+# A float32's sign, exponent and top two mantissa bits (its bits >> 21) decide its E2M1 code: every midpoint
+# between two E2M1 magnitudes (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is the lowest value of such a bucket, and a
+# magnitude at or above the k-th gets code k (ties away from zero); the sign bit becomes the code's bit 3.
+_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_BUCKETS = (torch.arange(2048, dtype=torch.int32) << 21).view(torch.float32)
+_CODES = (torch.bucketize(_BUCKETS.abs(), _MIDPOINTS, right=True) | (torch.signbit(_BUCKETS).long() << 3)).to(torch.uint8)
+_EXPONENT, _BELOW_NEXT_POWER = 0x7F800000, 0x007FFFFF
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 blocks [E, out, G, 16] and scales [E, out, G] of a stacked [E, in, out] float32 parameter (finite),
+    the blocks along its input dimension (in = G·32). Computed in the parameter's layout; only the packed codes
+    are transposed."""
+    experts, inputs, outputs = weight.shape
+    groups = inputs // BLOCK
+    x = weight.reshape(experts, groups, BLOCK, outputs)
+    amax = torch.maximum(x.amax(2), x.amin(2).neg_())
+    exponent = amax.div_(6.0).view(torch.int32).add_(_BELOW_NEXT_POWER).bitwise_and_(_EXPONENT)  # rounded up
+    scales = exponent.view(torch.float32)
+    inverse = torch.where(scales == 0, 0.0, scales.reciprocal())  # exact: a power of two
+    bucket = torch.mul(x, inverse.unsqueeze(2)).view(torch.int32).bitwise_right_shift_(21).bitwise_and_(0x7FF)
+    codes = torch.index_select(_CODES, 0, bucket.view(-1)).view(experts, groups, BLOCK, outputs)
+    blocks = codes[:, :, 0::2].bitwise_or_(codes[:, :, 1::2] << 4)  # [E, G, 16, out]
+    return (blocks.permute(0, 3, 1, 2).contiguous(),
+            exponent.bitwise_right_shift_(23).to(torch.uint8).transpose(1, 2).contiguous())
+
+
+def within_mxfp4_step(got: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Dequantized [E, in, out] values within half an E2M1 step of the exact ones: the step is 0.5, 1 or 2 times
+    the group's scale below 2, 4 or 6 times it (so at most max(scale/4, |exact|/4)); float32 leaves a little
+    more. `scales`: uint8 [E, out, G]."""
+    s = _POWERS[scales.int()].repeat_interleave(BLOCK, -1).transpose(1, 2)
+    bound = torch.maximum(s * 0.25, exact.abs() * 0.25) * (1 + 1e-5) + 2.0 ** -149
+    return bool(((got.float() - exact).abs() <= bound).all())
 
 
 @dataclass(frozen=True)

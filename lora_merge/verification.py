@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight
+from lora_merge.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight, is_mxfp4_config, within_mxfp4_step
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
@@ -131,6 +131,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
 
     expected_names = set()
     weights = {}  # every 2-D weight of the output: its shape, and whether it is block-FP8
+    mxfp4_tensors = []  # stacked experts parameters stored as MXFP4 blocks and scales
     want_dtype = SAFETENSORS_DTYPES[dtype]
     peft = lora is not None and lora.hf_named  # factors by HF name, each with its own scale; trained biases
     for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c)):
@@ -151,14 +152,24 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             copied = rule.copy_of if isinstance(rule, SharedCopy) else full  # whose factors it carries
             if isinstance(rule, SharedCopy) and full not in out.file_of and (ref is None or full not in ref.file_of):
                 continue  # an MTP layer stored without this copy (GLM-4.6), and so written
-            expected_names.add(full)
-            if full not in out.file_of:
+            mxfp4 = full not in out.file_of and full + BLOCKS_SUFFIX in out.file_of  # stacked experts as MXFP4
+            stored = (full + BLOCKS_SUFFIX, full + SCALES_SUFFIX) if mxfp4 else (full,)
+            expected_names.update(stored)
+            if full not in out.file_of and not mxfp4:
                 report.problems.append(f"{full}: missing from the output")
                 continue
-            if not out.readable(full):  # its file's problem is already listed; one line per cause
+            if not all(out.readable(n) for n in stored):  # its file's problem is already listed; one line per cause
                 report.statuses[full] = "not checked: its file is missing or damaged"
                 continue
-            got_shape, got_dtype = out.meta(full)
+            if mxfp4:
+                mxfp4_tensors.append(full)
+                problem = _mxfp4_shapes(out, full, dims)
+                if problem:
+                    report.problems.append(problem)
+                    continue
+                got_shape, got_dtype = dims, want_dtype
+            else:
+                got_shape, got_dtype = out.meta(full)
             wanted = SAFETENSORS_DTYPES[rule.keep_dtype] if rule.keep_dtype else want_dtype
             quantized = out.scales_of(full)  # a block-FP8 weight: read dequantized, checked within FP8's step
             if quantized is not None:
@@ -200,7 +211,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             if peft and full in lora.biases:  # the trained bias replaces the base's
                 source = lambda a, b, t=lora.biases[full].load(): t[a:b]  # noqa: E731
             report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report,
-                                                  quantized is not None)
+                                                  quantized is not None, mxfp4)
 
     for extra in sorted(set(out.file_of) - expected_names):
         if extra.startswith(shape.mtp_prefixes) and out.readable(extra):  # kept from an HF base as stored
@@ -217,11 +228,25 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             continue
         report.problems.append(f"{shown_name(extra)}: in the output but not part of a {shape.model_type} model "
                                "with this config")
-    _check_quantization_config(out_dir, out, weights, report)
+    _check_quantization_config(out_dir, out, weights, report, mxfp4_tensors)
     return report
 
 
-def _check_quantization_config(out_dir: Path, out: SafetensorsDir, weights: dict, report: VerifyReport) -> None:
+def _mxfp4_shapes(out: SafetensorsDir, name: str, dims) -> str | None:
+    """What is wrong with the MXFP4 blocks and scales holding the [E, in, out] parameter `name`, if anything."""
+    (blocks, blocks_dtype), (scales, scales_dtype) = out.meta(name + BLOCKS_SUFFIX), out.meta(name + SCALES_SUFFIX)
+    if len(dims) != 3 or dims[1] % 32:
+        return f"{name}: MXFP4 blocks for a parameter {list(dims)}; only stacked [E, in, out] experts with in a " \
+               "multiple of 32 are MXFP4"
+    want = [dims[0], dims[2], dims[1] // 32]
+    if list(blocks) != want + [16] or list(scales) != want or blocks_dtype != "U8" or scales_dtype != "U8":
+        return (f"{name}: MXFP4 blocks {list(blocks)} {blocks_dtype} and scales {list(scales)} {scales_dtype}, the "
+                f"config implies {want + [16]} U8 and {want} U8")
+    return None
+
+
+def _check_quantization_config(out_dir: Path, out: SafetensorsDir, weights: dict, report: VerifyReport,
+                               mxfp4: list) -> None:
     """The output's quantization_config against its tensors, both ways, as a loader reads it: block-FP8 weights
     need one (else transformers loads the e4m3 codes as the weights), one needs block-FP8 weights, and its
     modules_to_not_convert (matched as transformers matches it) must exclude exactly the linear modules that
@@ -232,6 +257,17 @@ def _check_quantization_config(out_dir: Path, out: SafetensorsDir, weights: dict
     raw = read_json(path)
     q = raw.get("quantization_config") if isinstance(raw, dict) else None
     fp8 = sorted(name for name, (_, quantized) in weights.items() if quantized)
+    if is_mxfp4_config(q) or mxfp4:
+        if not is_mxfp4_config(q):
+            report.problems.append(f"{path}: {_count(mxfp4, 'experts parameter')} ({_first(mxfp4)}) {_are(mxfp4)} "
+                                   "MXFP4 blocks and scales, but the quantization_config does not say mxfp4: "
+                                   "transformers would not find the parameters")
+        elif not mxfp4:
+            report.problems.append(f"{path}: quantization_config says mxfp4, but no experts parameter is stored as "
+                                   "MXFP4 blocks and scales; expected no quantization_config")
+        if fp8:
+            report.problems.append(f"{path}: block-FP8 weights ({_first(fp8)}) in an MXFP4 model")
+        return
     if q is None:
         if fp8:
             report.problems.append(f"{path}: no quantization_config, but {_count(fp8, 'weight')} {_are(fp8)} "
@@ -283,16 +319,22 @@ def _first(names) -> str:
     return ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
 
 
-def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, report, fp8: bool = False) -> str:
+def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, report, fp8: bool = False,
+                  mxfp4: bool = False) -> str:
     """Compare one output tensor with its baseline, a chunk of rows at a time (a block-FP8 one dequantized,
-    within half an e4m3 step of its block, as one quantization of the exact value leaves it)."""
+    within half an e4m3 step of its block, as one quantization of the exact value leaves it; an MXFP4 one
+    likewise within half an E2M1 step of its group)."""
     row_numel = math.prod(dims[1:]) if len(dims) > 1 else 1
     step = max(1, CHUNK_BYTES // (4 * row_numel))
     worst = 0.0
     for start in range(0, dims[0], step):
         stop = min(start + step, dims[0])
         try:
-            tensor = out.rows(name, start, stop)
+            if mxfp4:
+                scales = out.rows(name + SCALES_SUFFIX, start, stop)
+                tensor = Mxfp4Weight(out.rows(name + BLOCKS_SUFFIX, start, stop), scales).rows(0, stop - start)
+            else:
+                tensor = out.rows(name, start, stop)
         except MergeError as exc:  # in the output, so a finding; the baseline's read errors stay errors
             report.problems.append(str(exc))
             return "unreadable"
@@ -307,6 +349,10 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
                                                                      factors[1].float(), alpha=scale)
             if not within_fp8_step(tensor, exact, out.scales(name), start, out.fp8_block(name)):
                 worst = max(worst, (tensor - exact).abs().max().item() or 1e-30)
+            continue
+        if factors is None and mxfp4:  # an MXFP4 base's bytes kept, or an unquantized base's quantized once
+            if not within_mxfp4_step(tensor, base.float(), scales):
+                worst = max(worst, (tensor - base.float()).abs().max().item() or 1e-30)
             continue
         if factors is None:
             if not torch.equal(tensor, base.to(tensor.dtype)):
@@ -324,6 +370,10 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
             b_rows = b[start:stop].float()
             expected = torch.addmm(base.float(), b_rows, a.float(), alpha=scale)
             noise = base.float().abs() + scale * (b_rows.abs() @ a.float().abs())
+        if mxfp4:
+            if not within_mxfp4_step(tensor, expected, scales):
+                worst = max(worst, (tensor - expected).abs().max().item() or 1e-30)
+            continue
         if not within_one_rounding(tensor, expected, noise):
             worst = max(worst, (tensor.float() - expected).abs().max().item())
     if baseline is None:
@@ -334,6 +384,12 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
                                    f"up to {worst:.3g}, more than half an e4m3 step of their block")
             return "FP8 value wrong"
         return "FP8: within half an e4m3 step of " + ("baseline + (alpha/r)·B·A" if factors else "the baseline")
+    if mxfp4:
+        if worst:
+            report.problems.append(f"{name}: its MXFP4 values differ from the {'merged ' if factors else ''}baseline "
+                                   f"by up to {worst:.3g}, more than half an E2M1 step of their group")
+            return "MXFP4 value wrong"
+        return "MXFP4: within half an E2M1 step of " + ("baseline + (alpha/r)·B·A" if factors else "the baseline")
     if factors is None:
         return "identical to baseline"
     if worst:

@@ -187,3 +187,152 @@ def test_verify_reads_an_mxfp4_baseline_dequantized(mxfp4_release, tmp_path):
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     problems = lora_merge.verify(out, **args).problems
     assert any(p.startswith("model.layers.1.mlp.experts.down_proj") for p in problems), problems
+
+
+def round_up_mxfp4(w: torch.Tensor):
+    """MXFP4 as transformers quantizes gpt-oss (triton_kernels' downcast_to_mxfp, ROUND_UP scales), written from
+    its definition: per 32 consecutive input values of each output row, the scale is the smallest power of two at
+    or above the float32 amax / 6 (from 2^-126 up, as its float32 bit rounding gives for a subnormal quotient; 0 for
+    an all-zero group), each value the nearest E2M1 value of w / scale, ties to the larger magnitude, the sign
+    kept; two codes a byte, low first."""
+    t = w.transpose(1, 2).float()
+    x = t.reshape(*t.shape[:2], -1, 32)
+    quotient = x.abs().amax(-1) / 6
+    mantissa, exponent = torch.frexp(quotient)  # quotient = mantissa · 2^exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # a power of two is its own scale
+    exponent = torch.where(quotient < 2.0 ** -126, -126, exponent)
+    exponent = torch.where(quotient == 0, -127, exponent)
+    v = torch.where((quotient == 0).unsqueeze(-1), x * 0, x / torch.exp2(exponent.float()).unsqueeze(-1))
+    flipped = E2M1.flip(0)  # argmin takes the first of two at a tie: the larger magnitude
+    magnitude = 7 - (v.abs().unsqueeze(-1) - flipped).abs().argmin(-1)
+    codes = (magnitude | (torch.signbit(v).to(torch.int64) << 3)).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_quantization_is_transformers_definition():
+    """Random values and the edges: every midpoint between two E2M1 values (a tie), ±, amax an exact 6·2^k,
+    zero groups, groups of subnormal size, values far apart within a group."""
+    from lora_merge.mxfp4 import quantize
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 128, 24, generator=g) * torch.logspace(-3, 3, 24)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    w[0, :32, 0] = torch.cat([midpoints, -midpoints, midpoints * 4, -midpoints / 8])
+    w[0, :32, 1] = 0.0
+    w[0, :32, 2] = 1e-40
+    w[0, :32, 3] = torch.linspace(-3e-38, 3e-38, 32)
+    w[1, 32:64, 4] = torch.tensor([6.0 * 2 ** 5] + [1e-3] * 31)
+    w[2, 64:96, 5] = -0.0
+    blocks, scales = quantize(w)
+    want_blocks, want_scales = round_up_mxfp4(w)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(blocks.view(*blocks.shape[:2], -1), want_blocks.view(*blocks.shape[:2], -1))
+
+
+def _merged(base, adapter, out, dtype):
+    import lora_merge
+
+    lora_merge.merge(base=base, lora=adapter, hf_ref=base, out=out, dtype=dtype, warn=lambda m: None)
+    from safetensors.torch import load_file
+
+    return load_file(out / "model.safetensors")
+
+
+EXPERTS = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+           "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
+
+
+def test_mxfp4_output_is_the_float32_merge_quantized_once_and_loads_in_transformers(hf_base, tmp_path):
+    """From the bf16 base, --dtype mxfp4 writes every stacked experts parameter as gpt-oss's release does
+    (_blocks/_scales, its quantization_config): the float32 merge quantized by the definition above, the rest the
+    bytes of the bfloat16 merge. transformers loads it (dequantizing on CPU) to exactly those values, and verify
+    passes it."""
+    import json
+
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    import lora_merge
+    from helpers import trained_peft_adapter
+    from lora_merge.mxfp4 import Mxfp4Weight
+
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                    target_parameters=["mlp.experts.gate_up_proj"]), 21, tmp_path / "adapter")
+    exact = _merged(hf_base, tmp_path / "adapter", tmp_path / "f32", "float32")
+    bf16 = _merged(hf_base, tmp_path / "adapter", tmp_path / "bf16", "bfloat16")
+    ours = _merged(hf_base, tmp_path / "adapter", tmp_path / "mx", "mxfp4")
+    for name in EXPERTS:
+        blocks, scales = round_up_mxfp4(exact[name])
+        assert torch.equal(ours.pop(name + "_scales"), scales), name
+        assert torch.equal(ours.pop(name + "_blocks"), blocks), name
+        del bf16[name]
+    assert ours.keys() == bf16.keys() and all(torch.equal(ours[k], bf16[k]) for k in ours)
+    config = json.loads((tmp_path / "mx/config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mx", dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    stored = load_file(tmp_path / "mx/model.safetensors")
+    for name in EXPERTS:
+        module, _, param = name.removeprefix("model.").rpartition(".")
+        loaded = getattr(model.model.get_submodule(module), param)
+        deq = Mxfp4Weight(stored[name + "_blocks"], stored[name + "_scales"]).rows(0, 4)
+        assert torch.equal(loaded.float(), deq), name
+        assert not torch.equal(deq, exact[name])  # (quantized, not passed through)
+    report = lora_merge.verify(tmp_path / "mx", lora=tmp_path / "adapter", hf_ref=hf_base, warn=lambda m: None)
+    assert report.ok, report.problems
+    assert report.statuses[EXPERTS[0]].startswith("MXFP4: within half an E2M1 step of baseline + ")
+
+
+def test_an_mxfp4_release_written_back_keeps_its_untouched_experts_as_stored(mxfp4_release, tmp_path):
+    """From the MXFP4 release (its scales the OCP floor rule's, not transformers'), an adapter on gate_up_proj
+    only: down_proj's blocks and scales are the release's bytes, gate_up_proj the float32 merge quantized;
+    a damaged scale in the output is found by verify."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import lora_merge
+    from helpers import trained_peft_adapter
+
+    mxfp4, dequantized = mxfp4_release
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                    target_parameters=["mlp.experts.gate_up_proj"]), 22, tmp_path / "adapter")
+    exact = _merged(mxfp4, tmp_path / "adapter", tmp_path / "f32", "float32")
+    ours = _merged(mxfp4, tmp_path / "adapter", tmp_path / "mx", "mxfp4")
+    release = load_file(mxfp4 / "model.safetensors")
+    for name in EXPERTS:
+        if name.endswith("down_proj"):
+            for part in ("_blocks", "_scales"):
+                assert torch.equal(ours[name + part], release[name + part]), name + part
+        else:
+            blocks, scales = round_up_mxfp4(exact[name])
+            assert torch.equal(ours[name + "_blocks"], blocks) and torch.equal(ours[name + "_scales"], scales)
+            assert not torch.equal(ours[name + "_scales"], release[name + "_scales"])
+    args = dict(lora=tmp_path / "adapter", hf_ref=mxfp4, warn=lambda m: None)
+    assert lora_merge.verify(tmp_path / "mx", **args).ok
+    ours["model.layers.1.mlp.experts.down_proj_scales"][1, 3, 0] += 1  # twice the values of one group
+    save_file(ours, tmp_path / "mx/model.safetensors", metadata={"format": "pt"})
+    problems = lora_merge.verify(tmp_path / "mx", **args).problems
+    assert any(p.startswith("model.layers.1.mlp.experts.down_proj: its MXFP4 values differ") for p in problems), problems
+
+
+def test_mxfp4_output_is_refused_where_there_is_no_mxfp4_release(tmp_path, capsys):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from helpers import trained_peft_adapter
+
+    base = random_hf_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                       architectures=["LlamaForCausalLM"]), tmp_path / "llama")
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                         LoraConfig(r=2, target_modules=["q_proj"]), 1, tmp_path / "adapter")
+    capsys.readouterr()
+    run_failing(["--base", str(base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(base), "--out",
+                 str(tmp_path / "out"), "--dtype", "mxfp4"], capsys, "--dtype mxfp4 writes gpt-oss's MXFP4 release "
+                "form; llama has no MXFP4 release")
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ from lora_merge.megatron_target import MegatronTarget
 from lora_merge.options import DEFAULT_SHARD_BYTES
 
 FP8 = "fp8"  # --dtype fp8 (or float8_e4m3fn): block-FP8 linear weights, as DeepSeek's and Qwen's releases
+MXFP4 = "mxfp4"  # --dtype mxfp4: gpt-oss's stacked experts in MXFP4, as its release
 
 
 @dataclass(kw_only=True)
@@ -30,7 +31,7 @@ class InputOptions:
 @dataclass(kw_only=True)
 class MergeOptions(InputOptions):
     out: Path
-    dtype: str = "auto"  # auto, a DTYPES name, or FP8
+    dtype: str = "auto"  # auto, a DTYPES name, FP8 or MXFP4
     max_shard_size: int = DEFAULT_SHARD_BYTES
     force: bool = False
     verify: bool = False

@@ -11,11 +11,11 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings
-from lora_merge.merge_plan import MergePlan, build_plan, plan_fp8_output
+from lora_merge.merge_plan import MergePlan, build_plan, plan_fp8_output, plan_mxfp4_output
 from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (baseline_dir, card_base_model, check_input_dirs, given_paths, input_paths,
                                     inside_dir, open_inputs, output_dtype)
-from lora_merge.runs.options import FP8, MergeOptions
+from lora_merge.runs.options import FP8, MXFP4, MergeOptions
 from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
@@ -94,14 +94,21 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, opts.force, inputs)
     check_report_path(opts.report, opts.force, inputs, opts.out)
-    fp8 = opts.dtype == FP8
+    fp8, mxfp4 = opts.dtype == FP8, opts.dtype == MXFP4
     if fp8 and getattr(inp.base, "mxfp4", False):
         raise MergeError(f"--dtype fp8 with the MXFP4 base {inp.base.path}: block-FP8 is written for weights an FP8 "
-                         "release quantizes, not for MXFP4 experts; write bfloat16 or float32")
-    dtype = torch.bfloat16 if fp8 else output_dtype(opts.dtype, inp.shape, inp.base, inp.lora)
-    plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+                         "release quantizes, not for MXFP4 experts; write mxfp4, bfloat16 or float32")
+    if mxfp4 and not inp.base.hf_named:
+        raise MergeError("--dtype mxfp4 writes gpt-oss's MXFP4 release form, merged from an HF base; "
+                         f"{inp.base.path} is a Megatron checkpoint")
     # what the rest keep: bf16, as the releases (an FP8 reference's config is read when it was checked)
-    quantization = plan_fp8_output(plan, inp.base, inp.hf_config.get("quantization_config")) if fp8 else None
+    dtype = torch.bfloat16 if fp8 or mxfp4 else output_dtype(opts.dtype, inp.shape, inp.base, inp.lora)
+    plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)
+    quantization = None
+    if fp8:
+        quantization = plan_fp8_output(plan, inp.base, inp.hf_config.get("quantization_config"))
+    elif mxfp4:
+        quantization = plan_mxfp4_output(plan, inp.base, inp.hf_config.get("quantization_config"))
     for note in plan.notes:
         opts.warn(note)
     base_model, base_model_warning = card_base_model(opts, inp, opts.hf_ref)
@@ -110,8 +117,11 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     dtype_name = str(dtype).removeprefix("torch.")
     if quantization is not None:
         hf_config["quantization_config"] = quantization
+    if fp8:
         rows, cols = quantization["weight_block_size"]
         dtype_name = f"block-FP8 (float8_e4m3fn, {rows}x{cols} scales) and bfloat16"
+    elif mxfp4:
+        dtype_name = "MXFP4 experts (E2M1, a power-of-two scale per 32) and bfloat16"
     writer_plan = plan.tensors
     tensor_bytes = sum(t.nbytes for t in writer_plan)
     if opts.dry_run:
