@@ -162,6 +162,14 @@ class StackedExpertsDelta:
     def row_unit(self, cols: int) -> int:
         return 1
 
+    def add_to_transposed(self, slabs: torch.Tensor, start: int) -> None:
+        """Add experts start.. 's changes in place to float32 slabs stored as their transposes ([out, in] of an
+        [in, out] parameter: MXFP4 blocks run along the input); the same bits as merge_rows gives transposed."""
+        assert self.in_out
+        for i in range(slabs.shape[0]):
+            a_t, b_t = self.factors_of(start + i)
+            slabs[i].addmm_(b_t.t().float(), a_t.t().float(), alpha=self.scale)
+
     def merge_rows(self, weight: torch.Tensor, start: int, stop: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         out = torch.empty(weight.shape, dtype=dtype)
         for i, e in enumerate(range(start, stop)):

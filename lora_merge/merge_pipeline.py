@@ -29,7 +29,9 @@ from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
 from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock
-from lora_merge.mxfp4 import BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, quantize as quantize_mxfp4
+from lora_merge.lora import StackedExpertsDelta
+from lora_merge.mxfp4 import (BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, dequantize as dequantize_mxfp4,
+                              quantize as quantize_mxfp4, quantize_rows as quantize_mxfp4_rows)
 from lora_merge.lora import megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS
@@ -301,7 +303,7 @@ def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped
     copied as stored; else computed in float32, whole experts a piece, and quantized where computed, its
     scales written once its blocks are."""
     source = blocks[0] if len(blocks) == 1 else None
-    if False:
+    if isinstance(source, Mxfp4RowBlock) and delta is None:
         stored = source.weight
         step = max(1, chunk // (2 * stored.blocks[0].numel()))  # bytes of codes, not float32 values
         for start in range(0, stored.blocks.shape[0], step):
@@ -309,9 +311,33 @@ def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped
         yield None, partial(write, param + MXFP4_SCALES, stored.scales, None)
         return
     quantizers[planned.name] = []
+    if isinstance(source, Mxfp4RowBlock) and isinstance(delta, StackedExpertsDelta) and delta.in_out:
+        # MXFP4 in and out: merged and quantized in the blocks' own [out, in] layout, never transposed
+        step = max(1, chunk // (4 * source.row_numel))
+        for start in range(0, source.rows, step):
+            yield planned.name, partial(_mxfp4_remerged, source, delta, start, min(start + step, source.rows), param,
+                                        mapped)
+        yield None, partial(_write_scales, write, planned.name, quantizers, param + MXFP4_SCALES)
+        return
     for job in _piece_jobs(blocks, delta, PlannedTensor(param, shape, torch.float32), mapped, chunk):
         yield planned.name, partial(_mxfp4_quantized, job)
     yield None, partial(_write_scales, write, planned.name, quantizers, param + MXFP4_SCALES)
+
+
+def _mxfp4_remerged(source: Mxfp4RowBlock, delta: StackedExpertsDelta, start: int, stop: int, name: str,
+                    mapped: bool):
+    started = time.thread_time()
+    try:
+        weight = source.weight
+        slabs = dequantize_mxfp4(weight.blocks[start:stop], weight.scales[start:stop])  # [n, out, in] float32
+        delta.add_to_transposed(slabs, start)
+        check_finite(slabs, f"{name} (experts {start}..{stop - 1})", "merged weight has non-finite values (check the "
+                     "LoRA factors and alpha/r)")
+        if mapped:
+            _release_all([weight.blocks[start:stop], weight.scales[start:stop]])
+        return quantize_mxfp4_rows(slabs), None
+    finally:
+        charge("merge", time.thread_time() - started)
 
 
 def _stored_rows(t: torch.Tensor, start: int, stop: int, mapped: bool):

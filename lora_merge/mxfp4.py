@@ -69,22 +69,53 @@ _CODES = (torch.bucketize(_BUCKETS.abs(), _MIDPOINTS, right=True) | (torch.signb
 _EXPONENT, _BELOW_NEXT_POWER = 0x7F800000, 0x007FFFFF
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 blocks [E, out, G, 16] and scales [E, out, G] of a stacked [E, in, out] float32 parameter (finite),
-    the blocks along its input dimension (in = G·32). Computed in the parameter's layout; only the packed codes
-    are transposed."""
-    experts, inputs, outputs = weight.shape
-    groups = inputs // BLOCK
-    x = weight.reshape(experts, groups, BLOCK, outputs)
-    amax = torch.maximum(x.amax(2), x.amin(2).neg_())
+QUANTIZE_VALUES = 1 << 20  # float32 values quantized at a time: a few MB of temporaries per worker
+
+
+def _codes(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes (x's shape) and E8M0 scale bytes (without `dim`) of finite float32 values in groups of 32 along
+    `dim`."""
+    amax = torch.maximum(x.amax(dim), x.amin(dim).neg_())
     exponent = amax.div_(6.0).view(torch.int32).add_(_BELOW_NEXT_POWER).bitwise_and_(_EXPONENT)  # rounded up
     scales = exponent.view(torch.float32)
-    inverse = torch.where(scales == 0, 0.0, scales.reciprocal())  # exact: a power of two
-    bucket = torch.mul(x, inverse.unsqueeze(2)).view(torch.int32).bitwise_right_shift_(21).bitwise_and_(0x7FF)
-    codes = torch.index_select(_CODES, 0, bucket.view(-1)).view(experts, groups, BLOCK, outputs)
-    blocks = codes[:, :, 0::2].bitwise_or_(codes[:, :, 1::2] << 4)  # [E, G, 16, out]
-    return (blocks.permute(0, 3, 1, 2).contiguous(),
-            exponent.bitwise_right_shift_(23).to(torch.uint8).transpose(1, 2).contiguous())
+    inverse = torch.where(scales == 0, 0.0, scales.reciprocal()).unsqueeze(dim)  # exact: a power of two
+    bucket = torch.mul(x, inverse).view(torch.int32).bitwise_right_shift_(21).bitwise_and_(0x7FF)
+    codes = torch.index_select(_CODES, 0, bucket.view(-1)).view(x.shape)
+    return codes, exponent.bitwise_right_shift_(23).to(torch.uint8)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 blocks [E, out, G, 16] and scales [E, out, G] of a stacked [E, in, out] float32 parameter (finite),
+    the blocks along its input dimension (in = G·32). Computed in the parameter's layout, a few groups at a time;
+    only the packed codes are transposed."""
+    experts, inputs, outputs = weight.shape
+    groups = inputs // BLOCK
+    blocks = torch.empty((experts, groups, BLOCK // 2, outputs), dtype=torch.uint8)
+    scales = torch.empty((experts, groups, outputs), dtype=torch.uint8)
+    step = max(1, QUANTIZE_VALUES // (BLOCK * outputs))
+    for e in range(experts):
+        for start in range(0, groups, step):
+            stop = min(start + step, groups)
+            x = weight[e, start * BLOCK:stop * BLOCK].reshape(stop - start, BLOCK, outputs)
+            codes, scales[e, start:stop] = _codes(x, 1)
+            torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=blocks[e, start:stop])
+    return blocks.permute(0, 3, 1, 2).contiguous(), scales.transpose(1, 2).contiguous()
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same quantization of float32 values [..., in] whose groups run along the last dimension (an
+    expert's [out, in] slab, as the blocks store it): blocks [..., G, 16] and scales [..., G]."""
+    inputs = rows.shape[-1]
+    groups = inputs // BLOCK
+    flat = rows.reshape(-1, inputs)
+    blocks = torch.empty((flat.shape[0], groups, BLOCK // 2), dtype=torch.uint8)
+    scales = torch.empty((flat.shape[0], groups), dtype=torch.uint8)
+    step = max(1, QUANTIZE_VALUES // inputs)
+    for start in range(0, flat.shape[0], step):
+        stop = min(start + step, flat.shape[0])
+        codes, scales[start:stop] = _codes(flat[start:stop].reshape(stop - start, groups, BLOCK), 2)
+        torch.bitwise_or(codes[..., 0::2], codes[..., 1::2] << 4, out=blocks[start:stop])
+    return blocks.view(*rows.shape[:-1], groups, BLOCK // 2), scales.view(*rows.shape[:-1], groups)
 
 
 def within_mxfp4_step(got: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor) -> bool:

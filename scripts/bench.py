@@ -300,15 +300,25 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
 
 def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
     """A gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on q_proj and every expert (synthetic_gpt_oss_checkpoint.py),
-    merged into bf16, against a plain copy of both."""
+    merged into bf16 and back into MXFP4 (--dtype mxfp4), alternating with a plain copy of both; CPU per GB of
+    input (the two outputs differ in size)."""
     root = work / f"L{layers}gpt_oss"
     drop(root)
     generate_start = time.monotonic()
     subprocess.run([sys.executable, str(HERE / "synthetic_gpt_oss_checkpoint.py"), str(root), "--layers", str(layers)],
                    check=True)
-    result = copy_vs_merge(root, root / "base", root / "adapter", root / "base", repeat,
-                           {"layers": layers, "layout": "gpt-oss-20b shapes, MXFP4 HF base + PEFT adapter",
-                            "generate_seconds": time.monotonic() - generate_start})
+    inputs = [root / "base", root / "adapter"]
+    in_bytes = sum(dir_bytes(p) for p in inputs)
+    check_free(root, in_bytes * 3)
+    cmd = LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "adapter"), "--hf-ref", str(root / "base"),
+                        "--out", str(root / "merged"), "--no-progress"]
+    variants = [(f"-> {target}, {wlabel}", c) for target in ("bfloat16", "mxfp4")
+                for wlabel, c in merge_variants(cmd + ["--dtype", target])]
+    copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
+    result = {"layers": layers, "layout": "gpt-oss-20b shapes, MXFP4 HF base + PEFT adapter",
+              "generate_seconds": time.monotonic() - generate_start, "input_gb": in_bytes / 1e9,
+              "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
+    add_runs(result, variants, merges, copy, in_bytes)
     drop(root)
     return result
 
@@ -481,7 +491,7 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="a block-FP8 DeepSeek-V3-shaped HF base + LoRA merged into bf16 "
                    "and into FP8 (--deepseek-shape applies)")
     p.add_argument("--gpt-oss", action="store_true", help="a gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on every "
-                   "expert, merged into bf16")
+                   "expert, merged into bf16 and into MXFP4")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers

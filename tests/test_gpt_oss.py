@@ -209,10 +209,12 @@ def round_up_mxfp4(w: torch.Tensor):
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8)
 
 
-def test_mxfp4_quantization_is_transformers_definition():
+def test_mxfp4_quantization_is_transformers_definition(monkeypatch):
     """Random values and the edges: every midpoint between two E2M1 values (a tie), ±, amax an exact 6·2^k,
-    zero groups, groups of subnormal size, values far apart within a group."""
-    from lora_merge.mxfp4 import quantize
+    zero groups, groups of subnormal size, values far apart within a group; in the parameter's layout and in the
+    blocks' own (an MXFP4 base's experts are merged and quantized in it), a few groups at a time."""
+    import lora_merge.mxfp4 as mxfp4
+    from lora_merge.mxfp4 import quantize, quantize_rows
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(3, 128, 24, generator=g) * torch.logspace(-3, 3, 24)
@@ -223,10 +225,12 @@ def test_mxfp4_quantization_is_transformers_definition():
     w[0, :32, 3] = torch.linspace(-3e-38, 3e-38, 32)
     w[1, 32:64, 4] = torch.tensor([6.0 * 2 ** 5] + [1e-3] * 31)
     w[2, 64:96, 5] = -0.0
-    blocks, scales = quantize(w)
     want_blocks, want_scales = round_up_mxfp4(w)
-    assert torch.equal(scales, want_scales)
-    assert torch.equal(blocks.view(*blocks.shape[:2], -1), want_blocks.view(*blocks.shape[:2], -1))
+    for values in (mxfp4.QUANTIZE_VALUES, 32 * 24 * 3, 1):  # whole, three groups of every output, one by one
+        monkeypatch.setattr(mxfp4, "QUANTIZE_VALUES", values)
+        for blocks, scales in (quantize(w), quantize_rows(w.transpose(1, 2).contiguous())):
+            assert torch.equal(scales, want_scales)
+            assert torch.equal(blocks.view(*blocks.shape[:2], -1), want_blocks.view(*blocks.shape[:2], -1))
 
 
 def _merged(base, adapter, out, dtype):
