@@ -145,6 +145,7 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
             task.delta = _peft_delta(rule, hf_prefix, shape, factors) or None
         plan.tasks.append(task)
     unclaimed -= keep_mtp_layers(plan, base if base.hf_named else None, unclaimed)
+    unclaimed -= carry_towers(plan, base, unclaimed, factors, biases)
     copies = [t for t in plan.tasks if isinstance(t.rule, SharedCopy) or isinstance(getattr(t.rule, "rule", None), SharedCopy)]
     for task in copies:
         if task.lora or task.delta:
@@ -276,6 +277,29 @@ def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:
                           f"{shape.mtp_key}=0 instead of {shape.mtp_layers} (use an HF base that has them to keep "
                           "them)")
     return kept
+
+
+def carry_towers(plan: MergePlan, base: Source, names, factors: dict, biases: dict) -> set[str]:
+    """A multimodal release's towers (vision encoder, projector: model/multimodal.py), which no architecture rule
+    writes: each tensor as stored (in the output's dtype, as the language model), a linear's weight merged with a
+    PEFT adapter's change to it (its bias replaced by a trained one)."""
+    renamed = getattr(base, "names", None)
+    carried = sorted(set(names) & renamed.carried) if renamed is not None else []
+    for name in carried:
+        ref = biases.pop(name, None) or base.tensors[name]
+        rule = AsStored(name, (), hf=name, size=tuple(ref.shape),
+                        keep_dtype=None if ref.dtype.is_floating_point else ref.dtype)
+        task = Task(rule=HfTensors(rule), megatron=name, hf_prefix="", pieces=Pieces((ref,), HF),
+                    outputs=[PlannedTensor(name, tuple(ref.shape), rule.keep_dtype or plan.dtype)])
+        task.delta = _peft_delta(rule, "", plan.shape, factors) or None
+        plan.tasks.append(task)
+    if carried:
+        towers = sorted({name.split(".")[0] for name in carried})
+        plan.notes.append(f"carried the {len(carried)} tensors of the {renamed.kind.model_type} release's "
+                          f"{', '.join(towers)} as they are stored"
+                          + (f", {sum(t.delta is not None for t in plan.tasks[-len(carried):])} of them merged with "
+                             "the adapter's change" if any(t.delta for t in plan.tasks[-len(carried):]) else ""))
+    return set(carried)
 
 
 def fitted_pieces(ckpt: Checkpoint, name: str, rule: Rule) -> Pieces:

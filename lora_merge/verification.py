@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.model.multimodal import MULTIMODAL
 from lora_merge.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight, is_mxfp4_config, within_mxfp4_step
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
@@ -63,9 +64,9 @@ class VerifyReport:
         return not self.problems
 
 
-def _reference_weights(reference: Path) -> SafetensorsDir:
+def _reference_weights(reference: Path, multimodal=None) -> SafetensorsDir:
     """The baseline: damage in it is an error in the user's input, not a finding about the output."""
-    ref = SafetensorsDir(reference)
+    ref = SafetensorsDir(reference, multimodal=multimodal)
     if ref.problems:
         more = f" (and {len(ref.problems) - 1} more problem(s))" if len(ref.problems) > 1 else ""
         raise MergeError(f"{ref.problems[0]}{more}; the reference's weights are verify's baseline and must be intact")
@@ -114,8 +115,9 @@ class _BlockRows:
 def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: torch.dtype,
                   lora: Checkpoint | PeftAdapter | None, settings: LoraSettings | None,
                   reference: Path | None = None, base: Checkpoint | None = None) -> VerifyReport:
-    ref = _reference_weights(reference) if reference is not None else None
-    out = SafetensorsDir(out_dir, output=True)
+    multimodal = MULTIMODAL.get(shape.multimodal) if shape.multimodal else None  # read by our names
+    ref = _reference_weights(reference, multimodal) if reference is not None else None
+    out = SafetensorsDir(out_dir, output=True, multimodal=multimodal)
     if ref:
         baseline = f"reference weights in {reference}"
     elif base is not None:
@@ -213,18 +215,29 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report,
                                                   quantized is not None, mxfp4)
 
+    for missing in sorted(ref.carried - set(out.file_of) if ref else ()):
+        report.problems.append(f"{multimodal.file_name(missing)}: the reference's {multimodal.model_type} release has "
+                               "it, the output does not")
     for extra in sorted(set(out.file_of) - expected_names):
-        if extra.startswith(shape.mtp_prefixes) and out.readable(extra):  # kept from an HF base as stored
+        carried = extra in out.carried  # a multimodal release's towers: as stored, or merged with a PEFT change
+        if (extra.startswith(shape.mtp_prefixes) or carried) and out.readable(extra):  # kept from an HF base
             got = out.meta(extra)
             if ref and extra in ref.file_of:
-                if ref.meta(extra) != got:
+                theirs = ref.meta(extra)
+                if theirs[0] != got[0] or (theirs[1] != got[1] and not carried):  # towers: in the output's dtype
                     report.problems.append(f"{extra}: shape {list(got[0])} {got[1]}, the reference's "
-                                           f"{list(ref.meta(extra)[0])} {ref.meta(extra)[1]}")
+                                           f"{list(theirs[0])} {theirs[1]}")
                     continue
                 source = lambda a, b, n=extra: ref.rows(n, a, b)  # noqa: E731
             else:
                 source = None
-            report.statuses[extra] = _check_tensor(extra, got[0], out, source, None, None, report)
+            factors, scale = None, None
+            if carried and peft and extra in lora.factors:
+                f = lora.factors[extra]
+                factors, scale = (f.b.load(), f.a.load()), f.scale
+            if carried and peft and extra in lora.biases:
+                source = lambda a, b, t=lora.biases[extra].load(): t[a:b]  # noqa: E731
+            report.statuses[extra] = _check_tensor(extra, got[0], out, source, factors, scale, report)
             continue
         report.problems.append(f"{shown_name(extra)}: in the output but not part of a {shape.model_type} model "
                                "with this config")

@@ -172,13 +172,14 @@ def with_mtp_layer(hf_dir: Path, num_layers: int, seed: int = 0) -> dict:
     return new
 
 
-def random_hf_model(config, out: Path, adjust=None) -> Path:
-    """A tiny model of transformers' own class for `config`, saved to `out` in bf16 with random values in every
-    parameter (norms, biases and routers too; 1-D ones around 1); `adjust(model)` may change it before saving."""
+def random_hf_model(config, out: Path, adjust=None, auto=None) -> Path:
+    """A tiny model of transformers' own class for `config` (`auto`: the Auto class that picks it, by default
+    AutoModelForCausalLM), saved to `out` in bf16 with random values in every parameter (norms, biases and routers
+    too; 1-D ones around 1); `adjust(model)` may change it before saving."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = (auto or AutoModelForCausalLM).from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p, dtype=torch.float32) * (0.05 if p.dim() > 1 else 0.1) + (p.dim() == 1))
@@ -188,20 +189,22 @@ def random_hf_model(config, out: Path, adjust=None) -> Path:
     return out
 
 
-def assert_merges_as_peft(hf_base: Path, lora_config, seed: int, tmp_path: Path, **merge):
+def assert_merges_as_peft(hf_base: Path, lora_config, seed: int, tmp_path: Path, auto=None, **merge):
     """A PEFT adapter trained on `hf_base` with `lora_config`, merged by lora_merge (float32, `merge`: more of the
-    API's options) and by PEFT's merge_and_unload: transformers loads ours whole, every tensor within 1e-6 of PEFT's,
-    the logits within 1e-4. Returns (our state dict, the base's) for the caller's own checks."""
+    API's options) and by PEFT's merge_and_unload: transformers loads ours whole (with `auto`, by default
+    AutoModelForCausalLM), every tensor within 1e-6 of PEFT's, the logits within 1e-4. Returns (our state dict, the
+    base's) for the caller's own checks."""
     import lora_merge
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
+    loader = auto or AutoModelForCausalLM
+    model = loader.from_pretrained(hf_base, dtype=torch.float32)
     vocab = model.config.get_text_config().vocab_size
     expected = trained_peft_adapter(model, lora_config, seed, tmp_path / "adapter").merge_and_unload()
     out = tmp_path / "out"
     lora_merge.merge(base=hf_base, lora=tmp_path / "adapter", hf_ref=hf_base, out=out, dtype="float32",
                      warn=lambda message: None, **merge)
-    merged, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    merged, info = loader.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
     ours, theirs = merged.state_dict(), expected.state_dict()
     assert ours.keys() == theirs.keys()
@@ -209,4 +212,4 @@ def assert_merges_as_peft(hf_base: Path, lora_config, seed: int, tmp_path: Path,
     ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (merged.eval()(ids).logits - expected.eval()(ids).logits).abs().max() <= 1e-4
-    return ours, AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).state_dict()
+    return ours, loader.from_pretrained(hf_base, dtype=torch.float32).state_dict()

@@ -32,6 +32,7 @@ from lora_merge.fp8 import read_fp8_config
 from lora_merge.mxfp4 import is_mxfp4_config
 from lora_merge.interrupts import raise_if_received
 from lora_merge.model.model_shape import DTYPES, ModelShape, RopeScaling
+from lora_merge.model.multimodal import MULTIMODAL
 from lora_merge.model.rope import hf_rope, rotated_fraction
 from lora_merge.shown import shown
 from lora_merge.files.small_files import json_kind, read_json
@@ -84,8 +85,7 @@ def read_hf_config(hf_dir: Path, notes: list[str] | None = None) -> tuple[ModelS
     raw = read_json(path, missing=f"{hf_dir}: no config.json (the --hf-ref directory must hold the HF model's config)")
     if not isinstance(raw, dict):
         raise MergeError(f"{path}: the top level is a JSON {json_kind(raw)}; expected an object of config fields")
-    if "text_config" in raw and "num_hidden_layers" not in raw:
-        raise UnsupportedInput(f"{path}: multimodal configs are not supported")
+    published, raw = raw, _language_model_config(raw, path)
     spec = _architecture(raw, path, notes)
     _check_plain_fields(raw, path)
     try:
@@ -105,12 +105,41 @@ def read_hf_config(hf_dir: Path, notes: list[str] | None = None) -> tuple[ModelS
         raise MergeError(f"{path}: vocab_size={shape.vocab} is smaller than the tokenizer's {tokenizer[0]} "
                          f"token ids ({tokenizer[1]} names id {tokenizer[0] - 1}); expected vocab_size >= "
                          f"{tokenizer[0]} (rows are never cut silently)")
-    return shape, raw
+    if published is not raw:
+        shape = dataclasses.replace(shape, multimodal=published["model_type"])
+    return shape, published
+
+
+def _language_model_config(raw: dict, path: Path) -> dict:
+    """The config of the model the merge is about: a multimodal release's language model (its text_config, as
+    published: transformers fills in the rest), else the file itself."""
+    if "text_config" not in raw or "num_hidden_layers" in raw:
+        return raw
+    kind = MULTIMODAL.get(raw.get("model_type"))
+    if kind is None:
+        raise UnsupportedInput(f"{path}: multimodal model type {shown(raw.get('model_type'))} is not supported (of "
+                               f"the multimodal ones, {', '.join(sorted(MULTIMODAL))} are: their language model is "
+                               "merged, their towers carried)")
+    text = raw[kind.text_key]
+    if not isinstance(text, dict):
+        raise MergeError(f"{path}: {kind.text_key} is a JSON {json_kind(text)}; expected the language model's config")
+    text = dict(text)
+    if text.setdefault("model_type", kind.text_model_type) != kind.text_model_type:
+        raise MergeError(f"{path}: {kind.text_key}.model_type is {shown(text['model_type'])}; a {kind.model_type} "
+                         f"model's language model is {kind.text_model_type}")
+    # transformers ties the output layer by the top level's value (its default where absent), not the text's, and
+    # loads in the top level's dtype
+    text["tie_word_embeddings"] = bool(transformers_config(raw, kind, path).tie_word_embeddings)
+    stated = [raw[k] for k in ("dtype", "torch_dtype") if raw.get(k) is not None]
+    if stated:
+        text.pop("torch_dtype", None)
+        text["dtype"] = stated[0]
+    return text
 
 
 # The ModelShape fields that define the function a model computes (its dtype, the tokenizer beside it and
 # which keys were defaulted do not).
-FUNCTION_FIELDS = ("model_type", "num_layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "tied",
+FUNCTION_FIELDS = ("model_type", "multimodal", "num_layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "tied",
                    "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rotary_percent", "norm_eps", "moe", "mla")
 
 

@@ -78,6 +78,7 @@ class ModelShape:
     mla: MlaShape | None = None  # multi-latent attention (DeepSeek) instead of grouped-query attention
     linear_attention: GatedDeltaNetShape | None = None  # layers with Gated DeltaNet instead of attention
     config_features: frozenset[str] = frozenset()  # the family's own config flags that are on (HfConfig.flags)
+    multimodal: str = ""  # the multimodal model type wrapping this language model (model/multimodal.py), if any
 
     @property
     def mtp_prefixes(self) -> tuple[str, ...]:
@@ -107,7 +108,9 @@ class ModelShape:
                                       (f"RoPE scaling {self.rope_scaling}", self.rope_scaling is not None),
                                       (f"Gated DeltaNet in {len(self.linear_attention.layers)} of {self.num_layers} "
                                        "layers" if self.linear_attention else "", self.linear_attention is not None),
-                                      (f"MTP {n} layer{'s' if n != 1 else ''}", n > 0)) if on]
+                                      (f"MTP {n} layer{'s' if n != 1 else ''}", n > 0),
+                                      (f"the language model of a {self.multimodal} release (its towers carried)",
+                                       bool(self.multimodal))) if on]
 
     @property
     def mtp_label(self) -> str:

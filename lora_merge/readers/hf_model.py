@@ -20,6 +20,7 @@ from lora_merge.files.pages import release_pages
 from lora_merge.readers.checkpoint import TensorRef
 from lora_merge.readers.safetensors_file import tensor_refs
 from lora_merge.files.small_files import read_json
+from lora_merge.model.multimodal import MULTIMODAL, Renamed, rename
 from lora_merge.mxfp4 import (BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight, check_pair, check_scales as check_mxfp4_scales,
                               is_mxfp4_config)
 INDEX = "model.safetensors.index.json"
@@ -44,6 +45,7 @@ class HfModel:
 
     fp8: Fp8Format | None = None  # a block-FP8 release: its quantized weights read dequantized
     mxfp4: bool = False  # an MXFP4 release (gpt-oss): its stacked experts read dequantized
+    names: Renamed | None = None  # a multimodal release: its language model's tensors under our names
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,7 +73,9 @@ class HfModel:
 
     def describe(self) -> str:
         return (f"HF model {self.path} ({len(self.tensors)} tensors in {len(self.sources) - 1} file(s)"
-                + (", MXFP4 experts read dequantized" if self.mxfp4 else "") + ")")
+                + (", MXFP4 experts read dequantized" if self.mxfp4 else "")
+                + (f", a {self.names.kind.model_type} release: {len(self.names.carried)} tower tensors carried"
+                   if self.names is not None else "") + ")")
 
 
 def read_hf_model(path: Path) -> HfModel:
@@ -83,7 +87,9 @@ def read_hf_model(path: Path) -> HfModel:
         raise MergeError(f"{found.problems[0]}; the HF base's weights must be intact")
     if not found:
         raise MergeError(f"{path}: no safetensors weights (an HF base needs model.safetensors or an index)")
-    q = read_json(path / "config.json").get("quantization_config")
+    config = read_json(path / "config.json")
+    config = config if isinstance(config, dict) else {}  # (read_hf_config says what is wrong with it)
+    q = config.get("quantization_config")
     mxfp4 = is_mxfp4_config(q)
     model = HfModel(path=path, sources=[path / "config.json"], fp8=None if mxfp4 else _fp8_format(path), mxfp4=mxfp4)
     for file in sorted(set(found.file_of.values())):
@@ -97,6 +103,8 @@ def read_hf_model(path: Path) -> HfModel:
                 model.tensors[name] = ref
     if (path / INDEX).exists():
         model.sources.append(path / INDEX)
+    if config.get("model_type") in MULTIMODAL and "text_config" in config:
+        model.tensors, model.names = rename(model.tensors, MULTIMODAL[config["model_type"]], str(path))
     if model.fp8 is not None:
         _pair_fp8_weights(model)
     if model.mxfp4:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.model.multimodal import MULTIMODAL, Multimodal, rename
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.readers.safetensors_file import shown_name, tensor_refs
@@ -127,13 +128,17 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
             adapter.biases[name.replace(".base_layer.", ".")] = ref  # an adapted layer's own bias
         else:
             raise MergeError(f"{weights}: {key} is neither a LoRA factor nor a trained bias; cannot merge it")
+    kind = MULTIMODAL.get(shape.multimodal) if shape is not None and shape.multimodal else None
+    if kind is not None:  # a multimodal model's: by our names, the language model's and the towers' (carried)
+        pairs, _ = rename(pairs, kind, str(weights))
+        adapter.biases, _ = rename(adapter.biases, kind, str(weights))
     if config.get("target_parameters") and (arch is None or shape is None):
         raise MergeError(f"{path / CONFIG}: target_parameters={config['target_parameters']!r}: LoRA on parameters "
                          "needs the model's config to place it")
     if arch is not None and shape is not None:
         for name, factors in parameter_factors(pairs, config, arch, shape, weights).items():
             adapter.factors[name] = factors
-    check_agreement(pairs, config, weights, arch, shape)
+    check_agreement(pairs, config, weights, arch, shape, kind)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             have = "lora_A" if "A" in ab else "lora_B"
@@ -317,15 +322,24 @@ def model_modules(arch, shape) -> tuple[set[str], set[str], set[str]]:
     return modules, linear, unsure
 
 
-def check_agreement(pairs: dict, config: dict, weights: Path, arch=None, shape=None) -> None:
+def check_agreement(pairs: dict, config: dict, weights: Path, arch=None, shape=None,
+                    multimodal: Multimodal | None = None) -> None:
     """The adapter's factors are exactly the modules its config selects: PEFT loads a factor only into a
     module it adapts (others are dropped, with a warning), and gives a selected module without saved factors
     fresh ones, so a disagreement means the file is not the adapter PEFT would build from the config.
-    Without the model (`inspect`), only the factors' own modules are checked."""
+    Without the model (`inspect`), only the factors' own modules are checked. A multimodal model's modules
+    are selected by the names transformers gives them; its towers' are not known here: all-linear is taken
+    to select those the adapter has factors for, and none is missed."""
     where = weights.parent / CONFIG
     linear = unsure = modules = None
     if arch is not None and shape is not None:
         modules, linear, unsure = model_modules(arch, shape)
+    if multimodal is not None:
+        towers = {multimodal.memory_name(m) for m in pairs if not multimodal.is_language(m)}
+        pairs = {multimodal.memory_name(m): ab for m, ab in pairs.items()}
+        if modules is not None:
+            modules, linear, unsure = ({multimodal.memory_name(m) for m in s} for s in (modules, linear, unsure))
+            unsure |= towers
     elif isinstance(config.get("target_modules"), str) and config["target_modules"].lower() == ALL_LINEAR:
         return  # which modules are Linear needs the model
     selected = {m: config_selects(config, m, (linear | unsure) if linear is not None else None) for m in pairs}

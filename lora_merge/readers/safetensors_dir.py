@@ -12,6 +12,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import SCALE_SUFFIX, check_scales, dequantize_rows, scale_shape
+from lora_merge.model.multimodal import Multimodal, Renamed
 from lora_merge.readers import safetensors_file
 from lora_merge.readers.safetensors_file import Damaged, shown_name
 
@@ -28,7 +29,9 @@ class SafetensorsDir:
     False) at most fp8.SCALE_MAX too.
     """
 
-    def __init__(self, directory: Path, output: bool = False):
+    def __init__(self, directory: Path, output: bool = False, multimodal: Multimodal | None = None):
+        """`multimodal`: the directory holds such a release; its language model's tensors are read by our names
+        (model/multimodal.py), the towers' by their own (`carried`)."""
         self.directory = directory
         self.output = output
         self._scales: dict[str, torch.Tensor] = {}
@@ -53,6 +56,28 @@ class SafetensorsDir:
             self._compare_with_headers()
         # Only a finding in an output: a reference may hold other weight files (Mistral's consolidated.safetensors).
         self.unlisted = [name for name in found if name not in files]
+        self._stored: dict[str, str] = {}  # our name -> the file's, where they differ
+        self.carried: set[str] = set()
+        if multimodal is not None:
+            self._rename(multimodal)
+
+    def _rename(self, kind: Multimodal) -> None:
+        renamed, file_of = Renamed(kind), {}
+        for name, file in self.file_of.items():
+            try:
+                mine = renamed.ours(name, str(self.directory / file))
+            except MergeError as exc:
+                self.problems.append(str(exc))
+                continue
+            if mine in file_of:
+                self.problems.append(f"{self.directory}: holds {mine} twice (once as {name})")
+                continue
+            file_of[mine] = file
+            self._stored[mine] = name
+        mine_of = {name: mine for mine, name in self._stored.items()}
+        self.file_of, self.carried = file_of, renamed.carried
+        self.headers = {file: {mine_of[t]: meta for t, meta in header.items() if t in mine_of}
+                        for file, header in self.headers.items()}
 
     def __bool__(self) -> bool:
         return bool(self.file_of)
@@ -105,7 +130,7 @@ class SafetensorsDir:
         dequantized to float32."""
         # Read with the offsets of the header checked when the directory was opened (a read per call:
         # no mapping is kept, so pages read so far do not stay resident).
-        rows = safetensors_file.read_rows(self.checked[self.file_of[name]], name, start, stop)
+        rows = safetensors_file.read_rows(self.checked[self.file_of[name]], self._stored.get(name, name), start, stop)
         if self.scales_of(name) is None:
             return rows
         return dequantize_rows(rows, self.scales(name), start, self.fp8_block(name))
@@ -121,7 +146,7 @@ class SafetensorsDir:
         scales = self.scales_of(name)
         if scales not in self._scales:
             header = self.checked[self.file_of[scales]]
-            values = safetensors_file.read_rows(header, scales, 0, self.meta(scales)[0][0]).float()
+            values = safetensors_file.read_rows(header, self._stored.get(scales, scales), 0, self.meta(scales)[0][0]).float()
             check_scales(values, f"{header.path}[{shown_name(scales)}]", bounded=not self.output,
                          pow2=self._fp8_format().pow2)
             self._scales[scales] = values

@@ -4,7 +4,7 @@ sharded safetensors, the reference's files, `--verify`, the card and the report,
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from lora_merge.verification import VerifyReport, check_output_files, verify_out
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
 from lora_merge.writers.model_card import checked_base_model_id, model_card
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
+from lora_merge.writers.sink import RenamedSink
 from lora_merge.files.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.files.targets import check_report_path
@@ -144,8 +145,11 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     check_free_space(opts.out, tensor_bytes, ref_files.total_bytes)
     with StagedOutput(opts.out, opts.force, inputs) as stage:
         staging = stage.dir
-        writer = ShardedSafetensorsWriter(staging, writer_plan, opts.max_shard_size, hash_files=opts.sha256)
-        files = stream_into(writer, staging, plan, opts.progress, writer.total_bytes, opts.workers)
+        names = getattr(inp.base, "names", None)  # a multimodal release: written under its own names
+        writer = ShardedSafetensorsWriter(staging, writer_plan if names is None else [
+            replace(t, name=names.stored(t.name)) for t in writer_plan], opts.max_shard_size, hash_files=opts.sha256)
+        sink = writer if names is None else RenamedSink(writer, names.stored)
+        files = stream_into(sink, staging, plan, opts.progress, writer.total_bytes, opts.workers)
         files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:
             reference = baseline_dir(inp, opts.hf_ref)
@@ -164,7 +168,9 @@ def run_merge(opts: MergeOptions) -> MergeResult:
                                dtype_name, plan.merged_modules, hashes, base_model, later))
         files.append("README.md")
         if opts.report:
-            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
+            file_of = writer.file_of() if names is None else {t.name: writer.file_of().get(names.stored(t.name))
+                                                              for t in writer_plan}
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, file_of, hashes, verify_report,
                                                      ref_files))
         if base_model_warning:  # once the output is complete (not cluttering a failure), before it is published
             opts.warn(base_model_warning)

@@ -209,6 +209,9 @@ def copy_reference_files(hf_dir: Path, out_dir: Path, config: dict, dtype) -> li
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for key in keys:
         config[key] = str(dtype).removeprefix("torch.")  # float32, bfloat16, float16
+    for name, sub in config.items():  # a multimodal release's text_config and vision_config say it too
+        if isinstance(sub, dict) and any(k in sub for k in ("dtype", "torch_dtype")):
+            config[name] = {**sub, **{k: str(dtype).removeprefix("torch.") for k in ("dtype", "torch_dtype") if k in sub}}
     with (out_dir / "config.json").open("x") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
     written = ["config.json"]

@@ -26,3 +26,27 @@ class Sink(Protocol):
 
     def abort(self) -> None:
         """Close what is open after a failure (idempotent, also after finish)."""
+
+
+class RenamedSink:
+    """A sink that writes each tensor under the name `name(ours)` gives it (a multimodal release's own names);
+    the one it wraps was planned with those names."""
+
+    def __init__(self, sink: Sink, name: Callable[[str], str]):
+        self.sink, self.name = sink, name
+
+    @property
+    def total_bytes(self) -> int:
+        return self.sink.total_bytes
+
+    def start(self, directory: Path) -> None:
+        self.sink.start(directory)
+
+    def write(self, name: str, piece: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        self.sink.write(self.name(name), piece, then)
+
+    def finish(self) -> list[str]:
+        return self.sink.finish()
+
+    def abort(self) -> None:
+        self.sink.abort()
