@@ -30,8 +30,8 @@ from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
 from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock
 from lora_merge.lora import StackedExpertsDelta
-from lora_merge.mxfp4 import (BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, dequantize as dequantize_mxfp4,
-                              quantize as quantize_mxfp4, quantize_rows as quantize_mxfp4_rows)
+from lora_merge.mxfp4 import (BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, quantize as quantize_mxfp4,
+                              quantize_rows as quantize_mxfp4_rows)
 from lora_merge.lora import megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
 from lora_merge.options import MAX_WORKERS
@@ -329,7 +329,7 @@ def _mxfp4_remerged(source: Mxfp4RowBlock, delta: StackedExpertsDelta, start: in
     started = time.thread_time()
     try:
         weight = source.weight
-        slabs = dequantize_mxfp4(weight.blocks[start:stop], weight.scales[start:stop])  # [n, out, in] float32
+        slabs = weight.stored_rows(start, stop)
         delta.add_to_transposed(slabs, start)
         check_finite(slabs, f"{name} (experts {start}..{stop - 1})", "merged weight has non-finite values (check the "
                      "LoRA factors and alpha/r)")
@@ -412,6 +412,21 @@ def _compute_piece(block, start: int, stop: int, offset: int, delta, planned: Pl
     sources = [part[start:stop] for part in block.parts]
     damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
                "the checkpoint is damaged or training diverged")
+    if isinstance(block, Mxfp4RowBlock) and (delta is None or isinstance(delta, StackedExpertsDelta) and delta.in_out):
+        # dequantized and merged in the blocks' own [out, in] layout, transposed once, in the output dtype
+        # (the same bits as merging the transposed view: tests/test_gpt_oss.py)
+        slabs = block.weight.stored_rows(start, stop)
+        if delta is not None:
+            delta.add_to_transposed(slabs, offset + start)
+        check_finite(slabs, name, damaged if delta is None else "merged weight has non-finite values (check the LoRA "
+                     "factors and alpha/r)")
+        piece = slabs.to(dtype)
+        if dtype != torch.float32:
+            check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 "
+                         "or float32")
+        if mapped:
+            _release_all(sources + [block.weight.scales[start:stop]])
+        return piece.transpose(1, 2).contiguous(), None
     if isinstance(block, QuantizedRowBlock) and delta is None and dtype == torch.float8_e4m3fn:
         # an FP8 output keeps an untouched weight as stored: checked dequantized, written as it is
         check_finite(block.take(start, stop), name, damaged)

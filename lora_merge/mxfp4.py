@@ -141,7 +141,11 @@ class Mxfp4Weight:
         return experts, groups * BLOCK, out
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        return dequantize(self.blocks[start:stop], self.scales[start:stop]).transpose(1, 2)
+        return self.stored_rows(start, stop).transpose(1, 2)
+
+    def stored_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Experts start..stop dequantized in the blocks' own layout, [n, out, in] contiguous."""
+        return dequantize(self.blocks[start:stop], self.scales[start:stop])
 
 
 def check_pair(blocks, scales, name: str, where: str) -> tuple[int, int, int]:
