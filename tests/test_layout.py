@@ -5,6 +5,7 @@ vocab, wrong concat dim, wrong pipeline numbering).
 """
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -238,3 +239,77 @@ def test_replicated_rows_split_a_fused_replicated_linear_and_its_lora_b_alike():
     factors = hf_factors(rule, LoraModule(Pieces((ref(a), ref(a))), Pieces((ref(b), ref(b)))), shape, "qkv")
     assert torch.equal(factors["q_a.weight"][0], b[:8]) and torch.equal(factors["kv_a.weight"][0], b[8:12])
     assert all(torch.equal(f[1], a) for f in factors.values())
+
+
+# megatron-core's own reading of --pipeline-model-parallel-layout is the oracle: per (stage, chunk) the decoder layers
+# and where the multi-token-prediction layers are
+LAYOUTS = [("Et*3|(tt|)*29,m|L", 16, 61, 1), ("Ettt|tttL", 2, 6, 0), ("E|tt|tt|tL", 2, 5, 0), ("Et|t|t|tL", 2, 4, 0),
+           ("Et*2|t*3,m|L", 3, 5, 1), ("E(t|)*4L", 5, 4, 0), ([["embedding", "decoder"], ["decoder", "decoder", "loss"]], 2, 3, 0),
+           ([["embedding", "decoder"], ["decoder", "mtp", "loss"]], 2, 2, 1)]
+
+
+@pytest.mark.parametrize("layout, pp, layers, mtp", LAYOUTS)
+def test_pipeline_layout_is_read_as_megatron_core_reads_it(layout, pp, layers, mtp):
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    theirs = PipelineParallelLayerLayout(layout, pp)
+    theirs.validate_layer_layout(num_layers=layers, mtp_num_layers=mtp or None)
+    vpp = len(theirs.layout[0])
+    n = numbering_from_args(ns(num_layers=layers, pipeline_model_parallel_layout=layout), pp=pp, vpp=vpp)
+    assert n.counts == tuple(tuple(theirs.layout[p][v].count(LayerType.decoder) for p in range(pp))
+                             for v in range(vpp))
+    at = [(p, v) for p in range(pp) for v in range(vpp) if LayerType.mtp in theirs.layout[p][v]]
+    assert n.mtp_place() == (at[0] if at else (pp - 1, vpp - 1))
+    # global numbering runs through the layout's order
+    seen = [n.hf_index(p, v, i, "t") for v in range(vpp) for p in range(pp) for i in range(n.counts[v][p])]
+    assert seen == list(range(layers))
+
+
+@pytest.mark.parametrize("args, pp, vpp, message", [
+    (dict(num_layers=4, pipeline_model_parallel_layout="Et|tx|tL"), 3, 1, "'x' is no layer character"),
+    (dict(num_layers=4, pipeline_model_parallel_layout="Et|ttL"), 2, 1, "3 decoder layers (t), but args.num_layers=4"),
+    (dict(num_layers=4, pipeline_model_parallel_layout="tt|ttL"), 2, 1, "the embedding (E) first and the loss (L) last"),
+    (dict(num_layers=4, pipeline_model_parallel_layout="Ett|ttL"), 2, 2, "2 virtual stages, but the checkpoint has PP=2 x 2"),
+    (dict(num_layers=4, pipeline_model_parallel_layout="Ett|ttL", decoder_first_pipeline_num_layers=2), 2, 1,
+     "pipeline_model_parallel_layout and decoder_first_pipeline_num_layers both given"),
+    (dict(num_layers=4, pipeline_model_parallel_layout="Etm|tttL"), 2, 1, "must come after every decoder layer"),
+    (dict(num_layers=4, pipeline_model_parallel_layout="Et*999999999|L"), 2, 1, "unrolls to more than"),
+    (dict(num_layers=4, pipeline_model_parallel_layout=7), 2, 1, "expected a layout string"),
+    (dict(num_layers=1, pipeline_model_parallel_layout=[["E", "t"], ["L"]]), 2, 1, "each a list of layer types"),
+])
+def test_pipeline_layout_refusals(args, pp, vpp, message):
+    with pytest.raises(MergeError, match=re.escape(message)):
+        numbering_from_args(ns(**args), pp=pp, vpp=vpp)
+
+
+@pytest.mark.parametrize("fixture, layout, wrong", [("uneven_pp2_fp32", "Et|tttL", "Ett|ttL"),
+                                                    ("vpp2_fp32_filtered", "Et|t|t|tL", "Ett||t|tL")])
+def test_a_pipeline_layout_in_the_args_merges_as_the_split_it_describes(fixture, layout, wrong, tmp_path, capsys):
+    """A real Megatron checkpoint (uneven PP; PP with VPP) whose args give its split as a
+    pipeline_model_parallel_layout instead: the same bytes."""
+    from safetensors.torch import load_file
+
+    from helpers import copied_args, copy_fixture, rank_files, rewrite
+    from lora_merge.cli import main
+
+    root = copy_fixture(fixture, tmp_path / "src")
+    assert main(copied_args(root, tmp_path / "split") + ["--no-progress"]) == 0
+
+    def as_layout(state):
+        for key in ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"):
+            setattr(state["args"], key, None)
+        state["args"].pipeline_model_parallel_layout = layout
+
+    for ckpt in ("base", "lora"):
+        for f in rank_files(root / ckpt):
+            rewrite(f, as_layout)
+    assert main(copied_args(root, tmp_path / "layout") + ["--no-progress"]) == 0
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("split", "layout"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for ckpt in ("base", "lora"):  # a layout that puts the layers elsewhere is not the checkpoint's
+        for f in rank_files(root / ckpt):
+            rewrite(f, lambda state: setattr(state["args"], "pipeline_model_parallel_layout", wrong))
+    capsys.readouterr()
+    assert main(copied_args(root, tmp_path / "wrong") + ["--no-progress"]) != 0
+    assert "local layer" in capsys.readouterr().err

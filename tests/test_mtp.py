@@ -131,7 +131,8 @@ def test_an_mtp_parameter_outside_the_last_stage_is_refused(merged_fixture, tmp_
     rewrite(stages[1], lambda state: moved.update(w=state["model"].pop("mtp.layers.0.enorm.weight")))
     rewrite(stages[0], lambda state: state["model"].update({"mtp.layers.0.enorm.weight": moved["w"]}))
     run_failing(["--base", str(out), "--hf-ref", str(ROOT / "hf_ref"), "--out", str(tmp_path / "hf")], capsys,
-                "mtp.layers.0.enorm.weight]: multi-token-prediction parameter outside the last pipeline stage")
+                "mtp.layers.0.enorm.weight]: multi-token-prediction parameter on pipeline stage 0, chunk 0; the args put "
+                "them on stage 1, chunk 0")
 
 
 def test_an_hf_base_whose_mtp_copy_of_the_head_differs_is_not_written_to_megatron(base_model_dirs, tmp_path,

@@ -7,6 +7,7 @@ but hold no parameters, so the HF index is the global index minus the noop layer
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from lora_merge.errors import MergeError
@@ -17,6 +18,10 @@ from lora_merge.value_checks import MAX_SIZE, is_int, non_negative_int, positive
 class LayerNumbering:
     counts: tuple[tuple[int, ...], ...]  # counts[chunk][stage]: layers held by that chunk of that stage
     noop: frozenset[int] = frozenset()
+    mtp_at: tuple[int, int] | None = None  # (stage, chunk) of the multi-token-prediction layers; None: the last
+
+    def mtp_place(self) -> tuple[int, int]:
+        return self.mtp_at or (len(self.counts[0]) - 1, len(self.counts) - 1)
 
     @property
     def hf_layers(self) -> int:
@@ -60,6 +65,75 @@ def noop_layers(args) -> frozenset[int]:
     return frozenset(value)
 
 
+# megatron-core's PipelineParallelLayerLayout (--pipeline-model-parallel-layout): one string of layer characters
+# per virtual stage, "|" between them, in the order (chunk 0: stage 0, 1, …), (chunk 1: …); "x*n" and "(…)*n"
+# repeat, commas are cosmetic. E: the embedding, t: a decoder layer, m: a multi-token-prediction layer, L: the loss.
+LAYER_TYPES = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}  # a list layout names LayerTypes
+MAX_LAYOUT = 1 << 20  # characters once unrolled: far above any real model (DeepSeek-V3's is ~70)
+
+
+def layout_stages(value, where: str = "args") -> list[str]:
+    """The virtual stages of a pipeline_model_parallel_layout (a string, or megatron-core's list of lists), each
+    as a string of layer characters."""
+    field = f"{where}: pipeline_model_parallel_layout {shown_value(value)}"
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(row, (list, tuple)) and all(isinstance(x, str) and x in LAYER_TYPES for x in row)
+                   for row in value):
+            raise MergeError(f"{field}: expected a list of virtual stages, each a list of layer types (embedding, "
+                             "decoder, mtp, loss)")
+        return ["".join(LAYER_TYPES[x] for x in row) for row in value]
+    if not isinstance(value, str):
+        raise MergeError(f"{field}: expected a layout string such as \"Et*3|(tt|)*29,m|L\"")
+    text = value.replace(",", "")
+
+    def unrolled(m: re.Match) -> str:
+        if len(m.group(1)) * int(m.group(2)) > MAX_LAYOUT:
+            raise MergeError(f"{field}: unrolls to more than {MAX_LAYOUT} characters")
+        return m.group(1) * int(m.group(2))
+
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # as megatron-core unrolls: parentheses first, once each
+        text = re.sub(pattern, unrolled, text)
+        if len(text) > MAX_LAYOUT:
+            raise MergeError(f"{field}: unrolls to more than {MAX_LAYOUT} characters")
+    stages = text.split("|")
+    bad = sorted({c for stage in stages for c in stage} - set("EtmL"))
+    if bad:
+        raise MergeError(f"{field}: {''.join(bad)!r} is no layer character; expected E, t, m, L, |, (…)*n, x*n")
+    return stages
+
+
+def _layout_numbering(args, value, num_layers: int, pp: int, vpp: int, noop) -> LayerNumbering:
+    """The numbering a layout gives, checked as megatron-core checks it: per-stage layer counts (chunk-major:
+    chunk 0's stages, then chunk 1's), and where the multi-token-prediction layers are (one virtual stage, after
+    every decoder layer: DeepSeek-V3's recipes put them on the second-to-last stage's last chunk)."""
+    for other in ("num_layer_list", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        if getattr(args, other, None):
+            raise MergeError(f"args: pipeline_model_parallel_layout and {other} both given; Megatron takes one")
+    stages = layout_stages(value)
+    field = f"args: pipeline_model_parallel_layout {shown_value(value)}"
+    if len(stages) != pp * vpp:
+        raise MergeError(f"{field}: {len(stages)} virtual stages, but the checkpoint has PP={pp} x {vpp} model "
+                         f"chunk(s) = {pp * vpp}")
+    flat = "".join(stages)
+    if not flat.startswith("E") or flat.count("E") != 1 or not flat.endswith("L") or flat.count("L") != 1:
+        raise MergeError(f"{field}: expected the embedding (E) first and the loss (L) last, once each")
+    if flat.count("t") != num_layers:
+        raise MergeError(f"{field}: {flat.count('t')} decoder layers (t), but args.num_layers={num_layers}")
+    holding = [i for i, s in enumerate(stages) if "m" in s]
+    if len(holding) > 1 or (holding and flat.index("m") < flat.rindex("t")):
+        raise MergeError(f"{field}: multi-token-prediction layers (m) must come after every decoder layer, in one "
+                         "virtual stage")
+    if holding and holding[0] // pp != vpp - 1:
+        raise MergeError(f"{field}: multi-token-prediction layers in chunk {holding[0] // pp}; megatron-core keeps "
+                         "them in a stage's last chunk")
+    counts = [stage.count("t") for stage in stages]
+    if any(n < 0 or n >= num_layers for n in noop):
+        raise MergeError(f"args: noop_layers {sorted(noop)} outside 0..{num_layers - 1}")
+    return LayerNumbering(counts=tuple(tuple(counts[v * pp:(v + 1) * pp]) for v in range(vpp)), noop=noop,
+                          mtp_at=(holding[0] % pp, holding[0] // pp) if holding else None)
+
+
 def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
     num_layers = positive_int(getattr(args, "num_layers", None), "args.num_layers", "args")
     noop = noop_layers(args)
@@ -68,6 +142,9 @@ def numbering_from_args(args, pp: int, vpp: int) -> LayerNumbering:
                          or getattr(args, "num_layers_in_first_pipeline_stage", None), "decoder_first_pipeline_num_layers")
     last = _int_or_none(getattr(args, "decoder_last_pipeline_num_layers", None)
                         or getattr(args, "num_layers_in_last_pipeline_stage", None), "decoder_last_pipeline_num_layers")
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is not None and layout != "" and not (hasattr(layout, "input_data") and layout.input_data is None):
+        return _layout_numbering(args, getattr(layout, "input_data", layout), num_layers, pp, vpp, noop)
 
     if layer_list:
         per_stage = ([int(x) if x.strip().isdigit() else x for x in layer_list.split(",")]

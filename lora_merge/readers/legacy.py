@@ -172,9 +172,11 @@ def read_legacy(path: Path) -> Checkpoint:
                 if not isinstance(value, torch.Tensor):
                     raise MergeError(f"{where}: expected a tensor, found {type(value).__name__}")
                 mtp_param = is_mtp(name)
-                if mtp_param:  # Megatron-Core keeps the MTP layers on the last stage's last chunk
-                    if (p, chunk) != (pp - 1, vpp - 1):
-                        raise MergeError(f"{where}: multi-token-prediction parameter outside the last pipeline stage")
+                if mtp_param:  # on the last stage's last chunk, or where pipeline_model_parallel_layout puts them
+                    if (p, chunk) != numbering.mtp_place():
+                        stage, last = numbering.mtp_place()
+                        raise MergeError(f"{where}: multi-token-prediction parameter on pipeline stage {p}, chunk "
+                                         f"{chunk}; the args put them on stage {stage}, chunk {last}")
                     name = mtp_canonical(name, numbering.hf_layers, args_mtp_layers(args), where)
                 m = LAYER_KEY.match(name)
                 if m and not mtp_param:
