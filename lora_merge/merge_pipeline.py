@@ -433,6 +433,7 @@ def _compute_piece(block, start: int, stop: int, offset: int, delta, planned: Pl
         check_finite(slabs, name, damaged if delta is None else "merged weight has non-finite values (check the LoRA "
                      "factors and alpha/r)")
         piece = slabs.to(dtype)
+        del slabs  # (float32: not held while the piece is transposed)
         if dtype != torch.float32:
             check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 "
                          "or float32")
