@@ -281,9 +281,11 @@ PUBLISHED = TESTS / "data/published_configs"
 def has_megatron_form(config: Path) -> bool:
     """Families merged on the HF routes only (their architecture module says why) have no Megatron output."""
     from lora_merge.model.architectures import ARCHITECTURES
+    from lora_merge.model.multimodal import MULTIMODAL
 
     published = json.loads(config.read_text())
-    arch = ARCHITECTURES.get(published["model_type"]) or next(  # (Kimi-K2: kimi_k2 read as the class it names)
+    kind = MULTIMODAL.get(published["model_type"])  # a multimodal release: its language model's type
+    arch = ARCHITECTURES.get(kind.text_model_type if kind else published["model_type"]) or next(  # (Kimi-K2: kimi_k2 read as the class it names)
         a for a in ARCHITECTURES.values() if a.config.causal_lm in published.get("architectures", []))
     return not arch.config.hf_only
 
