@@ -139,6 +139,27 @@ class LowRankDelta:
 
 
 @dataclass(frozen=True)
+class DoraDelta:
+    """DoRA (PEFT's DoraLinearVariant): W' = m / ‖W + s·B·A‖ · (W + s·B·A), the norm one per output row (over the
+    input dimension: dim 1 of the [out, in] weight), of the float32 merged row, in float32 (PEFT computes it in the
+    weight's dtype: the same in float32); the row then scaled by its magnitude over its norm and rounded once."""
+
+    low_rank: LowRankDelta
+    magnitude: torch.Tensor  # [rows]: lora_magnitude_vector
+
+    def row_unit(self, cols: int) -> int:
+        return self.low_rank.row_unit(cols)
+
+    def merge_rows(self, weight: torch.Tensor, start: int, stop: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        d = self.low_rank
+        merged = merge_weight(weight, d.b[start:stop], d.a, d.scale, torch.float32, name)
+        merged.mul_((self.magnitude[start:stop].float() / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1))
+        check_finite(merged, name, "DoRA: non-finite values (a merged row of zero norm, or the magnitude vector's "
+                     "values)")
+        return merged.to(dtype)
+
+
+@dataclass(frozen=True)
 class StackedExpertsDelta:
     """PEFT's LoRA on a stacked experts parameter stored as it is (gpt-oss's and Llama-4's gate_up_proj and
     down_proj): A [E·r, in] is (E, r, in), B [out, r·E] is (out, r, E), and expert e changes by scale·B_e·A_e,

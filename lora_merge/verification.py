@@ -36,7 +36,7 @@ from lora_merge.errors import MergeError
 from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
                             skip_patterns)
 from lora_merge.model.layout import RowBlock, SharedCopy, Skip
-from lora_merge.lora import LoraSettings, StackedExpertsDelta, hf_factors
+from lora_merge.lora import DoraDelta, LoraSettings, StackedExpertsDelta, hf_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
@@ -209,7 +209,8 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             tensor_factors, scale = factors.get(name), settings.scale if settings else None
             if peft and copied in lora.factors:
                 f = lora.factors[copied]
-                tensor_factors, scale = (f.delta() if f.experts else (f.b.load(), f.a.load())), f.scale
+                tensor_factors, scale = (f.delta() if f.experts or f.magnitude is not None else (f.b.load(), f.a.load())), \
+                    f.scale
             if peft and full in lora.biases:  # the trained bias replaces the base's
                 source = lambda a, b, t=lora.biases[full].load(): t[a:b]  # noqa: E731
             report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report,
@@ -234,7 +235,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             factors, scale = None, None
             if carried and peft and extra in lora.factors:
                 f = lora.factors[extra]
-                factors, scale = (f.b.load(), f.a.load()), f.scale
+                factors, scale = (f.delta() if f.magnitude is not None else (f.b.load(), f.a.load())), f.scale
             if carried and peft and extra in lora.biases:
                 source = lambda a, b, t=lora.biases[extra].load(): t[a:b]  # noqa: E731
             report.statuses[extra] = _check_tensor(extra, got[0], out, source, factors, scale, report)
@@ -374,7 +375,11 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
                                        f"(max abs diff {diff:.3g} in rows {start}..{stop - 1})")
                 return "differs from baseline"
             continue
-        if isinstance(factors, StackedExpertsDelta):  # each row one expert's [in, out] slab
+        if isinstance(factors, DoraDelta):  # each row rescaled by its magnitude over its merged norm
+            expected = factors.merge_rows(base, start, stop, torch.float32, name)
+            noise = expected.abs() + scale * (factors.low_rank.b[start:stop].float().abs()
+                                              @ factors.low_rank.a.float().abs())
+        elif isinstance(factors, StackedExpertsDelta):  # each row one expert's [in, out] slab
             pairs = [tuple(f.float() for f in factors.factors_of(e)) for e in range(start, stop)]
             expected = torch.stack([torch.addmm(base[i].float(), b, a, alpha=scale) for i, (b, a) in enumerate(pairs)])
             noise = torch.stack([base[i].float().abs() + scale * (b.abs() @ a.abs()) for i, (b, a) in enumerate(pairs)])
@@ -408,6 +413,8 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
     if worst:
         report.problems.append(f"{name}: differs from baseline + (alpha/r)·B·A by up to {worst:.3g}")
         return "merged value wrong"
+    if isinstance(factors, DoraDelta):
+        return "merged: DoRA, m / ‖baseline + (alpha/r)·B·A‖ · (baseline + (alpha/r)·B·A) within one rounding"
     return "merged: baseline + (alpha/r)·B·A within one rounding"
 
 

@@ -141,6 +141,8 @@ def trained_peft_adapter(model, lora_config, seed: int, out: Path, **save):
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif "lora_magnitude_vector" in name:  # DoRA's magnitudes start as the base's row norms; trained, not
+                p.mul_(1 + torch.randn_like(p) * 0.1)
     peft_model.save_pretrained(out, **save)
     return peft_model
 

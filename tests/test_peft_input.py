@@ -88,7 +88,7 @@ def test_bf16_is_rounded_once(hf_base, tmp_path):
     assert ours[f"{key}.weight"].dtype == torch.bfloat16 and torch.equal(ours[f"{key}.weight"], exact)
 
 
-@pytest.mark.parametrize("change,expected", [({"use_dora": True}, "DoRA"),
+@pytest.mark.parametrize("change,expected", [({"use_dora": True}, "has no lora_magnitude_vector"),
                                              ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
                                              ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
                                              ({"peft_type": "IA3"}, "peft_type 'IA3'"),

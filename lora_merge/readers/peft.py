@@ -42,6 +42,8 @@ from lora_merge.files.small_files import read_text
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
 KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# DoRA's magnitude vector (PEFT ≥ 0.9): saved as MODULE.lora_magnitude_vector (an older form had .weight after it)
+MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")
 
 
 def is_peft_adapter_dir(path: Path) -> bool:
@@ -56,14 +58,16 @@ class Factors:
     r: int
     experts: int = 0  # a stacked experts parameter stored as it is (StackedParam): its E
     in_out: bool = True  # and its slabs' layout: [in, out], or [out, in]
+    magnitude: TensorRef | None = None  # DoRA's lora_magnitude_vector [out]
 
     def delta(self):
         """The change these factors make to their HF tensor (lora.Delta)."""
-        from lora_merge.lora import LowRankDelta, StackedExpertsDelta
+        from lora_merge.lora import DoraDelta, LowRankDelta, StackedExpertsDelta
 
         if self.experts:
             return StackedExpertsDelta(self.b.load(), self.a.load(), self.scale, self.experts, self.in_out)
-        return LowRankDelta(self.b.load(), self.a.load(), self.scale)
+        low_rank = LowRankDelta(self.b.load(), self.a.load(), self.scale)
+        return low_rank if self.magnitude is None else DoraDelta(low_rank, self.magnitude.load())
 
 
 @dataclass
@@ -90,8 +94,9 @@ class PeftAdapter:
         return False
 
     def describe(self) -> str:
-        return (f"PEFT adapter {self.path} ({len(self.factors)} LoRA modules, r={self.config.get('r')}, "
-                f"lora_alpha={self.config.get('lora_alpha')}{', rsLoRA' if self.config.get('use_rslora') else ''})")
+        return (f"PEFT adapter {self.path} ({len(self.factors)} {'DoRA' if self.config.get('use_dora') else 'LoRA'} "
+                f"modules, r={self.config.get('r')}, lora_alpha={self.config.get('lora_alpha')}"
+                f"{', rsLoRA' if self.config.get('use_rslora') else ''})")
 
 
 def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
@@ -118,12 +123,16 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
         if not key.startswith(PREFIX):
             raise MergeError(f"{weights}: key {key!r} does not start with {PREFIX!r}; not a PEFT adapter's state")
         name = key[len(PREFIX):]
-        for marker, what in ((".lora_embedding_", "LoRA on embeddings"), (".lora_magnitude_vector", "DoRA"),
-                             (".modules_to_save.", "modules_to_save")):
+        for marker, what in ((".lora_embedding_", "LoRA on embeddings"), (".modules_to_save.", "modules_to_save")):
             if marker in name:
-                raise UnsupportedInput(f"{weights}: {key}: {what} is not supported; only plain LoRA on Linear layers")
+                raise UnsupportedInput(f"{weights}: {key}: {what} is not supported; only plain LoRA and DoRA on "
+                                       "Linear layers")
         if m := KEY.match(name):
             pairs.setdefault(m.group("module"), {})[m.group("ab")] = ref
+        elif m := MAGNITUDE.match(name):
+            if not config.get("use_dora"):
+                raise MergeError(f"{weights}: {key} is DoRA's magnitude vector, but {CONFIG} does not say use_dora")
+            pairs.setdefault(m.group("module"), {})["m"] = ref
         elif name.endswith(".bias") and config.get("bias") in ("all", "lora_only"):
             adapter.biases[name.replace(".base_layer.", ".")] = ref  # an adapted layer's own bias
         else:
@@ -140,17 +149,26 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
             adapter.factors[name] = factors
     check_agreement(pairs, config, weights, arch, shape, kind)
     for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            have = "lora_A" if "A" in ab else "lora_B"
-            raise MergeError(f"{weights}: {module} has {have} but not the other factor")
+        if set(ab) - {"m"} != {"A", "B"}:
+            have = " and ".join(n for k, n in (("A", "lora_A"), ("B", "lora_B"), ("m", "lora_magnitude_vector"))
+                                if k in ab)
+            raise MergeError(f"{weights}: {module} has {have} but not both LoRA factors")
+        if config.get("use_dora") and "m" not in ab:
+            raise MergeError(f"{weights}: {module} has no lora_magnitude_vector, but {CONFIG} says use_dora: PEFT would "
+                             "start it afresh from the base weight's norms; the weights and the config disagree")
         r, alpha = _pattern(config, "rank_pattern", module, config["r"]), _pattern(config, "alpha_pattern", module,
                                                                                    config["lora_alpha"])
         a, b = ab["A"], ab["B"]
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
             raise MergeError(f"{weights}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, but its r is "
                              f"{r} (adapter_config.json)")
+        magnitude = ab.get("m")
+        if magnitude is not None and (len(magnitude.shape) != 1 or magnitude.shape[0] != b.shape[0]):
+            raise MergeError(f"{weights}: {module}.lora_magnitude_vector has shape {list(magnitude.shape)}; DoRA's is "
+                             f"one value per output row, [{b.shape[0]}] as lora_B says")
         adapter.factors[f"{module}.weight"] = Factors(
-            b=b, a=a, scale=lora_scale(alpha, r, config.get("use_rslora", False), module, str(path / CONFIG)), r=r)
+            b=b, a=a, scale=lora_scale(alpha, r, config.get("use_rslora", False), module, str(path / CONFIG)), r=r,
+            magnitude=magnitude)
     if not adapter.factors:
         raise MergeError(f"{weights}: no LoRA factors")
     return adapter
@@ -169,8 +187,8 @@ def _config(path: Path) -> dict:
     kind = config.get("peft_type")
     if kind != "LORA":
         raise MergeError(f"{path}: peft_type {kind!r}; only LORA adapters can be merged")
-    if config.get("use_dora"):
-        raise UnsupportedInput(f"{path}: use_dora=true: DoRA is not supported")
+    if config.get("use_dora") and config.get("target_parameters"):
+        raise UnsupportedInput(f"{path}: use_dora with target_parameters: PEFT has no DoRA on parameters")
     if config.get("modules_to_save"):
         raise MergeError(f"{path}: modules_to_save={config['modules_to_save']!r}: fully trained module copies are not "
                          "supported")
@@ -204,6 +222,8 @@ def _check_values(config: dict, path: Path) -> None:
     where = str(path)
     positive_int(config.get("r"), "r", where, MAX_RANK)
     finite_number(config.get("lora_alpha"), "lora_alpha", where, 0, MAX_ALPHA, low_open=True)
+    if not isinstance(config.get("use_dora", False), bool):
+        raise MergeError(f"{path}: use_dora={shown_value(config['use_dora'])}; expected true or false")
     if not isinstance(config.get("use_rslora", False), bool):
         raise MergeError(f"{path}: use_rslora={shown_value(config['use_rslora'])}; expected true or false")
     for key, check in (("rank_pattern", lambda v, f: positive_int(v, f, where, MAX_RANK)),
