@@ -33,7 +33,7 @@ from lora_merge.runs.options import FP8, MXFP4, ExportOptions, MegatronOptions, 
 from lora_merge.runs.to_hf import MergeResult, VerificationFailed, run_merge  # noqa: F401  (API)
 from lora_merge.runs.to_megatron import ConvertResult, run_to_megatron
 from lora_merge.runs.verify import run_verify
-from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, shown_value
+from lora_merge.value_checks import MAX_ALPHA, MAX_RANK, is_number, shown_value
 from lora_merge.verification import VerifyReport
 from lora_merge.writers.model_card import checked_base_model_id
 
@@ -126,6 +126,29 @@ def _warn_default(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
+MAX_LORAS = 64  # adapters merged at once: far above any real blend, and each one's factors are held while merging
+
+
+def _loras(lora, weights) -> tuple[tuple[Path, ...], tuple[float, ...] | None]:
+    """The adapter dirs (`lora`: one, or a list of PEFT adapter dirs) and their weights, checked."""
+    many = isinstance(lora, (list, tuple))
+    paths = tuple(_path(p, "lora", LORA) for p in lora) if many else ((_path(lora, "lora", LORA),) if lora is not None
+                                                                      else ())
+    if many and not 1 <= len(paths) <= MAX_LORAS:
+        raise UsageError(f"{argument_name('lora')}: {len(paths)} adapters; expected 1 to {MAX_LORAS}")
+    if len(set(p.resolve() for p in paths)) != len(paths):
+        raise UsageError(f"{argument_name('lora')}: an adapter given twice; give each once (weight it instead)")
+    if weights is None:
+        return paths, None
+    if not isinstance(weights, (list, tuple)) or not all(is_number(w) and math.isfinite(w) for w in weights):
+        raise UsageError(f"{argument_name('lora_weights')}={shown_value(weights)}: expected a list of finite numbers, "
+                         "one per adapter")
+    if len(weights) != len(paths):
+        raise UsageError(f"{argument_name('lora_weights')}: {len(weights)} weight(s) for {len(paths)} adapter(s); "
+                         "give one per adapter")
+    return paths, tuple(float(w) for w in weights)
+
+
 def _dtype_choice(value: str, quantized: bool = False) -> str:
     """`quantized`: the merge's output, which may also be block-FP8 or MXFP4."""
     expected = f"expected auto, {', '.join(DTYPES)}" + (f", {FP8}, {MXFP4}" if quantized else "")
@@ -141,16 +164,19 @@ def _dtype_choice(value: str, quantized: bool = False) -> str:
 
 
 def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
-          lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
+          lora_weights=None, lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
           workers: int | None = None, base_model_id: str | None = None,
           progress: Callable[[int, int], None] | None = None,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`); without `lora`,
-    convert the Megatron checkpoint `base` as it is."""
+    convert the Megatron checkpoint `base` as it is. `lora` may be a list of PEFT adapter dirs, merged together
+    as W + Σ wᵢ·ΔWᵢ with `lora_weights` (one each; 1 each by default)."""
     if lora is None and base is None:
         raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
-    opts = MergeOptions(base=_path(base, "base", BASE), lora=_path(lora, "lora", LORA),
+    loras, weights = _loras(lora, lora_weights)
+    opts = MergeOptions(base=_path(base, "base", BASE), lora=loras[0] if loras else None, more_loras=loras[1:],
+                        lora_weights=weights,
                         hf_ref=_required(hf_ref, "hf_ref", HF_REF), out=_abs(_required(out, "out", OUT)),
                         dtype=_dtype_choice(dtype, quantized=True), max_shard_size=shard_size(max_shard_size),
                         lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
@@ -211,11 +237,14 @@ def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_
     return run_export(opts)
 
 
-def verify(out, *, lora=None, base=None, hf_ref=None, lora_r: int | None = None, lora_alpha: float | None = None,
-           report=None, force: bool = False, warn: Callable[[str], None] = _warn_default) -> VerifyReport:
+def verify(out, *, lora=None, base=None, hf_ref=None, lora_weights=None, lora_r: int | None = None,
+           lora_alpha: float | None = None, report=None, force: bool = False,
+           warn: Callable[[str], None] = _warn_default) -> VerifyReport:
     """Check a merged output (see `lora-merge verify --help`); problems are in the report's `problems`
-    (`ok` is False), bad input raises MergeError."""
-    opts = VerifyOptions(out=_required(out, "out", "the merged HF model dir"), lora=_path(lora, "lora", LORA),
+    (`ok` is False), bad input raises MergeError. `lora` and `lora_weights` as for `merge`."""
+    loras, weights = _loras(lora, lora_weights)
+    opts = VerifyOptions(out=_required(out, "out", "the merged HF model dir"), lora=loras[0] if loras else None,
+                         more_loras=loras[1:], lora_weights=weights,
                          base=_path(base, "base", BASE), hf_ref=_path(hf_ref, "hf_ref", HF_REF),
                          lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                          report=_path(report, "report", "a file"), force=_flag(force, "force"),

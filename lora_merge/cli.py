@@ -56,8 +56,7 @@ class _StoreOnce(argparse._StoreAction):
     def __call__(self, parser, namespace, values, option_string=None):
         given = namespace.__dict__.setdefault(_GIVEN, set())
         if self.dest in given:
-            why = ("; one run merges one adapter" if self.dest == "lora" else "")
-            parser.error(f"{'/'.join(self.option_strings) or self.dest} given twice{why}; give it once")
+            parser.error(f"{'/'.join(self.option_strings) or self.dest} given twice; give it once")
         given.add(self.dest)
         super().__call__(parser, namespace, values, option_string)
 
@@ -142,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base", type=Path, help=BASE_HELP + "; may be omitted when --lora is an unfiltered Megatron "
                    "LoRA checkpoint or a PEFT adapter")
-    p.add_argument("--lora", type=Path, help=LORA_HELP + "; optional: without it the base is converted as it is")
+    p.add_argument("--lora", type=Path, action="append", help=LORA_HELP + "; optional: without it the base is converted "
+                   "as it is; given several times (PEFT adapters), they are merged together: W + Σ wᵢ·ΔWᵢ")
+    p.add_argument("--lora-weight", "--lora-weights", dest="lora_weights", type=float, nargs="+", action="extend",
+                   metavar="W", help="one weight per --lora, in their order (default: 1 each)")
     p.add_argument("--hf-ref", type=Path, help="HF model dir of the base model (required; with --to megatron it defaults to an HF --base): its config.json "
                    "defines the architecture; config, generation config and tokenizer files are copied (its weights, "
                    "if any, are read only as the baseline of --verify, or as the base of a PEFT adapter given "
@@ -216,7 +218,10 @@ def build_verify_parser() -> argparse.ArgumentParser:
                     "the reference model's weights when --hf-ref holds *.safetensors, else the Megatron --base.",
     )
     p.add_argument("out", type=Path, help="the merged HF model dir")
-    p.add_argument("--lora", type=Path, help=LORA_HELP + " (the one that was merged; needed for the value checks)")
+    p.add_argument("--lora", type=Path, action="append", help=LORA_HELP + " (the one that was merged, or each of "
+                   "several; needed for the value checks)")
+    p.add_argument("--lora-weight", "--lora-weights", dest="lora_weights", type=float, nargs="+", action="extend",
+                   metavar="W", help="the weights the adapters were merged with, one per --lora")
     p.add_argument("--base", type=Path, help=BASE_HELP + " (the one that was merged onto)")
     p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline when "
                    "--base is not an HF model dir")
@@ -410,8 +415,17 @@ def _main(argv: list[str] | None) -> int:
             return 2
 
 
+def _loras(given: list | None):
+    """--lora given once: its path; several times: the list."""
+    return given[0] if given and len(given) == 1 else given
+
+
 def _run_to_megatron(api, opts, console: Console) -> int:
     from lora_merge.model.megatron_args import DEFAULT_VOCAB_DIVISOR
+
+    if opts.lora and len(opts.lora) > 1 or opts.lora_weights:
+        raise MergeError("--lora given several times, or --lora-weight: merged into an HF output only (--to hf)")
+    opts.lora = _loras(opts.lora)
 
     for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
@@ -483,7 +497,8 @@ def _run(command: str, opts, console: Console) -> int:
             console.result(line)
         return 0
     if command == "verify":
-        report = api.verify(opts.out, lora=opts.lora, base=opts.base, hf_ref=opts.hf_ref, lora_r=opts.lora_r,
+        report = api.verify(opts.out, lora=_loras(opts.lora), base=opts.base, hf_ref=opts.hf_ref,
+                            lora_weights=opts.lora_weights, lora_r=opts.lora_r,
                             lora_alpha=opts.lora_alpha, report=opts.report, force=opts.force, warn=console.warn)
         counts = Counter(report.statuses.values())
         console.result(f"baseline: {report.baseline}")
@@ -511,7 +526,8 @@ def _run(command: str, opts, console: Console) -> int:
         raise MergeError("--hf-ref: required (the HF model dir whose config.json describes the model)")
     bar = console.progress_bar(enabled=not (opts.no_progress or opts.dry_run))
     try:
-        result = api.merge(base=opts.base, lora=opts.lora, hf_ref=opts.hf_ref, out=opts.out, dtype=opts.dtype,
+        result = api.merge(base=opts.base, lora=_loras(opts.lora), lora_weights=opts.lora_weights, hf_ref=opts.hf_ref,
+                           out=opts.out, dtype=opts.dtype,
                            max_shard_size=opts.max_shard_size, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
                            allow_partial_lora=opts.allow_partial_lora, force=opts.force, verify=opts.verify,
                            report=opts.report, dry_run=opts.dry_run, sha256=opts.sha256, workers=opts.workers,

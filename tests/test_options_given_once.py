@@ -16,7 +16,7 @@ def single_value_options(command: str) -> list[argparse.Action]:
 
 def test_every_subcommand_has_single_value_options():
     # the test below must not pass by finding nothing
-    assert {c: len(single_value_options(c)) for c in PARSERS} == {"merge": 24, "verify": 6, "inspect": 0,
+    assert {c: len(single_value_options(c)) for c in PARSERS} == {"merge": 23, "verify": 5, "inspect": 0,
                                                                   "export-adapter": 10}
 
 
@@ -35,7 +35,12 @@ def test_each_single_value_option_given_twice_is_refused_in_one_line(capsys, com
             assert err.count("\n") == 1 and f"{option} given twice" in err, (option, err)
 
 
-def test_a_second_adapter_is_refused_saying_why(capsys):
-    with pytest.raises(SystemExit):
-        main(["--base", "b", "--lora", "a1", "--lora", "a2", "--hf-ref", "h", "--out", "o"])
-    assert "--lora given twice; one run merges one adapter; give it once" in capsys.readouterr().err
+def test_a_second_adapter_is_a_second_adapter_not_a_replacement(capsys, tmp_path):
+    """--lora given twice names two adapters merged together (never the last one alone)."""
+    from pathlib import Path
+
+    hf = Path(__file__).parent / "fixtures" / "tp2_fp32_filtered" / "hf_ref"
+    code = main(["--lora", str(tmp_path / "a1"), "--lora", str(tmp_path / "a2"), "--hf-ref", str(hf),
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "a1" in err and "given twice" not in err, err

@@ -548,3 +548,89 @@ def _derived(ref: TensorRef, what: str, shape: tuple[int, ...], take) -> TensorR
     """A part of a factor, cut out when loaded."""
     return TensorRef(where=f"{ref.where} ({what})", shape=shape, dtype=ref.dtype, loader=lambda: take(ref.load()),
                      records=ref.records)
+
+
+# ------------------------------------------------------------------------------------ several adapters at once
+
+@dataclass(frozen=True)
+class SummedFactorRef(TensorRef):
+    """The factors of several adapters' changes to one tensor side by side (along r), each B scaled by its
+    adapter's weight and scale: B·A is then Σ wᵢ·sᵢ·Bᵢ·Aᵢ, merged in one float32 product. Built when loaded;
+    releasing it releases the adapters' own."""
+
+    parts: tuple = ()
+
+    def release(self) -> None:
+        for ref in self.parts:
+            ref.release()
+
+
+def _summed(name: str, parts: list[tuple[float, Factors]]) -> Factors:
+    first = parts[0][1]
+    experts, in_out = first.experts, first.in_out
+    r = sum(f.r if not f.experts else f.a.shape[0] // f.experts for _, f in parts)
+
+    def b() -> torch.Tensor:
+        if experts:  # (out, rᵢ, E) side by side along r
+            return torch.cat([(w * f.scale) * f.b.load().float().reshape(f.b.shape[0], -1, experts)
+                              for w, f in parts], 1).reshape(first.b.shape[0], -1)
+        return torch.cat([(w * f.scale) * f.b.load().float() for w, f in parts], 1)
+
+    def a() -> torch.Tensor:
+        if experts:  # (E, rᵢ, in) side by side along r
+            return torch.cat([f.a.load().float().reshape(experts, -1, f.a.shape[1]) for _, f in parts],
+                             1).reshape(-1, first.a.shape[1])
+        return torch.cat([f.a.load().float() for _, f in parts], 0)
+
+    width = r * (experts or 1)
+    where = " + ".join(f.a.where for _, f in parts)
+    return Factors(
+        b=SummedFactorRef(where, (first.b.shape[0], width), torch.float32, b, parts=tuple(f.b for _, f in parts)),
+        a=SummedFactorRef(where, (width, first.a.shape[1]), torch.float32, a, parts=tuple(f.a for _, f in parts)),
+        scale=1.0, r=r, experts=experts, in_out=in_out)
+
+
+@dataclass
+class WeightedAdapters(PeftAdapter):
+    """Several PEFT adapters of one base merged together: W + Σ wᵢ·ΔWᵢ in float32, rounded once, each ΔWᵢ with
+    its own r, alpha, rsLoRA and patterns (`combine`)."""
+
+    adapters: list = field(default_factory=list)
+    weights: list = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{len(self.adapters)} PEFT adapters: " + "; ".join(
+            f"{a.describe()} × {w:g}" for a, w in zip(self.adapters, self.weights))
+
+
+def combine(adapters: list[PeftAdapter], weights: list[float]) -> WeightedAdapters:
+    """One source holding Σ wᵢ·ΔWᵢ for every tensor any adapter changes. DoRA has no such sum (its change depends
+    on the whole merged row, so PEFT's own result depends on the order), nor has a trained bias (each adapter's
+    replaces the base's): both refused by name."""
+    how = "merged with others" if len(adapters) > 1 else f"weighted {weights[0]:g}"
+    for adapter in adapters:
+        if adapter.config.get("use_dora"):
+            raise MergeError(f"{adapter.path}: a DoRA adapter {how}: DoRA's rescaling of each row is not linear in its "
+                             "change, and for a sum of adapters has no single answer (PEFT's result depends on the "
+                             "order); merge it alone, at weight 1")
+        if adapter.biases:
+            raise MergeError(f"{adapter.path}: trains biases ({next(iter(adapter.biases))}), which replace the base's; "
+                             f"an adapter {how} cannot: merge it alone, at weight 1")
+    parts: dict[str, list[tuple[float, Factors]]] = {}
+    for adapter, w in zip(adapters, weights):
+        for name, f in adapter.factors.items():
+            parts.setdefault(name, []).append((w, f))
+    for name, fs in parts.items():
+        first = fs[0][1]
+        for _, f in fs[1:]:
+            if (f.experts, f.in_out, f.b.shape[0], f.a.shape[1]) != (first.experts, first.in_out, first.b.shape[0],
+                                                                     first.a.shape[1]):
+                raise MergeError(f"{f.a.where}: changes {name} as a [{f.b.shape[0]}, {f.a.shape[1]}] weight, but "
+                                 f"{first.a.where} as [{first.b.shape[0]}, {first.a.shape[1]}]: the adapters are not "
+                                 "of one base")
+    combined = WeightedAdapters(path=adapters[0].path, config=dict(adapters[0].config),
+                                sources=[s for a in adapters for s in a.sources], adapters=list(adapters),
+                                weights=list(weights))
+    combined.factors = {name: (_summed(name, fs) if len(fs) > 1 or fs[0][0] != 1 else fs[0][1])
+                        for name, fs in parts.items()}
+    return combined

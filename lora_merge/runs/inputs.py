@@ -21,7 +21,7 @@ from lora_merge.options import argument_name
 from lora_merge.readers.detect import (HF_DIR, PEFT_DIR, check_input_dir, input_kind, is_megatron_checkpoint,
                                       open_checkpoint)
 from lora_merge.readers.hf_model import read_hf_model
-from lora_merge.readers.peft import read_peft_adapter
+from lora_merge.readers.peft import combine, read_peft_adapter
 from lora_merge.readers.source import Source
 from lora_merge.files.targets import InputPaths
 from lora_merge.writers.model_card import checked_base_model_id, resolve_base_model
@@ -87,6 +87,9 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     arch = architecture_for(shape)
     if lora_dir is not None and input_kind(lora_dir) == PEFT_DIR:
         return _open_peft(shape, hf_config, arch, hf_dir, base_dir, lora_dir, opts)
+    if getattr(opts, "more_loras", ()) or getattr(opts, "lora_weights", None):
+        raise MergeError(f"{lora_dir}: several adapters, or a weight on one, are merged from PEFT adapter dirs; a "
+                         "Megatron LoRA checkpoint is merged alone, at weight 1")
     lora = open_checkpoint(lora_dir) if lora_dir else None
     if base_dir is not None and input_kind(base_dir) == HF_DIR:
         if lora is None and not lora_optional:
@@ -135,11 +138,21 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
         raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
                          "model dir with safetensors weights")
     check_same_model(shape, hf_dir, base_dir)
-    adapter = read_peft_adapter(lora_dir, arch, shape)
-    settings = LoraSettings(r=adapter.config["r"], alpha=float(adapter.config["lora_alpha"]),
-                            source="adapter_config.json" + (", rsLoRA" if adapter.config.get("use_rslora") else "")
-                            + (", per-module patterns" if adapter.config.get("rank_pattern")
-                               or adapter.config.get("alpha_pattern") else ""))
+    more = tuple(getattr(opts, "more_loras", ()))
+    for other in more:
+        if input_kind(other) != PEFT_DIR:
+            raise MergeError(f"{other}: several adapters are merged from PEFT adapter dirs; this is not one (a Megatron "
+                             "LoRA checkpoint is merged alone)")
+    adapters = [read_peft_adapter(path, arch, shape) for path in (lora_dir, *more)]
+    weights = list(getattr(opts, "lora_weights", None) or [1.0] * len(adapters))
+    adapter = combine(adapters, weights) if more or weights != [1.0] else adapters[0]
+    config = adapter.config
+    settings = LoraSettings(r=config["r"], alpha=float(config["lora_alpha"]),
+                            source="adapter_config.json" + (", rsLoRA" if config.get("use_rslora") else "")
+                            + (", per-module patterns" if config.get("rank_pattern") or config.get("alpha_pattern")
+                               else "") + ("; DoRA" if config.get("use_dora") else "")
+                            + (f"; {len(adapters)} adapters weighted {', '.join(f'{w:g}' for w in weights)}, each with "
+                               "its own r and lora_alpha" if adapter is not adapters[0] else ""))
     return Inputs(shape, hf_config, arch, read_hf_model(base_dir), adapter, settings)
 
 
@@ -173,8 +186,9 @@ def input_paths(inp: Inputs, hf_dirs, base_dir: Path | None, lora_dir: Path | No
     read: the reference, and for verify the output being checked)."""
     found = given_paths(base_dir, lora_dir)
     for ckpt in (inp.base, inp.lora):
-        if ckpt is not None:
-            found.add_tree(ckpt.path, ckpt.sources)
+        for source in getattr(ckpt, "adapters", None) or ([ckpt] if ckpt is not None else []):
+            found.add(source.path)
+            found.add_tree(source.path, source.sources)
     for hf_dir in [hf_dirs] if isinstance(hf_dirs, Path) else hf_dirs:
         if hf_dir is not None and hf_dir.is_dir():
             found.add_tree(hf_dir, [hf_dir / name for name in ("config.json", "model.safetensors.index.json")]
@@ -191,7 +205,8 @@ def baseline_dir(inp: Inputs, hf_ref: Path | None) -> Path | None:
 
 
 def check_input_dirs(opts) -> None:
-    for path, what in ((opts.base, BASE), (opts.lora, LORA), (opts.hf_ref, HF_REF)):
+    for path, what in ((opts.base, BASE), (opts.lora, LORA), *((p, LORA) for p in getattr(opts, "more_loras", ())),
+                       (opts.hf_ref, HF_REF)):
         check_input_dir(path, what)
 
 

@@ -22,6 +22,8 @@ class InputOptions:
     hf_ref: Path | None
     base: Path | None = None
     lora: Path | None = None
+    more_loras: tuple[Path, ...] = ()  # PEFT adapters merged together with `lora` (several adapters)
+    lora_weights: tuple[float, ...] | None = None  # one per adapter (`lora`, then `more_loras`); None: 1 each
     lora_r: int | None = None
     lora_alpha: float | None = None
     allow_partial_lora: bool = False

@@ -87,7 +87,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     started = time.monotonic()
     checked_base_model_id(opts.base_model_id)  # a usage error, before any work
     check_input_dirs(opts)
-    roots = given_paths(opts.base, opts.lora, opts.hf_ref)
+    roots = given_paths(opts.base, opts.lora, *opts.more_loras, opts.hf_ref)
     check_output_target(opts.out, opts.force, roots, early=True)
     check_report_path(opts.report, opts.force, roots, opts.out, early=True)
     inp = open_inputs(opts.hf_ref, opts.base, opts.lora, opts, need_base=True)

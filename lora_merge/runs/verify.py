@@ -19,7 +19,7 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
     out = opts.out
     check_input_dir(out, "the merged HF model dir")
     check_input_dirs(opts)
-    roots = given_paths(out, opts.base, opts.lora, opts.hf_ref)
+    roots = given_paths(out, opts.base, opts.lora, *opts.more_loras, opts.hf_ref)
     check_report_path(opts.report, opts.force, roots, early=True)
     check_merged_dir(out)
     base_dir = verified_base_dir(opts.base, opts.lora, opts.hf_ref)
