@@ -19,7 +19,11 @@ parameters targeted, gate_up_proj's factors are saved under `mlp.experts.base_la
 `mlp.experts.`. A 2-D parameter (the router's `mlp.gate.weight`) is a plain rank-r LoRA of that matrix.
 Every parameter target_parameters selects must have its factors, and every factor a parameter it selects.
 
-Refused with one line: other PEFT types, DoRA, `modules_to_save`, LoRA on embeddings.
+DoRA (`use_dora`, a `lora_magnitude_vector` per module) is read beside the factors (lora.DoraDelta merges it).
+Several adapters of one base become one source (`combine`): their factors side by side along r, each B scaled
+by its adapter's weight and scale.
+
+Refused with one line: other PEFT types, `modules_to_save`, LoRA on embeddings, DoRA on parameters.
 """
 
 from __future__ import annotations
