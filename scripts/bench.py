@@ -31,6 +31,7 @@ each rank file built and torch.save'd (the same layout, computed from the same p
 for DeepSeek, whose lora-merge run writes torch_dist).
 
 --glm: GLM-4.5-Air layer shapes (synthetic_moe_checkpoint.py --family glm4.5-air), GroupedMLP at EP=4.
+--adapter-variants: 32B layer shapes, HF base + one PEFT adapter, a DoRA one, three weighted ones.
 --gpt-oss: gpt-oss-20b shapes, an MXFP4 HF base + a PEFT adapter on every expert (synthetic_gpt_oss_checkpoint.py).
 
 --fp8: a block-FP8 DeepSeek-V3-shaped HF base (128x128 scales) + the Megatron LoRA, merged into bf16 and into
@@ -298,6 +299,73 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
     return result
 
 
+# A DoRA adapter and two more plain ones made from a PEFT adapter dir (argv: base dir, adapter dir, out root): the
+# DoRA magnitudes are the base's row norms, perturbed; the extra adapters are the first with B scaled.
+ADAPTER_VARIANTS = r"""
+import json, shutil, sys
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+base, adapter, root = map(Path, sys.argv[1:4])
+config = json.loads((adapter / "adapter_config.json").read_text())
+tensors = load_file(adapter / "adapter_model.safetensors")
+index = base / "model.safetensors.index.json"
+files = json.loads(index.read_text())["weight_map"] if index.exists() else None
+g = torch.Generator().manual_seed(0)
+dora = dict(tensors)
+for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+    module = key.removesuffix(".lora_A.weight")
+    name = module.removeprefix("base_model.model.") + ".weight"
+    with safe_open(base / (files[name] if files else "model.safetensors"), "pt") as f:
+        norms = torch.linalg.vector_norm(f.get_tensor(name).float(), dim=1)
+    dora[module + ".lora_magnitude_vector"] = norms * (1 + 0.01 * torch.randn(norms.shape, generator=g))
+for out, values, changes in ((root / "dora", dora, {"use_dora": True}),
+                             (root / "adapter2", {k: v * (0.5 if "lora_B" in k else 1) for k, v in tensors.items()}, {}),
+                             (root / "adapter3", {k: v * (-1.3 if "lora_B" in k else 1) for k, v in tensors.items()}, {})):
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    save_file(values, out / "adapter_model.safetensors", metadata={"format": "pt"})
+"""
+
+
+def bench_adapter_variants(layers: int, work: Path, repeat: int, preset: str = "qwen32b") -> dict:
+    """The --peft input (32B layer shapes, HF base + PEFT adapter) merged with one plain adapter, with a DoRA one,
+    and with three plain ones weighted 0.5, 0.3, 0.2, alternating with a copy of the base and one adapter."""
+    root = work / f"L{layers}variants"
+    drop(root)
+    generate_start = time.monotonic()
+    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
+                    "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
+    quiet = {"check": True, "stdout": subprocess.DEVNULL}
+    subprocess.run(LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
+                                 str(root / "hf_ref"), "--out", str(root / "hf_base"), "--no-progress"], **quiet)
+    subprocess.run(LORA_MERGE + ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                                 "--out", str(root / "adapter")], **quiet)
+    drop(root / "base")
+    drop(root / "lora")
+    subprocess.run([sys.executable, "-c", ADAPTER_VARIANTS, str(root / "hf_base"), str(root / "adapter"), str(root)],
+                   check=True)
+    inputs = [root / "hf_base", root / "adapter"]
+    in_bytes = sum(dir_bytes(p) for p in inputs)
+    check_free(root, in_bytes * 2)
+    cmd = LORA_MERGE + ["--base", str(root / "hf_base"), "--hf-ref", str(root / "hf_base"), "--out",
+                        str(root / "merged"), "--no-progress"]
+    three = ["--lora", str(root / "adapter"), "--lora", str(root / "adapter2"), "--lora", str(root / "adapter3"),
+             "--lora-weight", "0.5", "0.3", "0.2"]
+    variants = [(f"{label}, {wlabel}", c) for label, extra in (("one adapter", ["--lora", str(root / "adapter")]),
+                                                               ("DoRA", ["--lora", str(root / "dora")]),
+                                                               ("3 weighted adapters", three))
+                for wlabel, c in merge_variants(cmd + extra)]
+    copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
+    result = {"layers": layers, "layout": "HF base + PEFT adapter(s): plain, DoRA, 3 weighted",
+              "generate_seconds": time.monotonic() - generate_start, "input_gb": in_bytes / 1e9,
+              "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
+    add_runs(result, variants, merges, copy, out_bytes)
+    drop(root)
+    return result
+
+
 def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
     """A gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on q_proj and every expert (synthetic_gpt_oss_checkpoint.py),
     merged into bf16 and back into MXFP4 (--dtype mxfp4), alternating with a plain copy of both; CPU per GB of
@@ -492,6 +560,8 @@ def main() -> None:
                    "and into FP8 (--deepseek-shape applies)")
     p.add_argument("--gpt-oss", action="store_true", help="a gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on every "
                    "expert, merged into bf16 and into MXFP4")
+    p.add_argument("--adapter-variants", action="store_true", help="the --peft input merged with one plain adapter, "
+                   "a DoRA one, and three weighted ones (32B layer shapes)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers
@@ -511,6 +581,11 @@ def main() -> None:
 
     if args.fp8:
         report_one(deepseek_title + ", FP8", bench_fp8(args.workdir, args.repeat, args.deepseek_shape))
+        return
+    if args.adapter_variants:
+        for n in args.layers:
+            report_one(f"32B layer shapes, {n} layers, PEFT adapter variants", bench_adapter_variants(n, args.workdir,
+                                                                                                   args.repeat))
         return
     if args.gpt_oss:
         for n in args.layers:
