@@ -8,6 +8,7 @@ PEFT's tensor-parallel layout: column layers (qkv, fc1) replicate A and shard B 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,17 +31,26 @@ class LoraSettings:
     alpha: float
     source: str  # where r and alpha came from, for the summary
     warnings: tuple[str, ...] = ()  # command-line values that replaced different checkpoint values
+    rslora: bool = False  # rank-stabilized: the scale is alpha / sqrt(r)
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.r
+        return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
 
 
 def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> LoraSettings:
-    """r and alpha from the command line, else from the LoRA checkpoint's args; never a default."""
+    """r and alpha from the command line, else from the LoRA checkpoint's args; never a default. rsLoRA where the
+    args say so by the field a known trainer writes: ms-swift's Megatron-SWIFT (`use_rslora`, its rank as
+    `lora_rank`, its LoraParallelLinear scaling alpha / sqrt(r)); MindSpeed-LLM has no such switch."""
     arg_r, arg_alpha = getattr(args, "lora_r", None), getattr(args, "lora_alpha", None)
-    if getattr(args, "lora_use_rslora", False) or getattr(args, "use_rslora", False):
-        raise MergeError(f"{where}: args enable rsLoRA (scale alpha/sqrt(r)), which this tool does not merge")
+    if arg_r is None:
+        arg_r = getattr(args, "lora_rank", None)
+    if getattr(args, "lora_use_rslora", False):
+        raise MergeError(f"{where}: args.lora_use_rslora: a switch of no trainer this tool knows (ms-swift's is "
+                         "use_rslora); its scaling is not guessed")
+    rslora = getattr(args, "use_rslora", False)
+    if rslora not in (True, False, None):
+        raise MergeError(f"{where}: args.use_rslora={shown_value(rslora)}; expected true or false")
     final_r = r if r is not None else arg_r
     final_alpha = alpha if alpha is not None else arg_alpha
     if final_r is None or final_alpha is None:
@@ -54,7 +64,7 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
         raise MergeError(f"{where}: {alpha_field}={final_alpha:g}; it must be a finite number above 0 (alpha 0 would "
                          "write the base model unchanged, a negative one would subtract the fine-tune)")
     final_alpha = finite_number(final_alpha, alpha_field, where, 0, MAX_ALPHA, low_open=True)
-    lora_scale(final_alpha, final_r, False, "alpha/r", where)
+    lora_scale(final_alpha, final_r, bool(rslora), "alpha/sqrt(r)" if rslora else "alpha/r", where)
     notes = []
     for option, given, stored, name in (("--lora-r", r, arg_r, "lora_r"), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
         if given is not None and stored is not None and _differs(given, stored):
@@ -62,7 +72,8 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
                          "checkpoint")
     source = "command line" if (r is not None and alpha is not None) else (
         "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
-    return LoraSettings(r=final_r, alpha=final_alpha, source=source, warnings=tuple(notes))
+    return LoraSettings(r=final_r, alpha=final_alpha, source=source + (", rsLoRA (args.use_rslora)" if rslora else ""),
+                        warnings=tuple(notes), rslora=bool(rslora))
 
 
 def _differs(given, stored) -> bool:

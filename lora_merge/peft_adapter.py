@@ -362,7 +362,7 @@ def adapter_config(settings: LoraSettings, adapter: AdapterPlan, base_model: str
         "target_modules": adapter.target_modules,
         "lora_dropout": 0.0,
         "bias": "none",
-        "use_rslora": False,
+        "use_rslora": settings.rslora,
         "use_dora": False,
         "fan_in_fan_out": False,
         "modules_to_save": None,
