@@ -121,8 +121,11 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def within_mxfp4_step(got: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor) -> bool:
     """Dequantized [E, in, out] values within half an E2M1 step of the exact ones: the step is 0.5, 1 or 2 times
     the group's scale below 2, 4 or 6 times it (so at most max(scale/4, |exact|/4)); float32 leaves a little
-    more. `scales`: uint8 [E, out, G]."""
-    s = _POWERS[scales.int()].repeat_interleave(BLOCK, -1).transpose(1, 2)
+    more. `scales`: uint8 [E, out, G], the output's; a scale above twice what the exact values call for (their
+    amax / 6 rounded up to a power of two: once more for float32 noise at a power of two) is not taken at its
+    word, so a zeroed or coarsened group is found."""
+    called_for = quantize(exact.float().contiguous())[1].int() + 1
+    s = _POWERS[torch.minimum(scales.int(), called_for)].repeat_interleave(BLOCK, -1).transpose(1, 2)
     bound = torch.maximum(s * 0.25, exact.abs() * 0.25) * (1 + 1e-5) + 2.0 ** -149
     return bool(((got.float() - exact).abs() <= bound).all())
 

@@ -33,7 +33,7 @@ from lora_merge.model.multimodal import MULTIMODAL
 from lora_merge.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight, is_mxfp4_config, within_mxfp4_step
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
-from lora_merge.fp8 import (is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
+from lora_merge.fp8 import (SCALE_SUFFIX, is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
                             skip_patterns)
 from lora_merge.model.layout import RowBlock, SharedCopy, Skip
 from lora_merge.lora import DoraDelta, LoraSettings, StackedExpertsDelta, hf_factors
@@ -216,7 +216,8 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             report.statuses[full] = _check_tensor(full, dims, out, source, tensor_factors, scale, report,
                                                   quantized is not None, mxfp4)
 
-    for missing in sorted(ref.carried - set(out.file_of) if ref else ()):
+    for missing in sorted(n for n in (ref.carried - set(out.file_of) if ref else ())
+                          if not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in out.file_of)):
         report.problems.append(f"{multimodal.file_name(missing)}: the reference's {multimodal.model_type} release has "
                                "it, the output does not")
     for extra in sorted(set(out.file_of) - expected_names):
@@ -359,8 +360,11 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
             continue
         base = baseline(start, stop)
         if fp8:
-            exact = base.float() if factors is None else torch.addmm(base.float(), factors[0][start:stop].float(),
-                                                                     factors[1].float(), alpha=scale)
+            if isinstance(factors, DoraDelta):
+                exact = factors.merge_rows(base, start, stop, torch.float32, name)
+            else:
+                exact = base.float() if factors is None else torch.addmm(base.float(), factors[0][start:stop].float(),
+                                                                         factors[1].float(), alpha=scale)
             if not within_fp8_step(tensor, exact, out.scales(name), start, out.fp8_block(name)):
                 worst = max(worst, (tensor - exact).abs().max().item() or 1e-30)
             continue

@@ -89,6 +89,21 @@ def test_verify_checks_a_dora_merge_and_finds_a_wrong_row(qwen2_base, tmp_path):
     assert any(p.startswith("model.layers.1.self_attn.q_proj.weight: differs") for p in problems), problems
 
 
+def test_dora_into_fp8_output_verifies(qwen2_base, tmp_path):
+    """verify compares a DoRA weight written as block-FP8 with the DoRA merge, within FP8's step."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    import lora_merge
+
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(qwen2_base, dtype=torch.float32),
+                         LoraConfig(r=4, target_modules=["q_proj", "down_proj"], use_dora=True), 15, tmp_path / "adapter")
+    lora_merge.merge(base=qwen2_base, lora=tmp_path / "adapter", hf_ref=qwen2_base, out=tmp_path / "out", dtype="fp8",
+                     verify=True, warn=lambda m: None)
+    report = lora_merge.verify(tmp_path / "out", lora=tmp_path / "adapter", hf_ref=qwen2_base, warn=lambda m: None)
+    assert report.ok and report.statuses["model.layers.0.mlp.down_proj.weight"].startswith("FP8: within")
+
+
 def _edited_adapter(base: Path, tmp_path: Path, edit_config=None, edit_tensors=None) -> Path:
     import json
 

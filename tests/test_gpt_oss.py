@@ -318,10 +318,20 @@ def test_an_mxfp4_release_written_back_keeps_its_untouched_experts_as_stored(mxf
             assert not torch.equal(ours[name + "_scales"], release[name + "_scales"])
     args = dict(lora=tmp_path / "adapter", hf_ref=mxfp4, warn=lambda m: None)
     assert lora_merge.verify(tmp_path / "mx", **args).ok
-    ours["model.layers.1.mlp.experts.down_proj_scales"][1, 3, 0] += 1  # twice the values of one group
-    save_file(ours, tmp_path / "mx/model.safetensors", metadata={"format": "pt"})
+    damaged = dict(ours)
+    damaged["model.layers.1.mlp.experts.down_proj_scales"] = ours["model.layers.1.mlp.experts.down_proj_scales"].clone()
+    damaged["model.layers.1.mlp.experts.down_proj_scales"][1, 3, 0] += 1  # twice the values of one group
+    save_file(damaged, tmp_path / "mx/model.safetensors", metadata={"format": "pt"})
     problems = lora_merge.verify(tmp_path / "mx", **args).problems
     assert any(p.startswith("model.layers.1.mlp.experts.down_proj: its MXFP4 values differ") for p in problems), problems
+    for name in ("model.layers.1.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"):  # an expert
+        damaged = dict(ours)  # zeroed under the largest scale: its values within half a step of *that* scale
+        damaged[name + "_blocks"] = ours[name + "_blocks"].clone()
+        damaged[name + "_scales"] = ours[name + "_scales"].clone()
+        damaged[name + "_blocks"][0], damaged[name + "_scales"][0] = 0, 254
+        save_file(damaged, tmp_path / "mx/model.safetensors", metadata={"format": "pt"})
+        problems = lora_merge.verify(tmp_path / "mx", **args).problems
+        assert any(p.startswith(f"{name}: its MXFP4 values differ") for p in problems), problems
 
 
 def test_mxfp4_output_is_refused_where_there_is_no_mxfp4_release(tmp_path, capsys):

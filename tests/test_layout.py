@@ -245,7 +245,8 @@ def test_replicated_rows_split_a_fused_replicated_linear_and_its_lora_b_alike():
 # and where the multi-token-prediction layers are
 LAYOUTS = [("Et*3|(tt|)*29,m|L", 16, 61, 1), ("Ettt|tttL", 2, 6, 0), ("E|tt|tt|tL", 2, 5, 0), ("Et|t|t|tL", 2, 4, 0),
            ("Et*2|t*3,m|L", 3, 5, 1), ("E(t|)*4L", 5, 4, 0), ([["embedding", "decoder"], ["decoder", "decoder", "loss"]], 2, 3, 0),
-           ([["embedding", "decoder"], ["decoder", "mtp", "loss"]], 2, 2, 1)]
+           ([["embedding", "decoder"], ["decoder", "mtp", "loss"]], 2, 2, 1),
+           ([[" Embedding", "DECODER "], ["decoder", "Loss"]], 2, 2, 0)]
 
 
 @pytest.mark.parametrize("layout, pp, layers, mtp", LAYOUTS)

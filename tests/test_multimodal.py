@@ -195,3 +195,55 @@ def test_multimodal_refusals(gemma3, tmp_path, capsys):
     run_failing(["--to", "megatron", "--base", str(gemma3), "--out", str(tmp_path / "mg")], capsys,
                 "gemma3_text is merged from HF bases (with PEFT adapters) only")
     assert not (tmp_path / "out").exists()
+
+
+def test_rank_and_alpha_patterns_match_transformers_module_names(gemma3, tmp_path):
+    """PEFT matches rank_pattern/alpha_pattern against the names the modules have in memory
+    (model.language_model.layers.0…, model.vision_tower…), so patterns written for them apply as PEFT applies them."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                      alpha_pattern={"language_model.layers.0.self_attn.q_proj": 32},
+                      rank_pattern={"vision_tower.encoder.layers.0.self_attn.k_proj": 2})
+    assert_merges_as_peft(gemma3, lora, 9, tmp_path, auto=_image_text_to_text(), verify=True)
+
+
+def test_an_fp8_release_of_it_merges_into_bf16_and_verifies(gemma3, tmp_path):
+    """A block-FP8 form of the release (language and tower linears quantized, their weight_scale_inv beside them):
+    merged into bf16 as the merge onto its dequantized twin, and verify does not miss the scales it dropped."""
+    import json
+    import shutil
+
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    import lora_merge
+    from helpers import trained_peft_adapter
+    from lora_merge.fp8 import dequantize_rows, quantize_rows
+
+    fp8, twin = tmp_path / "fp8", tmp_path / "twin"
+    release, plain = {}, {}
+    for name, t in _stored(gemma3).items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "fc1.weight")):
+            q, scales = quantize_rows(t.float(), (128, 128))
+            release[name], release[name.removesuffix("weight") + "weight_scale_inv"] = q, scales
+            plain[name] = dequantize_rows(q, scales, 0, (128, 128))  # float32: the values the release holds
+        else:
+            release[name] = plain[name] = t
+    config = json.loads((gemma3 / "config.json").read_text())
+    for d, weights, q in ((fp8, release, True), (twin, plain, False)):
+        shutil.copytree(gemma3, d, ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+        if q:
+            (d / "config.json").write_text(json.dumps({**config, "quantization_config": {
+                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))
+    trained_peft_adapter(_image_text_to_text().from_pretrained(twin, dtype=torch.float32),
+                         LoraConfig(r=4, target_modules=["q_proj", "fc1"]), 10, tmp_path / "adapter")
+    for base, out in ((fp8, "from-fp8"), (twin, "from-twin")):
+        lora_merge.merge(base=base, lora=tmp_path / "adapter", hf_ref=base, out=tmp_path / out, dtype="bfloat16",
+                         verify=True, warn=lambda m: None)
+    a, b = _stored(tmp_path / "from-fp8"), _stored(tmp_path / "from-twin")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(Exception, match="--dtype fp8 with a gemma3 release"):
+        lora_merge.merge(base=fp8, lora=tmp_path / "adapter", hf_ref=fp8, out=tmp_path / "fp8-out", dtype="fp8",
+                         warn=lambda m: None)

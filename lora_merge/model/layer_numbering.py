@@ -77,11 +77,13 @@ def layout_stages(value, where: str = "args") -> list[str]:
     as a string of layer characters."""
     field = f"{where}: pipeline_model_parallel_layout {shown_value(value)}"
     if isinstance(value, (list, tuple)):
-        if not all(isinstance(row, (list, tuple)) and all(isinstance(x, str) and x in LAYER_TYPES for x in row)
-                   for row in value):
+        def layer_type(x) -> str:  # megatron-core: a LayerType, or its name in any case around spaces
+            return (getattr(x, "name", None) or (x.strip().lower() if isinstance(x, str) else "")).lower()
+
+        if not all(isinstance(row, (list, tuple)) and all(layer_type(x) in LAYER_TYPES for x in row) for row in value):
             raise MergeError(f"{field}: expected a list of virtual stages, each a list of layer types (embedding, "
                              "decoder, mtp, loss)")
-        return ["".join(LAYER_TYPES[x] for x in row) for row in value]
+        return ["".join(LAYER_TYPES[layer_type(x)] for x in row) for row in value]
     if not isinstance(value, str):
         raise MergeError(f"{field}: expected a layout string such as \"Et*3|(tt|)*29,m|L\"")
     text = value.replace(",", "")

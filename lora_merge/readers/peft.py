@@ -145,11 +145,13 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
     if kind is not None:  # a multimodal model's: by our names, the language model's and the towers' (carried)
         pairs, _ = rename(pairs, kind, str(weights))
         adapter.biases, _ = rename(adapter.biases, kind, str(weights))
+    # PEFT matches rank/alpha patterns against the module names transformers gives them in memory
+    named = kind.memory_name if kind is not None else (lambda module: module)
     if config.get("target_parameters") and (arch is None or shape is None):
         raise MergeError(f"{path / CONFIG}: target_parameters={config['target_parameters']!r}: LoRA on parameters "
                          "needs the model's config to place it")
     if arch is not None and shape is not None:
-        for name, factors in parameter_factors(pairs, config, arch, shape, weights).items():
+        for name, factors in parameter_factors(pairs, config, arch, shape, weights, named).items():
             adapter.factors[name] = factors
     check_agreement(pairs, config, weights, arch, shape, kind)
     for module, ab in sorted(pairs.items()):
@@ -160,8 +162,8 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
         if config.get("use_dora") and "m" not in ab:
             raise MergeError(f"{weights}: {module} has no lora_magnitude_vector, but {CONFIG} says use_dora: PEFT would "
                              "start it afresh from the base weight's norms; the weights and the config disagree")
-        r, alpha = _pattern(config, "rank_pattern", module, config["r"]), _pattern(config, "alpha_pattern", module,
-                                                                                   config["lora_alpha"])
+        r, alpha = (_pattern(config, "rank_pattern", named(module), config["r"]),
+                    _pattern(config, "alpha_pattern", named(module), config["lora_alpha"]))
         a, b = ab["A"], ab["B"]
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
             raise MergeError(f"{weights}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, but its r is "
@@ -475,9 +477,10 @@ def _selects(key: str, target: str) -> bool:
 
 
 def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch, shape,
-                      weights: Path) -> dict[str, Factors]:
+                      weights: Path, named=None) -> dict[str, Factors]:
     """Take the factors of LoRA on parameters out of `pairs` (by saved module name) and return them as
     factors by HF checkpoint tensor; refuse factors of a parameter target_parameters does not select."""
+    named = named or (lambda module: module)  # (multimodal: the in-memory names PEFT matches patterns on)
     targets = config.get("target_parameters") or []
     params = model_parameters(arch, shape)
     expected: dict[str, tuple[str, ExpertParam | MatrixParam]] = {}  # saved module name -> (parameter, what)
@@ -516,8 +519,8 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
         ab = pairs.pop(module)
         if set(ab) != {"A", "B"}:
             raise MergeError(f"{weights}: {key} has {'lora_A' if 'A' in ab else 'lora_B'} but not the other factor")
-        r, alpha = _pattern(config, "rank_pattern", key, config["r"]), _pattern(config, "alpha_pattern", key,
-                                                                                config["lora_alpha"])
+        r, alpha = (_pattern(config, "rank_pattern", named(key), config["r"]),
+                    _pattern(config, "alpha_pattern", named(key), config["lora_alpha"]))
         if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
             raise MergeError(f"{weights.parent / CONFIG}: rank {r!r} for {key} (r / rank_pattern); expected a positive "
                              "integer")

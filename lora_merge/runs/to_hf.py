@@ -99,6 +99,9 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     if fp8 and getattr(inp.base, "mxfp4", False):
         raise MergeError(f"--dtype fp8 with the MXFP4 base {inp.base.path}: block-FP8 is written for weights an FP8 "
                          "release quantizes, not for MXFP4 experts; write mxfp4, bfloat16 or float32")
+    if fp8 and inp.shape.multimodal:
+        raise MergeError(f"--dtype fp8 with a {inp.shape.multimodal} release: which of its towers' linears a block-FP8 "
+                         "release would quantize is not known here; write bfloat16 or float32")
     if mxfp4 and not inp.base.hf_named:
         raise MergeError("--dtype mxfp4 writes gpt-oss's MXFP4 release form, merged from an HF base; "
                          f"{inp.base.path} is a Megatron checkpoint")
