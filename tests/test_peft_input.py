@@ -145,3 +145,33 @@ def test_a_peft_adapter_onto_an_hf_base_of_another_model_is_refused(hf_base, tmp
     assert code == 2 and len(err) == 1, err
     assert "the HF base's rope_theta is 500000.0 but --hf-ref's" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_on_lm_head_with_its_saved_layer_merges_as_peft(tmp_path):
+    """PEFT saves a targeted lm_head whole beside its factors (save_embedding_layers, on by default then) and loads it
+    over the base's: read as the weight the change goes onto, against merge_and_unload, also when it differs."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config
+
+    import lora_merge
+    from helpers import assert_merges_as_peft, random_hf_model
+
+    base = random_hf_model(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
+                                       architectures=["Qwen2ForCausalLM"]), tmp_path / "base")
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "lm_head"])
+    assert_merges_as_peft(base, lora, 3, tmp_path / "same", verify=True)
+    adapter = tmp_path / "same" / "adapter"
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.base_layer.weight" in tensors
+    tensors["base_model.model.lm_head.base_layer.weight"] += 0.5  # the layer as the adapter was trained with it
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    lora_merge.merge(base=base, lora=adapter, hf_ref=base, out=tmp_path / "out", dtype="float32", warn=lambda m: None)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                         adapter).merge_and_unload().state_dict()
+    ours = load_file(tmp_path / "out" / "model.safetensors")
+    assert (ours["lm_head.weight"] - expected["lm_head.weight"]).abs().max() <= 1e-6

@@ -168,7 +168,7 @@ def test_several_adapters_refusals(qwen2, tmp_path, capsys):
 
     fails(paths[:2], message="a DoRA adapter merged with others")
     fails(paths[1:2], "--lora-weight", "0.5", message="a DoRA adapter weighted 0.5")
-    fails([paths[0], paths[2]], message="trains biases")
+    fails([paths[0], paths[2]], message="holds tensors that replace the base's")
     fails(paths[:1] + paths[:1], message="an adapter given twice")
     fails(paths[:1], "--lora-weight", "1", "2", message="2 weight(s) for 1 adapter(s)")
     fails(paths[:1], "--lora-weight", "nan", message="expected a list of finite numbers")

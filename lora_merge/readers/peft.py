@@ -46,6 +46,8 @@ from lora_merge.files.small_files import read_text
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
 KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# an embedding layer's whole weight, saved beside its factors (PEFT's save_embedding_layers)
+SAVED_EMBEDDING = re.compile(r"^(?:.+\.)?(?:lm_head|embed_tokens)(?:\.base_layer)?\.weight$")
 # DoRA's magnitude vector (PEFT ≥ 0.9): saved as MODULE.lora_magnitude_vector (an older form had .weight after it)
 MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")
 
@@ -79,7 +81,8 @@ class PeftAdapter:
     path: Path
     config: dict
     factors: dict[str, Factors] = field(default_factory=dict)  # by the HF weight they adapt ("….q_proj.weight")
-    biases: dict[str, TensorRef] = field(default_factory=dict)  # trained biases, by HF name
+    # tensors that replace the base's, by HF name: trained biases, and embedding layers saved whole
+    biases: dict[str, TensorRef] = field(default_factory=dict)
     sources: list = field(default_factory=list)
     format: str = "PEFT"
 
@@ -139,6 +142,10 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
             pairs.setdefault(m.group("module"), {})["m"] = ref
         elif name.endswith(".bias") and config.get("bias") in ("all", "lora_only"):
             adapter.biases[name.replace(".base_layer.", ".")] = ref  # an adapted layer's own bias
+        elif SAVED_EMBEDDING.match(name):
+            # PEFT's save_embedding_layers (on by default when lm_head or embed_tokens is a target): the layer's
+            # whole weight as the adapter was trained with it, which PEFT loads over the base's
+            adapter.biases[name.replace(".base_layer.", ".")] = ref
         else:
             raise MergeError(f"{weights}: {key} is neither a LoRA factor nor a trained bias; cannot merge it")
     kind = MULTIMODAL.get(shape.multimodal) if shape is not None and shape.multimodal else None
@@ -621,8 +628,9 @@ def combine(adapters: list[PeftAdapter], weights: list[float]) -> WeightedAdapte
                              "change, and for a sum of adapters has no single answer (PEFT's result depends on the "
                              "order); merge it alone, at weight 1")
         if adapter.biases:
-            raise MergeError(f"{adapter.path}: trains biases ({next(iter(adapter.biases))}), which replace the base's; "
-                             f"an adapter {how} cannot: merge it alone, at weight 1")
+            raise MergeError(f"{adapter.path}: holds tensors that replace the base's ({next(iter(adapter.biases))}: "
+                             f"trained biases, or an embedding layer saved whole); an adapter {how} cannot: merge it "
+                             "alone, at weight 1")
     parts: dict[str, list[tuple[float, Factors]]] = {}
     for adapter, w in zip(adapters, weights):
         for name, f in adapter.factors.items():
