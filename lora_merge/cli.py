@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from collections import Counter
@@ -72,6 +73,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
+        # a negative value in scientific notation (--lora-weight 0.5 -1e-3) is a value, not an option (argparse's
+        # own pattern knows -1 and -1.5 only)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)

@@ -196,7 +196,9 @@ class StackedExpertsDelta:
 
     def add_to_transposed(self, slabs: torch.Tensor, start: int) -> None:
         """Add experts start.. 's changes in place to float32 slabs stored as their transposes ([out, in] of an
-        [in, out] parameter: MXFP4 blocks run along the input); the same bits as merge_rows gives transposed."""
+        [in, out] parameter: MXFP4 blocks run along the input). The same sums as merge_rows in the other
+        orientation (bit-identical at the shapes tested; an addmm of the other orientation may sum in another order,
+        which could move a value by one float32 ulp before the output's rounding)."""
         assert self.in_out
         for i in range(slabs.shape[0]):
             a_t, b_t = self.factors_of(start + i)

@@ -37,18 +37,21 @@ def _describe(ckpt: Checkpoint | None) -> dict | None:
 
 def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, hashes: dict,
                 verify: VerifyReport | None, reference_files=None) -> str:
-    """inputs, LoRA settings, every output tensor with its source and status, every file's sha256."""
+    """inputs, LoRA settings, every output tensor with its source and status, every file's sha256. Tensors by the
+    names the files hold them under (a multimodal release's own: `file_of` is by those)."""
+    renamed = getattr(inp.base, "names", None)
+    stored = renamed.stored if renamed is not None else (lambda name: name)
     tensors = {}
     if plan is not None:
         for task in plan.tasks:
             for t in task.outputs:
-                tensors[t.name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                                   "file": file_of.get(t.name), "source": task.megatron,
-                                   "status": "merged with LoRA" if task.lora is not None or
-                                   t.name[len(task.hf_prefix):] in (task.delta or {}) else "converted"}
+                tensors[stored(t.name)] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                           "file": file_of.get(stored(t.name)), "source": task.megatron,
+                                           "status": "merged with LoRA" if task.lora is not None or
+                                           t.name[len(task.hf_prefix):] in (task.delta or {}) else "converted"}
     if verify is not None:
         for name, status in verify.statuses.items():
-            tensors.setdefault(name, {})["verify"] = status
+            tensors.setdefault(stored(name), {})["verify"] = status
     report = {
         REPORT_MARKER: REPORT_FORMAT,  # first: how --force recognises a report it may replace (ownership.py)
         "tool": f"lora-merge {__version__}",

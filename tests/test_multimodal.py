@@ -247,3 +247,19 @@ def test_an_fp8_release_of_it_merges_into_bf16_and_verifies(gemma3, tmp_path):
     with pytest.raises(Exception, match="--dtype fp8 with a gemma3 release"):
         lora_merge.merge(base=fp8, lora=tmp_path / "adapter", hf_ref=fp8, out=tmp_path / "fp8-out", dtype="fp8",
                          warn=lambda m: None)
+
+
+def test_the_report_names_the_tensors_as_the_files_hold_them(gemma3, tmp_path):
+    from peft import LoraConfig
+
+    import lora_merge
+    from helpers import trained_peft_adapter
+
+    trained_peft_adapter(_image_text_to_text().from_pretrained(gemma3, dtype=torch.float32),
+                         LoraConfig(r=4, target_modules=["q_proj"]), 16, tmp_path / "adapter")
+    lora_merge.merge(base=gemma3, lora=tmp_path / "adapter", hf_ref=gemma3, out=tmp_path / "out", verify=True,
+                     report=tmp_path / "report.json", warn=lambda m: None)
+    tensors = json.loads((tmp_path / "report.json").read_text())["tensors"]
+    assert tensors.keys() == _stored(tmp_path / "out").keys()
+    assert all(t["file"] == "model.safetensors" and "verify" in t for t in tensors.values())
+    assert tensors["language_model.model.layers.0.self_attn.q_proj.weight"]["status"] == "merged with LoRA"

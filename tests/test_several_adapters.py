@@ -142,6 +142,8 @@ def test_several_adapters_on_the_command_line(qwen2, tmp_path, capsys):
     paths = _adapters(qwen2, tmp_path, LoraConfig(r=4, target_modules=["q_proj"]), LoraConfig(r=2, target_modules=["v_proj"]))
     assert main(["--base", str(qwen2), "--lora", str(paths[0]), "--lora", str(paths[1]), "--lora-weight", "0.3", "0.7",
                  "--hf-ref", str(qwen2), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert main(["--base", str(qwen2), "--lora", str(paths[0]), "--lora", str(paths[1]), "--lora-weight", "-3e-1",
+                 "-.7E0", "--hf-ref", str(qwen2), "--out", str(tmp_path / "negative"), "--no-progress"]) == 0
     lora_merge.merge(base=qwen2, lora=paths, lora_weights=[0.3, 0.7], hf_ref=qwen2, out=tmp_path / "api",
                      warn=lambda m: None)
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("cli", "api"))

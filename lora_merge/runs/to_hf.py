@@ -171,9 +171,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
                                dtype_name, plan.merged_modules, hashes, base_model, later))
         files.append("README.md")
         if opts.report:
-            file_of = writer.file_of() if names is None else {t.name: writer.file_of().get(names.stored(t.name))
-                                                              for t in writer_plan}
-            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, file_of, hashes, verify_report,
+            stage.side_file(opts.report, report_text(inp, opts.hf_ref, plan, writer.file_of(), hashes, verify_report,
                                                      ref_files))
         if base_model_warning:  # once the output is complete (not cluttering a failure), before it is published
             opts.warn(base_model_warning)
