@@ -49,28 +49,35 @@ class ExpertLayout:
     ep: int
     etp: int
     tp: int
+    # MindSpeed's --moe-tp-extend-ep: whole experts spread over TP × EP ranks, E / (EP·TP) each, rank (tp, ep)
+    # holding global experts (ep·TP + tp)·n + i (its MoE layer's local_expert_indices, and its converters')
+    tp_extend: bool = False
     seen: set = field(default_factory=set, compare=False)  # the expert layouts met while reading
 
     def __str__(self) -> str:
         return (f"{self.num_experts} experts, EP={self.ep} ETP={self.etp}"
+                + (" over TP×EP (--moe-tp-extend-ep)" if self.tp_extend else "")
                 + (f", {' + '.join(sorted(self.seen))}" if self.seen else ""))
 
     @property
     def local(self) -> int:
-        return self.num_experts // self.ep
+        return self.num_experts // (self.ep * self.tp if self.tp_extend else self.ep)
 
     def etp_rank(self, tp_rank: int) -> int:
-        """The expert-TP shard a file of TP rank `tp_rank` holds (ETP is 1 or TP)."""
-        return tp_rank if self.etp == self.tp else 0
+        """The expert-TP shard a file of TP rank `tp_rank` holds (ETP is 1 or TP; whole experts when TP-extended)."""
+        return tp_rank if self.etp == self.tp and not self.tp_extend else 0
 
-    def global_expert(self, ep_rank: int, local: int, where: str) -> int:
+    def global_expert(self, ep_rank: int, local: int, where: str, tp_rank: int = 0) -> int:
         if not 0 <= local < self.local:
-            raise MergeError(f"{where}: local expert {local}, but {self.num_experts} experts over EP={self.ep} "
+            over = f"TP×EP={self.tp}×{self.ep}" if self.tp_extend else f"EP={self.ep}"
+            raise MergeError(f"{where}: local expert {local}, but {self.num_experts} experts over {over} "
                              f"give {self.local} per rank")
+        if self.tp_extend:
+            return (ep_rank * self.tp + tp_rank) * self.local + local
         return ep_rank * self.local + local
 
 
-def expert_layout(args, tp: int, where: str) -> ExpertLayout | None:
+def expert_layout(args, tp: int, where: str, torch_dist: bool = False) -> ExpertLayout | None:
     """None for a dense model; refuses what cannot be mapped exactly."""
     experts = getattr(args, "num_experts", None)
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
@@ -82,8 +89,7 @@ def expert_layout(args, tp: int, where: str) -> ExpertLayout | None:
     etp = getattr(args, "expert_tensor_parallel_size", None)
     etp = tp if etp is None else int(etp)
     if getattr(args, "moe_tp_extend_ep", False):
-        raise MergeError(f"{where}: args.moe_tp_extend_ep=True (experts spread over TP×EP) is not supported; "
-                         "MindSpeed refuses it with LoRA as well")
+        return _tp_extended(args, experts, ep, tp, where, torch_dist)
     if experts % ep:
         raise MergeError(f"{where}: {experts} experts do not split over expert_model_parallel_size={ep}")
     if etp not in (1, tp):
@@ -91,8 +97,26 @@ def expert_layout(args, tp: int, where: str) -> ExpertLayout | None:
     return ExpertLayout(experts, ep, etp, tp)
 
 
+def _tp_extended(args, experts: int, ep: int, tp: int, where: str, torch_dist: bool) -> ExpertLayout:
+    """MindSpeed's --moe-tp-extend-ep, which its MoE layer applies with the alltoall_seq dispatcher or its
+    all-to-all / all-gather overlap (with another dispatcher the flag is saved but changes nothing: refused, not
+    guessed)."""
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if torch_dist:
+        raise MergeError(f"{where}: args.moe_tp_extend_ep=True in a torch_dist checkpoint: how MindSpeed shards its "
+                         "experts there is not confirmed; save it in the legacy format (--ckpt-format torch)")
+    if dispatcher != "alltoall_seq" and not (getattr(args, "moe_alltoall_overlap_comm", False)
+                                             or getattr(args, "moe_allgather_overlap_comm", False)):
+        raise MergeError(f"{where}: args.moe_tp_extend_ep=True with moe_token_dispatcher_type={shown(dispatcher)}: "
+                         "MindSpeed spreads experts over TP×EP only with alltoall_seq (or its overlap dispatchers); "
+                         "which layout this checkpoint has is not certain")
+    if experts % (ep * tp):
+        raise MergeError(f"{where}: {experts} experts do not split over TP×EP={tp}×{ep} (--moe-tp-extend-ep)")
+    return ExpertLayout(experts, ep, 1, tp, tp_extend=True)
+
+
 def expert_params(name: str, tensor: torch.Tensor, ep_rank: int, layout: ExpertLayout, adapter: str,
-                  where: str) -> list[tuple[str, torch.Tensor]] | None:
+                  where: str, tp_rank: int = 0) -> list[tuple[str, torch.Tensor]] | None:
     """Per-expert (global name, tensor view) for an expert tensor of one rank file; None if `name` is
     not an expert tensor."""
     m = EXPERT_KEY.match(name)
@@ -101,7 +125,7 @@ def expert_params(name: str, tensor: torch.Tensor, ep_rank: int, layout: ExpertL
     prefix, rest = m.group("layer"), m.group("rest")
 
     def named(k: int, suffix: str) -> str:
-        return f"{prefix}.{layout.global_expert(ep_rank, k, where)}.{suffix}"
+        return f"{prefix}.{layout.global_expert(ep_rank, k, where, tp_rank)}.{suffix}"
 
     if s := SEQUENTIAL.match(rest):
         layout.seen.add("SequentialMLP")

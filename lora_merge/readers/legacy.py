@@ -76,7 +76,10 @@ def _check_rank_grid(it_dir: Path, dirs: dict, tp: int, pp: int, experts: Expert
             ranks[rank] = d
     missing = [_dir_name(t, p, 0, pp, ep) if ep == 1 else f"a {_dir_name(t, p, 0, pp, 1)}_EEE dir"
                for t in range(tp) for p in range(pp) if not any(r[:2] == (t, p) for r in ranks)]
-    if experts:
+    if experts and experts.tp_extend:  # every (TP, EP) rank holds experts of its own
+        missing += [_dir_name(t, p, e, pp, ep) for t in range(tp) for p in range(pp) for e in range(ep)
+                    if (t, p, e) not in ranks]
+    elif experts:
         # with ETP=1 any TP rank's file may hold an EP rank's experts
         missing += [_dir_name(t, p, e, pp, ep) if experts.etp == experts.tp else
                     f"an {_dir_name(0, p, e, pp, ep).replace('mp_rank_00', 'mp_rank_TT')} dir (experts of EP rank {e})"
@@ -183,7 +186,7 @@ def read_legacy(path: Path) -> Checkpoint:
                     index = numbering.hf_index(p, chunk, int(m.group(1)), where)
                     name = f"decoder.layers.{index}.{m.group(2)}"
                 record = archive.record_of(value)
-                per_expert = expert_params(name, value, e, experts, adapter, where) if experts else None
+                per_expert = expert_params(name, value, e, experts, adapter, where, t) if experts else None
                 # Expert tensors are split over expert-TP ranks; every other tensor is repeated in each
                 # EP rank's file (copy `e`), and those copies must agree, as must the embedding the MTP layers'
                 # stage keeps beside the first stage's (copy `p`).
@@ -198,6 +201,9 @@ def read_legacy(path: Path) -> Checkpoint:
     ckpt.params = {name: all_ranks(name, {r: ref for r, (ref, _) in by_rank.items()}, ckpt.rank_group(name), it_dir)
                    for name, by_rank in slots.items()}
     lora.finish(ckpt, ckpt.rank_group)
+    if experts is not None and experts.tp_extend and ckpt.lora:
+        raise MergeError(f"{it_dir}: LoRA weights in a checkpoint saved with --moe-tp-extend-ep: MindSpeed-LLM refuses "
+                         "LoRA with it, so no LoRA layout is known for it")
     ckpt.numbering = numbering
     return ckpt
 

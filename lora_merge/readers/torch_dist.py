@@ -207,7 +207,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
     ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
     ckpt.numbering = numbering_from_args(args, pp, vpp)
-    ckpt.experts = expert_layout(args, tp, str(it_dir))  # informational: tensors are global (one shard each)
+    ckpt.experts = expert_layout(args, tp, str(it_dir), torch_dist=True)  # informational: tensors are global (one shard each)
     files: dict[str, DistcpFile] = {}
     lora = LoraCollector(str(it_dir))
     per_file = defaultdict(lambda: [0, 0])
