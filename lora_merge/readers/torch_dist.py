@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.model.mtp import args_mtp_layers, canonical as mtp_canonical, is_mtp
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.model.layer_numbering import numbering_from_args
 from lora_merge.readers.checkpoint import GLOBAL, Checkpoint, LoraCollector, Pieces, TensorRef, joined_ref, release_pages
 from lora_merge.readers.experts import expert_layout
@@ -342,7 +342,13 @@ def _join_singleton_fc1(ckpt: Checkpoint) -> None:
 
 
 def _common_args(it_dir: Path, entries: dict, storage: dict):
-    """args from common.pt (Megatron-Core ≤ 0.18) or the common_state bytes entry (0.19+)."""
+    """args from common.pt (Megatron-Core ≤ 0.18) or the common_state bytes entry (0.19+). A Megatron-Bridge
+    checkpoint keeps its configuration in run_config.yaml instead: refused by name (its layout is recorded in
+    docs/formats.md, not yet read)."""
+    if (it_dir / "run_config.yaml").is_file():
+        raise UnsupportedInput(f"{it_dir}: a Megatron-Bridge checkpoint (run_config.yaml instead of Megatron args) is "
+                               "not read yet; have Megatron-Bridge export it to HF (a LoRA as a PEFT adapter: its "
+                               "hf/ folder when saved with also_save_hf_checkpoint) and merge that")
     common = it_dir / "common.pt"
     if common.is_file():
         state = load_pt(common)
