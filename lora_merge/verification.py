@@ -400,18 +400,13 @@ def _check_tensor(name, dims, out: SafetensorsDir, baseline, factors, scale, rep
             worst = max(worst, (tensor.float() - expected).abs().max().item())
     if baseline is None:
         return "merged (no baseline to compare)" if factors is not None else "present (no baseline to compare)"
-    if fp8:
+    if fp8 or mxfp4:  # quantized: within half a step of the format, of its block or group
+        label, step, of = ("FP8", "an e4m3 step", "block") if fp8 else ("MXFP4", "an E2M1 step", "group")
         if worst:
-            report.problems.append(f"{name}: its FP8 values differ from the {'merged ' if factors else ''}baseline by "
-                                   f"up to {worst:.3g}, more than half an e4m3 step of their block")
-            return "FP8 value wrong"
-        return "FP8: within half an e4m3 step of " + ("baseline + (alpha/r)·B·A" if factors else "the baseline")
-    if mxfp4:
-        if worst:
-            report.problems.append(f"{name}: its MXFP4 values differ from the {'merged ' if factors else ''}baseline "
-                                   f"by up to {worst:.3g}, more than half an E2M1 step of their group")
-            return "MXFP4 value wrong"
-        return "MXFP4: within half an E2M1 step of " + ("baseline + (alpha/r)·B·A" if factors else "the baseline")
+            report.problems.append(f"{name}: its {label} values differ from the {'merged ' if factors else ''}baseline "
+                                   f"by up to {worst:.3g}, more than half {step} of their {of}")
+            return f"{label} value wrong"
+        return f"{label}: within half {step} of " + ("baseline + (alpha/r)·B·A" if factors else "the baseline")
     if factors is None:
         return "identical to baseline"
     if worst:

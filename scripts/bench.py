@@ -272,12 +272,22 @@ def check_free(root: Path, in_bytes: int) -> None:
         raise SystemExit(f"{root}: {free / 1e9:.1f} GB free, a copy of the {in_bytes / 1e9:.1f} GB input needs more")
 
 
-def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32b") -> dict:
-    """An HF base + a PEFT adapter (the 32B-shaped model in HF form and its LoRA exported by export-adapter)
-    merged by lora-merge, against a plain copy of both and against PEFT's own route on the same two dirs."""
-    root = work / f"L{layers}peft"
+def variants_against_copy(root: Path, inputs: list[Path], variants, repeat: int, result: dict,
+                          per_output_gb: bool) -> dict:
+    """Each (label, merge command) alternating with a copy of `inputs`, into `result`; CPU per GB written
+    (`per_output_gb`), else per GB read (when the variants' outputs differ in size); root is removed after."""
+    in_bytes = sum(dir_bytes(p) for p in inputs)
+    copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
+    result |= {"input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
+    add_runs(result, variants, merges, copy, out_bytes if per_output_gb else in_bytes)
     drop(root)
-    generate_start = time.monotonic()
+    return result
+
+
+def make_peft_input(root: Path, layers: int, preset: str) -> None:
+    """root/hf_base (the synthetic Megatron base converted to HF) and root/adapter (its LoRA written by
+    export-adapter); the Megatron dirs are removed."""
+    drop(root)
     subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
                     "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
     quiet = {"check": True, "stdout": subprocess.DEVNULL}
@@ -287,6 +297,14 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
                                  "--out", str(root / "adapter")], **quiet)
     drop(root / "base")
     drop(root / "lora")
+
+
+def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32b") -> dict:
+    """An HF base + a PEFT adapter (the 32B-shaped model in HF form and its LoRA exported by export-adapter)
+    merged by lora-merge, against a plain copy of both and against PEFT's own route on the same two dirs."""
+    root = work / f"L{layers}peft"
+    generate_start = time.monotonic()
+    make_peft_input(root, layers, preset)
     generate_seconds = time.monotonic() - generate_start
     result = copy_vs_merge(root, root / "hf_base", root / "adapter", root / "hf_base", repeat,
                            {"layers": layers, "layout": "HF base + PEFT adapter", "generate_seconds": generate_seconds})
@@ -333,17 +351,8 @@ def bench_adapter_variants(layers: int, work: Path, repeat: int, preset: str = "
     """The --peft input (32B layer shapes, HF base + PEFT adapter) merged with one plain adapter, with a DoRA one,
     and with three plain ones weighted 0.5, 0.3, 0.2, alternating with a copy of the base and one adapter."""
     root = work / f"L{layers}variants"
-    drop(root)
     generate_start = time.monotonic()
-    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
-                    "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
-    quiet = {"check": True, "stdout": subprocess.DEVNULL}
-    subprocess.run(LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref",
-                                 str(root / "hf_ref"), "--out", str(root / "hf_base"), "--no-progress"], **quiet)
-    subprocess.run(LORA_MERGE + ["export-adapter", "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                                 "--out", str(root / "adapter")], **quiet)
-    drop(root / "base")
-    drop(root / "lora")
+    make_peft_input(root, layers, preset)
     subprocess.run([sys.executable, "-c", ADAPTER_VARIANTS, str(root / "hf_base"), str(root / "adapter"), str(root)],
                    check=True)
     inputs = [root / "hf_base", root / "adapter"]
@@ -357,13 +366,9 @@ def bench_adapter_variants(layers: int, work: Path, repeat: int, preset: str = "
                                                                ("DoRA", ["--lora", str(root / "dora")]),
                                                                ("3 weighted adapters", three))
                 for wlabel, c in merge_variants(cmd + extra)]
-    copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
-    result = {"layers": layers, "layout": "HF base + PEFT adapter(s): plain, DoRA, 3 weighted",
-              "generate_seconds": time.monotonic() - generate_start, "input_gb": in_bytes / 1e9,
-              "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
-    add_runs(result, variants, merges, copy, out_bytes)
-    drop(root)
-    return result
+    return variants_against_copy(root, inputs, variants, repeat, {
+        "layers": layers, "layout": "HF base + PEFT adapter(s): plain, DoRA, 3 weighted",
+        "generate_seconds": time.monotonic() - generate_start}, per_output_gb=True)
 
 
 def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
@@ -382,13 +387,9 @@ def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
                         "--out", str(root / "merged"), "--no-progress"]
     variants = [(f"-> {target}, {wlabel}", c) for target in ("bfloat16", "mxfp4")
                 for wlabel, c in merge_variants(cmd + ["--dtype", target])]
-    copy, merges, out_bytes = copy_and_merge(root, inputs, [c for _, c in variants], repeat)
-    result = {"layers": layers, "layout": "gpt-oss-20b shapes, MXFP4 HF base + PEFT adapter",
-              "generate_seconds": time.monotonic() - generate_start, "input_gb": in_bytes / 1e9,
-              "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
-    add_runs(result, variants, merges, copy, in_bytes)
-    drop(root)
-    return result
+    return variants_against_copy(root, inputs, variants, repeat, {
+        "layers": layers, "layout": "gpt-oss-20b shapes, MXFP4 HF base + PEFT adapter",
+        "generate_seconds": time.monotonic() - generate_start}, per_output_gb=False)
 
 
 def bench(layers: int, work: Path, skip_peft: bool, repeat: int = 1, moe_layout: str | None = None,
