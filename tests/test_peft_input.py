@@ -53,7 +53,11 @@ def test_peft_adapter_merges_as_peft_does(name, hf_base, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--base", str(hf_base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(ROOT / "hf_ref"),
                  "--out", str(out), "--no-progress"]) == 0
-    assert "PEFT adapter" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "PEFT adapter" in printed
+    config = CONFIGS[name]  # the scale the summary states is the one the adapter's modules get by default
+    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
+    assert f"scale {scale:g}" in printed and f"scale {scale:g}" in (out / "README.md").read_text()
     ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         unmerged = peft_model(ids).logits

@@ -106,3 +106,27 @@ def test_tp_and_ep_both_above_one_place_experts_ep_major(tmp_path):
     assert main(_merge_args(root, tmp_path / "extended")) == 0
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("real", "extended"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_written_back_as_megatron_it_is_no_longer_tp_extended(tmp_path):
+    """--to megatron writes megatron-core's own expert layout: the output's args must not keep the flag (with
+    ETP = TP the grouped shapes of the two layouts are the same size, so a kept flag would be read wrongly)."""
+    from safetensors.torch import load_file
+
+    from helpers import load_pt
+    from lora_merge.cli import main
+
+    root = tmp_path / "src"
+    shutil.copytree(SOURCE, root)
+    assert main(["--base", str(root / "base"), "--hf-ref", str(root / "hf_ref"), "--out", str(tmp_path / "real"),
+                 "--no-progress"]) == 0
+    _as_tp_extended(root)
+    assert main(["--to", "megatron", "--base", str(root / "base"), "--hf-ref", str(root / "hf_ref"), "--out",
+                 str(tmp_path / "mg"), "--tp", "2", "--ep", "2", "--etp", "2", "--expert-layout", "grouped",
+                 "--no-progress"]) == 0
+    args = load_pt(sorted((tmp_path / "mg").glob("*/*/model_optim_rng.pt"))[0], mmap=False)["args"]
+    assert not getattr(args, "moe_tp_extend_ep", False)
+    assert main(["--base", str(tmp_path / "mg"), "--hf-ref", str(root / "hf_ref"), "--out", str(tmp_path / "back"),
+                 "--no-progress"]) == 0
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("real", "back"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -147,7 +147,7 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
     weights = list(getattr(opts, "lora_weights", None) or [1.0] * len(adapters))
     adapter = combine(adapters, weights) if more or weights != [1.0] else adapters[0]
     config = adapter.config
-    settings = LoraSettings(r=config["r"], alpha=float(config["lora_alpha"]),
+    settings = LoraSettings(r=config["r"], alpha=float(config["lora_alpha"]), rslora=bool(config.get("use_rslora")),
                             source="adapter_config.json" + (", rsLoRA" if config.get("use_rslora") else "")
                             + (", per-module patterns" if config.get("rank_pattern") or config.get("alpha_pattern")
                                else "") + ("; DoRA" if config.get("use_dora") else "")

@@ -28,7 +28,7 @@ _RUN_STATE = ("consumed_train_samples", "consumed_valid_samples", "iteration", "
               "lora_r", "lora_alpha", "lora_target_modules", "lora_ckpt_filter", "lora_fusion", "noop_layers",
               "num_layer_list", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
               "pipeline_model_parallel_layout", "rank", "world_size", "data_parallel_size", "expert_tensor_parallel_size",
-              "moe_grouped_gemm")
+              "moe_grouped_gemm", "moe_tp_extend_ep")
 
 
 # Bounds on the vocabulary padding asked for: far above any real divisor (64-1024) and any vocabulary (~260k),
