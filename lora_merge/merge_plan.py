@@ -162,8 +162,11 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     if adapters:
         raise MergeError(f"{lora.path}: LoRA weights for modules the tool cannot merge: {_preview(adapters)}")
     if factors or biases:
+        names = list(dict.fromkeys(list(factors) + list(biases)))
+        tied = (" (its lm_head is the embedding: tie_word_embeddings is true, so a change to lm_head alone has no "
+                "tensor of its own to go to)" if shape.tied and any(n.startswith("lm_head.") for n in names) else "")
         raise MergeError(f"{lora.path}: adapts tensors this {shape.model_type} model does not have: "
-                         f"{_preview(list(factors) + list(biases))}")
+                         f"{_preview(names)}{tied}")
     return plan
 
 

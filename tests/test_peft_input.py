@@ -179,3 +179,19 @@ def test_an_adapter_on_lm_head_with_its_saved_layer_merges_as_peft(tmp_path):
                                          adapter).merge_and_unload().state_dict()
     ours = load_file(tmp_path / "out" / "model.safetensors")
     assert (ours["lm_head.weight"] - expected["lm_head.weight"]).abs().max() <= 1e-6
+
+
+def test_an_adapter_on_the_lm_head_of_a_tied_model_is_refused_saying_so(tmp_path, capsys):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from helpers import random_hf_model, run_failing, trained_peft_adapter
+
+    base = random_hf_model(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+                                       architectures=["Qwen2ForCausalLM"]), tmp_path / "base")
+    trained_peft_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                         LoraConfig(r=2, target_modules=["q_proj", "lm_head"]), 4, tmp_path / "adapter")
+    capsys.readouterr()
+    run_failing(["--base", str(base), "--lora", str(tmp_path / "adapter"), "--hf-ref", str(base), "--out",
+                 str(tmp_path / "out")], capsys, "lm_head.weight (its lm_head is the embedding: tie_word_embeddings")
