@@ -125,7 +125,7 @@ def test_written_back_as_megatron_it_is_no_longer_tp_extended(tmp_path):
                  str(tmp_path / "mg"), "--tp", "2", "--ep", "2", "--etp", "2", "--expert-layout", "grouped",
                  "--no-progress"]) == 0
     args = load_pt(sorted((tmp_path / "mg").glob("*/*/model_optim_rng.pt"))[0], mmap=False)["args"]
-    assert not getattr(args, "moe_tp_extend_ep", False)
+    assert args.moe_tp_extend_ep is False
     assert main(["--base", str(tmp_path / "mg"), "--hf-ref", str(root / "hf_ref"), "--out", str(tmp_path / "back"),
                  "--no-progress"]) == 0
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("real", "back"))

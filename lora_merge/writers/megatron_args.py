@@ -28,7 +28,7 @@ _RUN_STATE = ("consumed_train_samples", "consumed_valid_samples", "iteration", "
               "lora_r", "lora_alpha", "lora_target_modules", "lora_ckpt_filter", "lora_fusion", "noop_layers",
               "num_layer_list", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
               "pipeline_model_parallel_layout", "rank", "world_size", "data_parallel_size", "expert_tensor_parallel_size",
-              "moe_grouped_gemm", "moe_tp_extend_ep")
+              "moe_grouped_gemm")
 
 
 # Bounds on the vocabulary padding asked for: far above any real divisor (64-1024) and any vocabulary (~260k),
@@ -87,6 +87,8 @@ def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, p
         no_save_optim=True, no_save_rng=True, use_mcore_models=True,
         use_legacy_models=False, moe_grouped_gemm=grouped_experts if shape.moe else False,
     )
+    if "moe_tp_extend_ep" in args:  # megatron-core's own expert layout is written, never MindSpeed's TP-extended one
+        args["moe_tp_extend_ep"] = False
     # the MTP layers written, whatever the source's args say (a LoRA trained without them on a base that has them)
     if shape.mtp_in_source or args.get("mtp_num_layers"):
         args["mtp_num_layers"] = shape.mtp_layers if shape.mtp_in_source else None
