@@ -43,8 +43,9 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
     args say so by the field a known trainer writes: ms-swift's Megatron-SWIFT (`use_rslora`, its rank as
     `lora_rank`, its LoraParallelLinear scaling alpha / sqrt(r)); MindSpeed-LLM has no such switch."""
     arg_r, arg_alpha = getattr(args, "lora_r", None), getattr(args, "lora_alpha", None)
-    if arg_r is None:
-        arg_r = getattr(args, "lora_rank", None)
+    r_key = "lora_r"
+    if arg_r is None and getattr(args, "lora_rank", None) is not None:
+        arg_r, r_key = args.lora_rank, "lora_rank"
     if getattr(args, "lora_use_rslora", False):
         raise MergeError(f"{where}: args.lora_use_rslora: a switch of no trainer this tool knows (ms-swift's is "
                          "use_rslora); its scaling is not guessed")
@@ -58,7 +59,7 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
         raise MergeError(f"{where}: the LoRA checkpoint's args have no {lacking}; pass --lora-r/--lora-alpha "
                          "with the values used in training")
     # Checked as numbers, not converted: args.lora_r="8" is not a rank Megatron used
-    final_r = positive_int(final_r, "--lora-r" if r is not None else "args.lora_r", where, MAX_RANK)
+    final_r = positive_int(final_r, "--lora-r" if r is not None else f"args.{r_key}", where, MAX_RANK)
     alpha_field = "--lora-alpha" if alpha is not None else "args.lora_alpha"
     if is_number(final_alpha) and float(final_alpha) <= 0:
         raise MergeError(f"{where}: {alpha_field}={final_alpha:g}; it must be a finite number above 0 (alpha 0 would "
@@ -66,7 +67,7 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
     final_alpha = finite_number(final_alpha, alpha_field, where, 0, MAX_ALPHA, low_open=True)
     lora_scale(final_alpha, final_r, bool(rslora), "alpha/sqrt(r)" if rslora else "alpha/r", where)
     notes = []
-    for option, given, stored, name in (("--lora-r", r, arg_r, "lora_r"), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
+    for option, given, stored, name in (("--lora-r", r, arg_r, r_key), ("--lora-alpha", alpha, arg_alpha, "lora_alpha")):
         if given is not None and stored is not None and _differs(given, stored):
             notes.append(f"{option} {shown_value(given)} overrides args.{name}={shown_value(stored)} of the LoRA "
                          "checkpoint")

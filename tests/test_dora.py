@@ -81,6 +81,7 @@ def test_verify_checks_a_dora_merge_and_finds_a_wrong_row(qwen2_base, tmp_path):
     args = dict(lora=tmp_path / "adapter", hf_ref=qwen2_base, warn=lambda m: None)
     report = lora_merge.verify(out, **args)
     assert report.ok, report.problems
+    assert "DoRA, W' = m / ‖W + (alpha/r)·B·A‖" in (out / "README.md").read_text()
     assert report.statuses["model.layers.1.self_attn.q_proj.weight"].startswith("merged: DoRA")
     tensors = load_file(out / "model.safetensors")
     tensors["model.layers.1.self_attn.q_proj.weight"][3] *= 1.01  # one row's magnitude off by 1 %

@@ -33,6 +33,7 @@ def test_rslora_args_merge_as_peft_merges_the_exported_rslora_adapter(tmp_path):
     result = lora_merge.merge(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", out=tmp_path / "rslora",
                               dtype="float32", verify=True, **quiet)
     assert result.scale == 6 and "rsLoRA" in result.settings_source
+    assert "W' = W + (alpha/√r)·B·A" in (tmp_path / "rslora" / "README.md").read_text()
     lora_merge.export_adapter(lora=root / "lora", hf_ref=root / "hf_ref", out=tmp_path / "adapter", **quiet)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["use_rslora"] is True
 

@@ -148,7 +148,8 @@ def test_several_adapters_on_the_command_line(qwen2, tmp_path, capsys):
                      warn=lambda m: None)
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("cli", "api"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert "2 PEFT adapters" in (tmp_path / "cli" / "README.md").read_text()
+    card = (tmp_path / "cli" / "README.md").read_text()
+    assert "2 PEFT adapters" in card and "W' = W + Σ wᵢ·(alpha/r)ᵢ·Bᵢ·Aᵢ over 2 adapters" in card
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "cli"), "--lora", str(paths[0]), "--lora", str(paths[1]), "--lora-weight",
                  "0.3", "--lora-weight", "0.7", "--hf-ref", str(qwen2)]) == 0

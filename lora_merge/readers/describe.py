@@ -130,7 +130,8 @@ def describe_peft_adapter(adapter, verbose: bool = False) -> list[str]:
     lines.append(f"  adapted modules: {len(adapter.factors)} ({', '.join(f'{p} x{n}' for p, n in sorted(projections.items()))})"
                  f" in layers {_layers(adapter.factors)}; rank {ranks}, scale {', '.join(f'{s:g}' for s in scales)}")
     if adapter.biases:
-        lines.append(f"  trained biases: {len(adapter.biases)} (they replace the base's)")
+        lines.append(f"  tensors replacing the base's: {len(adapter.biases)} (trained biases, embedding layers saved "
+                     "whole)")
     refs = {f"{name} lora_{ab}": ref for name, f in adapter.factors.items() for ab, ref in (("A", f.a), ("B", f.b))}
     refs.update(adapter.biases)
     lines.append(f"  tensors: {len(refs)} ({_dtypes(refs.values())})")

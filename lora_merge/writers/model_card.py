@@ -115,13 +115,24 @@ def input_tags(base, lora) -> list[str]:
     return tags
 
 
+def _formula(lora, settings) -> str:
+    """The merge in one formula: LoRA (alpha/r, or alpha/√r for rsLoRA), DoRA, or a weighted sum of adapters."""
+    config = getattr(lora, "config", None) or {}
+    scale = "alpha/√r" if (settings is not None and settings.rslora) or config.get("use_rslora") else "alpha/r"
+    if getattr(lora, "adapters", None):
+        return f"W' = W + Σ wᵢ·({scale})ᵢ·Bᵢ·Aᵢ over {len(lora.adapters)} adapters"
+    if config.get("use_dora"):
+        return f"DoRA, W' = m / ‖W + ({scale})·B·A‖ · (W + ({scale})·B·A) per output row"
+    return f"W' = W + ({scale})·B·A"
+
+
 def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str, modules: int, hashes: dict,
                base_model: str | None = None, later: tuple[str, ...] = ()) -> str:
     from huggingface_hub import ModelCardData
 
     data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",
                          tags=["lora-merge", "merged-lora", *input_tags(base, lora)])
-    what = (f"with a LoRA fine-tune merged in by lora-merge {__version__}: W' = W + (alpha/r)·B·A in float32, "
+    what = (f"with a LoRA fine-tune merged in by lora-merge {__version__}: {_formula(lora, settings)} in float32, "
             f"rounded once to {dtype}." if lora is not None else
             f"converted from a Megatron checkpoint by lora-merge {__version__} (no LoRA), in {dtype}.")
     lines = [f"{hf_config.get('model_type', 'A')} model {what}", "", "## Provenance", "", "| | |", "|---|---|"]
