@@ -99,6 +99,10 @@ def set_value(path: Path, key: str, index, value) -> None:
     rewrite(path, edit)
 
 
+def quiet(message: str) -> None:
+    """A `warn` for runs whose warnings the test does not look at."""
+
+
 def run_failing(args: list[str], capsys, *expected: str) -> str:
     code = main(args)
     err = capsys.readouterr().err

@@ -12,14 +12,11 @@ import pytest
 import torch
 
 import lora_merge
-from helpers import run_failing, trained_peft_adapter
+from helpers import quiet, run_failing, trained_peft_adapter
 
 TESTS = Path(__file__).parent
 TOKENIZER = TESTS / "fixtures_deepseek/deepseek_v3_ep2/hf_ref"
 
-
-def quiet(message):
-    pass
 
 
 @pytest.fixture(scope="module")

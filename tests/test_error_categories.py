@@ -8,13 +8,10 @@ from pathlib import Path
 import pytest
 
 import lora_merge
-from helpers import FIXTURES, rank_files
+from helpers import FIXTURES, quiet, rank_files
 
 NAME = "tp2_fp32_filtered"
 
-
-def quiet(message):
-    pass
 
 
 def merge(tmp_path, root=None, **kw):

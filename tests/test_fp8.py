@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import lora_merge
 from lora_merge.errors import MergeError
+from helpers import quiet
 
 TESTS = Path(__file__).parent
 FIXTURES = {"deepseek_v3": TESTS / "fixtures_deepseek/deepseek_v3_ep2", "qwen3_moe": TESTS / "fixtures_moe/qwen3moe_ep2"}
@@ -28,9 +29,6 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv
              "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # Mixtral's experts: w1 gate, w3 up, w2 down
 CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic"}
 
-
-def quiet(message):
-    pass
 
 
 def is_quantized(name: str, tensor) -> bool:

@@ -11,13 +11,10 @@ import pytest
 import torch
 
 import lora_merge
-from helpers import run_failing, trained_peft_adapter
+from helpers import quiet, run_failing, trained_peft_adapter
 
 TESTS = Path(__file__).parent
 
-
-def quiet(message):
-    pass
 
 
 @pytest.fixture(scope="module")

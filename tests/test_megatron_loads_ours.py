@@ -16,13 +16,11 @@ import torch
 
 import lora_merge
 from megatron_oracle import megatron_logits
+from helpers import quiet
 
 TESTS = Path(__file__).parent
 TOL = 1e-5  # fp32
 
-
-def quiet(message):
-    pass
 
 
 def recorded(fixture: Path):

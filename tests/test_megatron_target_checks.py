@@ -17,15 +17,13 @@ import lora_merge
 from lora_merge.cli import main
 from lora_merge.errors import MergeError
 from lora_merge.model.parallel_layout import ParallelLayout
+from helpers import quiet
 
 TESTS = Path(__file__).parent
 DENSE = TESTS / "fixtures/tp2pp2_fp32_filtered"  # 4 layers, 8 heads / 4 groups, vocab 250
 MOE = TESTS / "fixtures_moe/qwen2moe_tp2ep2"
 NUM_LAYERS = 4
 
-
-def quiet(message):
-    pass
 
 
 def megatron_refusal(num_layers: int, pp: int, vpp: int, first, last) -> str | None:

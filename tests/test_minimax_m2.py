@@ -10,14 +10,11 @@ import pytest
 import torch
 
 import lora_merge
-from helpers import assert_merges_as_peft, random_hf_model, run_failing, trained_peft_adapter
+from helpers import assert_merges_as_peft, quiet, random_hf_model, run_failing, trained_peft_adapter
 
 TESTS = Path(__file__).parent
 PUBLISHED = TESTS / "data/published_configs/MiniMaxAI__MiniMax-M2.json"
 
-
-def quiet(message):
-    pass
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lora_merge
-from helpers import reference_beside, run_failing, trained_peft_adapter
+from helpers import quiet, reference_beside, run_failing, trained_peft_adapter
 
 TESTS = Path(__file__).parent
 # untied at TP 2 with LoRA on linear_qkv and linear_fc2; tied at PP 2 with LoRA on all four linears
@@ -21,9 +21,6 @@ FIXTURES = [TESTS / "fixtures/tp2_llama_fp32_partial", TESTS / "fixtures/tied_pp
 FIXTURE = FIXTURES[0]
 HF_MODULE = {"linear_qkv": "qkv_proj", "linear_proj": "o_proj", "linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 
-
-def quiet(message):
-    pass
 
 
 def phi3_reference(dest: Path, fixture: Path = FIXTURE, **changes) -> Path:

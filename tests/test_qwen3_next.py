@@ -11,15 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_merges_as_peft, run_failing
+from helpers import assert_merges_as_peft, quiet, run_failing
 
 TESTS = Path(__file__).parent
 TOKENIZER = TESTS / "fixtures_moe/qwen3moe_ep2/hf_ref"
 PUBLISHED = TESTS / "data/published_configs/Qwen__Qwen3-Next-80B-A3B-Instruct.json"
 
-
-def quiet(message):
-    pass
 
 
 def tiny_config(**changes):

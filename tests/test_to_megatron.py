@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import lora_merge
 from lora_merge.errors import MergeError
+from helpers import quiet
 
 TESTS = Path(__file__).parent
 DENSE = TESTS / "fixtures/tp2pp2_fp32_filtered"
@@ -20,9 +21,6 @@ MOE = TESTS / "fixtures_moe/qwen2moe_tp2ep2"
 MLA = TESTS / "fixtures_deepseek/deepseek_v3_ep2"
 GLM = TESTS / "fixtures_moe/glm4moe_tp2etp1_ep2"
 
-
-def quiet(message):
-    pass
 
 
 def files_of(root: Path) -> list[str]:
