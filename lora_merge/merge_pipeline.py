@@ -340,16 +340,25 @@ def _mxfp4_remerged(source: Mxfp4RowBlock, delta: StackedExpertsDelta, start: in
                     mapped: bool):
     started = time.thread_time()
     try:
-        weight = source.weight
-        slabs = weight.stored_rows(start, stop)
-        delta.add_to_transposed(slabs, start)
-        check_finite(slabs, f"{name} (experts {start}..{stop - 1})", "merged weight has non-finite values (check the "
-                     "LoRA factors and alpha/r)")
-        if mapped:
-            _release_all([weight.blocks[start:stop], weight.scales[start:stop]])
-        return quantize_mxfp4_rows(slabs), None
+        return quantize_mxfp4_rows(_merged_stored_slabs(source, delta, start, stop, 0, name, mapped)), None
     finally:
         charge("merge", time.thread_time() - started)
+
+
+def _merged_stored_slabs(block: Mxfp4RowBlock, delta: StackedExpertsDelta | None, start: int, stop: int, offset: int,
+                         name: str, mapped: bool) -> torch.Tensor:
+    """Experts start..stop of an MXFP4 parameter dequantized and merged in the blocks' own [out, in] layout
+    (float32, checked finite); the pages they came from released."""
+    weight = block.weight
+    slabs = weight.stored_rows(start, stop)
+    if delta is not None:
+        delta.add_to_transposed(slabs, offset + start)
+    check_finite(slabs, f"{name} (experts {offset + start}..{offset + stop - 1})",
+                 "non-finite values (NaN or Inf) in the checkpoint; the release is damaged" if delta is None else
+                 "merged weight has non-finite values (check the LoRA factors and alpha/r)")
+    if mapped:
+        _release_all([weight.blocks[start:stop], weight.scales[start:stop]])
+    return slabs
 
 
 def _stored_rows(t: torch.Tensor, start: int, stop: int, mapped: bool):
@@ -427,18 +436,10 @@ def _compute_piece(block, start: int, stop: int, offset: int, delta, planned: Pl
     if isinstance(block, Mxfp4RowBlock) and (delta is None or isinstance(delta, StackedExpertsDelta) and delta.in_out):
         # dequantized and merged in the blocks' own [out, in] layout, transposed once, in the output dtype
         # (the same bits as merging the transposed view: tests/test_gpt_oss.py)
-        slabs = block.weight.stored_rows(start, stop)
-        if delta is not None:
-            delta.add_to_transposed(slabs, offset + start)
-        check_finite(slabs, name, damaged if delta is None else "merged weight has non-finite values (check the LoRA "
-                     "factors and alpha/r)")
-        piece = slabs.to(dtype)
-        del slabs  # (float32: not held while the piece is transposed)
+        piece = _merged_stored_slabs(block, delta, start, stop, offset, name, mapped).to(dtype)
         if dtype != torch.float32:
             check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 "
                          "or float32")
-        if mapped:
-            _release_all(sources + [block.weight.scales[start:stop]])
         return _transposed_slabs(piece), None
     if isinstance(block, QuantizedRowBlock) and delta is None and dtype == torch.float8_e4m3fn:
         # an FP8 output keeps an untouched weight as stored: checked dequantized, written as it is
