@@ -10,7 +10,8 @@ before torch is imported).
 
 from lora_merge.version import __version__  # noqa: F401  (written in lora_merge/version.py only)
 
-_API = {"merge", "to_megatron", "ConvertResult", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport"}
+_API = {"merge", "to_megatron", "ConvertResult", "verify", "inspect", "export_adapter", "MergeResult", "ExportResult", "VerifyReport",
+        "finish", "FinishResult"}
 _ERRORS = {"MergeError", "UsageError", "UnsupportedInput", "DamagedInput", "OutputConflict"}
 __all__ = sorted(_API | _ERRORS | {"__version__"})
 

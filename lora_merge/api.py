@@ -29,6 +29,7 @@ from lora_merge.peft_adapter import EXPERT_FORMATS
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.runs.export import ExportResult, run_export
 from lora_merge.runs.inputs import BASE, HF_REF, LORA, OUT, reference_dir
+from lora_merge.runs.parts import FinishResult, parse_part, run_finish
 from lora_merge.runs.options import FP8, MXFP4, ExportOptions, MegatronOptions, MergeOptions, VerifyOptions
 from lora_merge.runs.to_hf import MergeResult, VerificationFailed, run_merge  # noqa: F401  (API)
 from lora_merge.runs.to_megatron import ConvertResult, run_to_megatron
@@ -167,11 +168,15 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
           lora_weights=None, lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
           workers: int | None = None, base_model_id: str | None = None,
-          progress: Callable[[int, int], None] | None = None,
+          progress: Callable[[int, int], None] | None = None, part=None, resume: bool = False,
           warn: Callable[[str], None] = _warn_default) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`); without `lora`,
     convert the Megatron checkpoint `base` as it is. `lora` may be a list of PEFT adapter dirs, merged together
-    as W + Σ wᵢ·ΔWᵢ with `lora_weights` (one each; 1 each by default)."""
+    as W + Σ wᵢ·ΔWᵢ with `lora_weights` (one each; 1 each by default).
+
+    `part="I/N"` (or (I, N)): write only part I of N of the files, for `finish(out)` to publish once every part
+    has run (any order, any host sharing the directory). `resume`: keep the files that a killed run of this
+    part (or, without `part`, of this merge) completed, checked by their sha256."""
     if lora is None and base is None:
         raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
     loras, weights = _loras(lora, lora_weights)
@@ -185,8 +190,16 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
                         report=_path(report, "report", "a file"), dry_run=_flag(dry_run, "dry_run"),
                         sha256=_flag(sha256, "sha256"),
                         workers=_workers(workers), base_model_id=checked_base_model_id(base_model_id),
-                        progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"))
+                        progress=_callable(progress, "progress", optional=True), warn=_callable(warn, "warn"),
+                        part=parse_part(part), resume=_flag(resume, "resume"))
     return run_merge(opts)
+
+
+def finish(out, *, force: bool = False, workers: int | None = None) -> FinishResult:
+    """Publish a merge run in parts (`merge(..., part="I/N")`) at `out`: every part of one plan must have
+    completed and every file must still have the sha256 its part recorded; then the index, config, reference
+    files, card and report are written and the directory is renamed into place (see `lora-merge finish --help`)."""
+    return run_finish(_abs(_required(out, "out", OUT)), force=_flag(force, "force"), workers=_workers(workers))
 
 
 def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,

@@ -33,7 +33,7 @@ from lora_merge.files.staged_dir import PUBLISHED
 if TYPE_CHECKING:
     from lora_merge.api import MergeResult
 
-SUBCOMMANDS = ("merge", "verify", "inspect", "export-adapter")
+SUBCOMMANDS = ("merge", "verify", "inspect", "export-adapter", "finish")
 
 
 def _size(text: str) -> int:
@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  merge            (the default) merge LoRA into the base and write an HF model\n"
                "  verify           check a merged output against its inputs\n"
                "  inspect          print what a checkpoint, HF model dir or PEFT adapter is\n"
-               "  export-adapter   write a Megatron LoRA as an unmerged PEFT adapter (PEFT, vLLM, SGLang)",
+               "  export-adapter   write a Megatron LoRA as an unmerged PEFT adapter (PEFT, vLLM, SGLang)\n"
+               "  finish           publish a merge run in parts (--part I/N) once every part has run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--base", type=Path, help=BASE_HELP + "; may be omitted when --lora is an unfiltered Megatron "
@@ -171,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the cores this process may use, by its CPU affinity and cgroup quota, at most 16); "
                    "the output is the same for any N")
     p.add_argument("--dry-run", action="store_true", help="detect and print the plan; write nothing")
+    p.add_argument("--part", metavar="I/N", help="write only part I of N (0 ≤ I < N) of the output files, into "
+                   "OUT.parts/ beside --out, e.g. --part $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; parts run in "
+                   "any order on any host that shares the directory; then `lora-merge finish --out OUT` publishes")
+    p.add_argument("--resume", action="store_true", help="keep the files a killed run of this part (or, without "
+                   "--part, of this merge) completed, checked by their sha256, and write the rest")
     p.add_argument("--allow-partial-lora", action="store_true", help="merge even though some layers lack LoRA "
                    "weights for a target (by default that stops the merge: the checkpoint looks incomplete)")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier output) and --report if they exist, "
@@ -275,8 +281,23 @@ def build_export_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_finish_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="lora-merge finish",
+        description="Publish a merge run in parts (--part I/N): checks that every part of one plan completed and "
+                    "that every file still has the sha256 its part recorded, then writes the index, config, "
+                    "reference files, model card and report and renames OUT.parts/ into place. The output is "
+                    "byte for byte what one process writes.")
+    p.add_argument("--out", type=Path, required=True, help="the --out the parts were run with")
+    p.add_argument("--force", action="store_true", help="replace --out (an earlier output) and the report")
+    p.add_argument("--workers", type=_workers, default=None, metavar="N", help="files hashed side by side "
+                   "(default: every core)")
+    _output_options(p)
+    return p
+
+
 PARSERS = {"merge": build_parser, "verify": build_verify_parser, "inspect": build_inspect_parser,
-           "export-adapter": build_export_parser}
+           "export-adapter": build_export_parser, "finish": build_finish_parser}
 
 
 def lora_targets(plan) -> list[str]:
@@ -431,7 +452,7 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         raise MergeError("--lora given several times, or --lora-weight: merged into an HF output only (--to hf)")
     opts.lora = _loras(opts.lora)
 
-    for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
+    for name in ("max_shard_size", "verify", "report", "force", "base_model_id", "part", "resume"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
             raise MergeError(f"--{name.replace('_', '-')}: an option of an HF output, not of --to megatron")
 
@@ -495,6 +516,13 @@ def _run(command: str, opts, console: Console) -> int:
             console.note(f"r={s.r} exceeds vLLM's default --max-lora-rank ({VLLM_DEFAULT_MAX_LORA_RANK}); "
                          f"start vLLM with --max-lora-rank {s.r} or more")
         return 0
+    if command == "finish":
+        s = api.finish(opts.out, force=opts.force, workers=opts.workers)
+        console.result(f"checked {s.parts} part(s): {sum(f.endswith('.safetensors') for f in s.files)} shard(s), "
+                       f"{s.bytes / 1e9:.3f} GB; published {s.out} in {s.seconds:.1f} s")
+        for name in s.files:
+            console.detail(f"  {name}" + (f"  sha256 {s.sha256[name]}" if name in s.sha256 else ""))
+        return 0
     if command == "inspect":
         from lora_merge.readers.describe import describe_dir
         for line in describe_dir(opts.checkpoint, verbose=console.verbose):
@@ -535,10 +563,19 @@ def _run(command: str, opts, console: Console) -> int:
                            max_shard_size=opts.max_shard_size, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
                            allow_partial_lora=opts.allow_partial_lora, force=opts.force, verify=opts.verify,
                            report=opts.report, dry_run=opts.dry_run, sha256=opts.sha256, workers=opts.workers,
-                           base_model_id=opts.base_model_id, progress=bar, warn=console.warn)
+                           base_model_id=opts.base_model_id, progress=bar, part=opts.part, resume=opts.resume,
+                           warn=console.warn)
     finally:
         if bar is not None:
             bar.close()
+    if result.part is not None:
+        console.result(f"part {result.part}: {len(result.files)} of the output's files"
+                       + (f" ({len(result.resumed)} kept from an earlier run)" if result.resumed else "")
+                       + f", {result.bytes / 1e9:.3f} GB, in {opts.out.name}.parts/ in {result.seconds:.1f} s; "
+                       f"once every part has run: lora-merge finish --out {opts.out}")
+        for name in result.files:
+            console.detail(f"  {name}" + (f"  sha256 {result.sha256[name]}" if name in result.sha256 else ""))
+        return 0
     if result.dry_run:
         print_plan(console, opts, result)
     else:

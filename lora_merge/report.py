@@ -37,6 +37,18 @@ def _describe(ckpt: Checkpoint | None) -> dict | None:
 
 def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, hashes: dict,
                 verify: VerifyReport | None, reference_files=None) -> str:
+    return finished_report(report_data(inp, hf_ref, plan, file_of, verify, reference_files), hashes)
+
+
+def finished_report(data: dict, hashes: dict) -> str:
+    """The report from its data (`report_data`) and the files' digests."""
+    data = dict(data)
+    data["files"] = {name: {"sha256": digest} for name, digest in sorted(hashes.items())}
+    return json.dumps(data, indent=2) + "\n"
+
+
+def report_data(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, verify: VerifyReport | None,
+                reference_files=None) -> dict:
     """inputs, LoRA settings, every output tensor with its source and status, every file's sha256. Tensors by the
     names the files hold them under (a multimodal release's own: `file_of` is by those)."""
     renamed = getattr(inp.base, "names", None)
@@ -60,7 +72,7 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
                                                             "scale": inp.settings.scale, "source": inp.settings.source},
         "skipped": dict(plan.skipped) if plan is not None else {},
         "tensors": tensors,
-        "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+        "files": None,  # filled in by finished_report
         # What of the reference directory the output holds, and what it left out with the reason.
         "reference_files": None if reference_files is None else {
             "directory": str(reference_files.directory), "copied": sorted(reference_files.copied),
@@ -68,7 +80,7 @@ def report_text(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
         "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
                                                "problems": verify.problems, "notes": verify.notes},
     }
-    return json.dumps(report, indent=2) + "\n"
+    return report
 
 
 def write_report(path: Path, text: str, force: bool = False) -> None:

@@ -16,8 +16,8 @@ def single_value_options(command: str) -> list[argparse.Action]:
 
 def test_every_subcommand_has_single_value_options():
     # the test below must not pass by finding nothing
-    assert {c: len(single_value_options(c)) for c in PARSERS} == {"merge": 23, "verify": 5, "inspect": 0,
-                                                                  "export-adapter": 10}
+    assert {c: len(single_value_options(c)) for c in PARSERS} == {"merge": 24, "verify": 5, "inspect": 0,
+                                                                  "export-adapter": 10, "finish": 2}
 
 
 @pytest.mark.parametrize("command", [c for c in PARSERS if c != "inspect"])

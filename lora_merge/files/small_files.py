@@ -35,6 +35,7 @@ CAPS = {
     "README.md": 64 * MB,  # a model card (writers/model_card.MAX_CARD_BYTES)
     "latest_checkpointed_iteration.txt": 4096,
     ".metadata": 1024 * MB,  # torch.distributed.checkpoint metadata (a pickle)
+    "a part manifest": 256 * MB,  # part 0's carries the report: tens of MB for a 671B model
 }
 DEFAULT_CAP = 16 * MB
 

@@ -43,6 +43,8 @@ class MergeOptions(InputOptions):
     workers: int | None = None
     base_model_id: str | None = None
     progress: Callable[[int, int], None] | None = None
+    part: object = None  # runs.parts.Part: this run writes one part of the files, `finish` the rest
+    resume: bool = False  # keep the files a killed run of this part completed (their sha256 still matching)
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (baseline_dir, card_base_model, check_input_dirs, given_paths, input_paths,
                                     inside_dir, open_inputs, output_dtype)
 from lora_merge.runs.options import FP8, MXFP4, MergeOptions
+from lora_merge.runs.parts import run_finish, run_part
 from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
@@ -52,6 +53,8 @@ class MergeResult:
     plan: MergePlan | None = None
     inputs: object = None  # the opened inputs (for printing a dry-run plan)
     copied_bytes: int = 0  # of the reference's files the output holds
+    part: str | None = None  # "I/N": this run wrote part I of N (its `files`), for `finish` to publish
+    resumed: list[str] = field(default_factory=list)  # files kept from a killed run (--resume)
 
 
 class VerificationFailed(MergeError):
@@ -138,6 +141,17 @@ def run_merge(opts: MergeOptions) -> MergeResult:
                            bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
                            **_settings_fields(inp.settings), skipped=dict(plan.skipped), dry_run=True, plan=plan,
                            inputs=inp, copied_bytes=ref_files.total_bytes)
+
+    if opts.part is not None or opts.resume:
+        result = run_part(opts, inp, plan, writer_plan, getattr(inp.base, "names", None), hf_config, dtype,
+                          dtype_name, ref_files, base_model, started)
+        if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
+            finished = run_finish(opts.out, opts.force, opts.workers)
+            result.files, result.sha256, result.part = finished.files, finished.sha256, None
+            result.tensors, result.seconds = len(writer_plan), time.monotonic() - started
+        if base_model_warning and (opts.part is None or opts.part.index == 0):
+            opts.warn(base_model_warning)
+        return result
 
     verify_report = None
     # Space held by runs that were killed is given back before deciding whether there is enough.

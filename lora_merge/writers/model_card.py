@@ -128,10 +128,23 @@ def _formula(lora, settings) -> str:
 
 def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str, modules: int, hashes: dict,
                base_model: str | None = None, later: tuple[str, ...] = ()) -> str:
+    return finished_card(model_card_head(out_name, base, lora, hf_config, settings, dtype, modules, base_model),
+                         hashes, later)
+
+
+def finished_card(head: dict, hashes: dict, later: tuple[str, ...] = ()) -> str:
+    """The card from its head (`model_card_head`) and the files' digests: the files table is its end."""
     from huggingface_hub import ModelCardData
 
-    data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",
-                         tags=["lora-merge", "merged-lora", *input_tags(base, lora)])
+    return _card(ModelCardData(**head["data"]), head["title"], head["lines"] + _files_table(hashes, later))
+
+
+def model_card_head(out_name: str, base, lora, hf_config: dict, settings, dtype: str, modules: int,
+                    base_model: str | None = None) -> dict:
+    """What the card says but its files table, as JSON data (a run in parts records it for `finish`)."""
+
+    data = dict(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",
+                tags=["lora-merge", "merged-lora", *input_tags(base, lora)])
     what = (f"with a LoRA fine-tune merged in by lora-merge {__version__}: {_formula(lora, settings)} in float32, "
             f"rounded once to {dtype}." if lora is not None else
             f"converted from a Megatron checkpoint by lora-merge {__version__} (no LoRA), in {dtype}.")
@@ -146,8 +159,8 @@ def model_card(out_name: str, base, lora, hf_config: dict, settings, dtype: str,
     experts = next((source.experts for source in (base, lora) if source is not None and source.experts), None)
     if experts is not None:
         lines.append(f"| experts | {_cell(str(experts))} |")
-    lines += [f"| output dtype | {dtype} |", ""] + _files_table(hashes, later)
-    return _card(data, out_name, lines)
+    lines += [f"| output dtype | {dtype} |", ""]
+    return {"data": data, "title": out_name, "lines": lines}
 
 
 def adapter_card(out_name: str, lora, settings, target_modules: list[str], hashes: dict,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -70,18 +71,34 @@ def header_bytes(tensors: list[PlannedTensor], metadata: dict[str, str]) -> byte
     return len(text).to_bytes(8, "little") + text
 
 
+class FilePart(Protocol):
+    """The files one part of a run writes (`--part`): `files`, shard indices; `arriving`, the names of the
+    tensors the part's tasks deliver (those of its files, and the others their parameters also become);
+    `temporary(name)`, where a file is written; `written(name, sha256)`, called once it is complete."""
+
+    files: frozenset[int]
+    arriving: frozenset[str]
+
+    def temporary(self, name: str) -> str: ...
+
+    def written(self, name: str, sha256: str) -> None: ...
+
+
 class ShardedSafetensorsWriter:
     """Write the planned tensors, in plan order, into HF-style sharded safetensors files."""
 
     def __init__(self, directory: Path, tensors: list[PlannedTensor], max_shard_bytes: int,
                  metadata: dict[str, str] | None = None, hash_files: bool = False,
-                 single_file: str = "model.safetensors"):
-        """`single_file`: the name of the file when all fits in one (PEFT's adapter_model.safetensors)."""
+                 single_file: str = "model.safetensors", part: "FilePart | None" = None):
+        """`single_file`: the name of the file when all fits in one (PEFT's adapter_model.safetensors).
+        `part`: write only some of the files (a `--part` of the run; see FilePart)."""
         self.directory = directory
         self.shards = split_into_shards(tensors, max_shard_bytes)
         self.file_names = shard_file_names(len(self.shards), single_file)
         self.metadata = metadata or {"format": "pt"}
-        self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
+        self.part = part
+        self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard
+                       if part is None or t.name in part.arriving]
         self._next = 0  # index in _order of the tensor being written
         self._done_bytes = 0  # bytes of it written so far
         self._file = None
@@ -116,6 +133,12 @@ class ShardedSafetensorsWriter:
                 self._done_bytes + piece.nbytes > planned.nbytes:
             raise RuntimeError(f"writer: got {name} {list(piece.shape)} {piece.dtype}, the plan expects "
                                f"{'rows of ' if self._done_bytes else ''}{planned.name} {list(planned.shape)} {planned.dtype}")
+        if self.part is not None and shard_index not in self.part.files:
+            # computed with a tensor of this part's files (one parameter, several HF tensors): not this part's
+            self._done_bytes += piece.nbytes
+            if then is not None:
+                then()
+            return
         if shard_index != self._file_index:
             self._open(shard_index)
         data = memoryview(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -132,14 +155,16 @@ class ShardedSafetensorsWriter:
         """Tensors of no bytes get no write (the merge yields no rows for them): they are complete as planned."""
         while self._next < len(self._order) and self._order[self._next][1].nbytes == 0 and not self._done_bytes:
             shard_index = self._order[self._next][0]
-            if shard_index != self._file_index:  # a shard may hold nothing else: its file must still be written
+            if shard_index != self._file_index and (self.part is None or shard_index in self.part.files):
+                # a shard may hold nothing else: its file must still be written
                 self._open(shard_index)
             self._next += 1
 
     def _open(self, shard_index: int) -> None:
         self._close_file()
         self._file_index = shard_index
-        self._file = OutputFile(self.directory / self.file_names[shard_index])
+        name = self.file_names[shard_index]
+        self._file = OutputFile(self.directory / (name if self.part is None else self.part.temporary(name)))
         header = header_bytes(self.shards[shard_index], self.metadata)
         self._file.write(header)
         self._hash = hashlib.sha256(header) if self._hasher is not None else None
@@ -153,6 +178,8 @@ class ShardedSafetensorsWriter:
 
     def _record_digest(self, file_name: str, digest) -> None:
         self.sha256[file_name] = digest.hexdigest()
+        if self.part is not None:
+            self.part.written(file_name, self.sha256[file_name])
 
     def file_of(self) -> dict[str, str]:
         return {t.name: self.file_names[i] for i, t in self._order}
@@ -169,6 +196,8 @@ class ShardedSafetensorsWriter:
         self._close_file()
         if self._hasher is not None:
             self._hasher.close()  # every digest recorded
+        if self.part is not None:  # the index is written once every part's files are (`lora-merge finish`)
+            return [self.file_names[i] for i in sorted(self.part.files)]
         files = list(self.file_names)
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
@@ -180,6 +209,8 @@ class ShardedSafetensorsWriter:
     def abort(self) -> None:
         if self._file is not None:
             self._file.abort()
+            if self.part is not None:  # not in a directory of its own that goes with the run
+                self._file.path.unlink(missing_ok=True)
             self._file = None
         if self._hasher is not None:
             self._hasher.stop()

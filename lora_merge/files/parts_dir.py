@@ -1,0 +1,140 @@
+"""The shared staging of a run split into parts (`--part I/N`, then `lora-merge finish`): two directories next
+to the output, which any host that mounts it may write.
+
+- `OUT.parts/` holds the output's files as the parts complete them; `finish` adds the index, config, card and
+  report and renames the directory into `OUT`'s place: one rename within the output's parent, so a reader sees
+  no output or a complete one.
+- `OUT.manifests/` holds one manifest per part (`part-00003-of-00008.json`): its files with their sizes and
+  sha256, rewritten as each file completes (what `--resume` continues from), and the plan's fingerprint.
+
+Nothing relies on `flock` (it does not hold on every NFS, Lustre or CephFS mount) or on renames between
+directories: each file is written under a name of its own run (`.NAME.HOST-PID-RANDOM.tmp`) and renamed into
+place in the same directory once complete and flushed. Two runs of one part write the same bytes under
+different temporary names; whichever rename comes last leaves a complete file, as before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from lora_merge.errors import MergeError, OutputConflict
+from lora_merge.files.ownership import check_replaceable
+from lora_merge.files.staged_dir import _fsync_dir, _host, rename_exchange, rename_noreplace
+from lora_merge.files.small_files import read_bytes
+
+MANIFEST_FORMAT = 1
+MANIFEST_KEY = "lora-merge part manifest"  # first key of every manifest: how a directory is known as ours
+MANIFEST = re.compile(r"part-(\d{5})-of-(\d{5})\.json")
+TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")
+
+
+def manifest_name(index: int, count: int) -> str:
+    return f"part-{index:05d}-of-{count:05d}.json"
+
+
+class PartsDir:
+    """The two staging directories of `out` (see the module's doc)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.files = out.parent / f"{out.name}.parts"
+        self.manifests = out.parent / f"{out.name}.manifests"
+        self.token = f"{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def create(self) -> None:
+        """Both directories, made if missing; existing ones must be ours (only manifests, only files)."""
+        for path in (self.files, self.manifests):
+            if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+                raise OutputConflict(f"{path}: exists and is not a directory; the parts of {self.out} are staged there")
+        foreign = [p.name for p in self.manifests.iterdir() if not MANIFEST.fullmatch(p.name)
+                   and not TEMPORARY.fullmatch(p.name)] if self.manifests.is_dir() else []
+        if foreign:
+            raise OutputConflict(f"{self.manifests}: holds {foreign[0]}, not a part manifest of lora-merge; the parts "
+                                 f"of {self.out} are staged there: move it away")
+        if self.files.is_dir() and any(self.files.iterdir()) and not self.manifests.is_dir():
+            raise OutputConflict(f"{self.files}: exists with files but no {self.manifests.name} beside it; not "
+                                 "lora-merge's parts: move it away")
+        self.manifests.mkdir(exist_ok=True)
+        self.files.mkdir(exist_ok=True)
+
+    def temporary(self, name: str) -> str:
+        return f".{name}.{self.token}.tmp"
+
+    def place(self, name: str) -> None:
+        """The file written under this run's temporary name becomes `name` (flushed first)."""
+        path = self.files / self.temporary(name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(path, self.files / name)
+        _fsync_dir(self.files)
+
+    def write_manifest(self, index: int, count: int, manifest: dict) -> None:
+        name = manifest_name(index, count)
+        temporary = self.manifests / f".{name}.{self.token}.tmp"
+        with open(temporary, "x") as f:
+            f.write(json.dumps({MANIFEST_KEY: MANIFEST_FORMAT, **manifest}, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, self.manifests / name)
+        _fsync_dir(self.manifests)
+
+    def read_manifests(self) -> dict[tuple[int, int], dict]:
+        """Every part's manifest, by (index, count); a damaged one is an error naming it."""
+        found = {}
+        if not self.manifests.is_dir():
+            return found
+        for path in sorted(self.manifests.iterdir()):
+            match = MANIFEST.fullmatch(path.name)
+            if match is None:
+                continue
+            found[int(match[1]), int(match[2])] = self.read_manifest(path)
+        return found
+
+    def read_manifest(self, path: Path) -> dict:
+        try:
+            data = json.loads(read_bytes(path, "a part manifest"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MergeError(f"{path}: not a readable part manifest ({exc}); rerun that part") from None
+        if not isinstance(data, dict) or data.get(MANIFEST_KEY) != MANIFEST_FORMAT:
+            raise MergeError(f"{path}: not a part manifest of this lora-merge (format "
+                             f"{data.get(MANIFEST_KEY) if isinstance(data, dict) else None!r}); rerun that part")
+        return data
+
+    def own_manifest(self, index: int, count: int) -> dict | None:
+        path = self.manifests / manifest_name(index, count)
+        return self.read_manifest(path) if path.exists() else None
+
+    def clear_except(self, keep: set[str]) -> None:
+        """Remove from the files directory whatever is not in `keep` (killed runs' temporary files, what an
+        interrupted finish wrote)."""
+        for path in self.files.iterdir():
+            if path.name in keep:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+    def publish(self, force: bool, kind: str) -> None:
+        """The files directory becomes the output (with `force`, swapped with an earlier output of this kind,
+        which is then removed); then the manifests go."""
+        _fsync_dir(self.files)
+        if force and self.out.is_dir() and not self.out.is_symlink():
+            check_replaceable(self.out, kind)
+            rename_exchange(self.files, self.out)
+            shutil.rmtree(self.files)
+        else:
+            try:
+                rename_noreplace(self.files, self.out)
+            except FileExistsError as err:
+                raise OutputConflict(f"{self.out}: exists (pass --force to replace an earlier output)") from err
+        _fsync_dir(self.out.parent)
+        shutil.rmtree(self.manifests, ignore_errors=True)

@@ -1,0 +1,301 @@
+"""A merge split into parts that any scheduler can run (`--part I/N`), then put together (`lora-merge finish`).
+
+The plan is made from headers before any tensor is read, and the same inputs and options always give the
+same plan, so N runs that never talk to each other agree on it: part I writes the output files that fall in
+its share of the bytes (consecutive files, about 1/N of the bytes each; a file is the part's in whose share
+its middle byte lies), computing only the parameters those files hold. Each part records in its manifest
+the plan's fingerprint and, as each file completes, its size and sha256 (files/parts_dir.py). `finish` checks
+that every part of one plan is there and every file still has its recorded sha256, then writes what a
+one-process run writes last (index, config and reference files, card, report) and publishes the directory:
+the bytes are those of a one-process run, for any N.
+
+`--resume` (with or without `--part`) keeps the files whose recorded sha256 still matches and writes the
+rest; without `--part` it is part 0/1, finished at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from lora_merge.errors import MergeError, UsageError
+from lora_merge.files.ownership import MERGED_MODEL, check_replaceable
+from lora_merge.files.parts_dir import PartsDir
+from lora_merge.files.staged_dir import PUBLISHED, SideFile, check_free_space
+from lora_merge.interrupts import ignore_signals
+from lora_merge.options import argument_name
+from lora_merge.report import finished_report, hash_files, report_data
+from lora_merge.runs.stream import stream_into
+from lora_merge.shown import shown
+from lora_merge.version import __version__
+from lora_merge.writers.hf_files import copy_reference_files, reference_files
+from lora_merge.writers.model_card import finished_card, model_card_head
+from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter, shard_file_names, split_into_shards
+from lora_merge.writers.sink import RenamedSink
+
+MAX_PARTS = 99999  # the manifests' names have five digits
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Part:
+    index: int  # from 0, as Slurm array task ids (--array=0-N) and Kubernetes completion indexes count
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def parse_part(value) -> Part | None:
+    """`"I/N"` (or (I, N)): part I of N, 0 ≤ I < N."""
+    if value is None:
+        return None
+    expected = f"expected I/N with 0 ≤ I < N ≤ {MAX_PARTS}, e.g. 0/8 (parts count from 0)"
+    if isinstance(value, str):
+        index, _, count = value.partition("/")
+        if not (index.strip().isdigit() and count.strip().isdigit()):
+            raise UsageError(f"{argument_name('part')} {value!r}: {expected}")
+        index, count = int(index), int(count)
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        index, count = value
+    else:
+        raise UsageError(f"{argument_name('part')} {shown(value)}: {expected}")
+    if not 0 <= index < count <= MAX_PARTS:
+        raise UsageError(f"{argument_name('part')} {index}/{count}: {expected}")
+    return Part(index, count)
+
+
+def assign_files(sizes: list[int], count: int) -> list[int]:
+    """The part of each file: consecutive files, about 1/`count` of the bytes each (a file is the part's in
+    whose share its middle byte lies), so that a part reads a contiguous stretch of the model."""
+    total = max(1, sum(sizes))
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(min(count - 1, (2 * start + size) * count // (2 * total)))
+        start += size
+    return parts
+
+
+class PartFiles:
+    """The files one part writes (the writer's `FilePart`): each written under a temporary name, renamed into
+    place once complete, and then recorded in the part's manifest (what `--resume` continues from)."""
+
+    def __init__(self, staging: PartsDir, part: Part, files: frozenset[int], arriving: frozenset[str],
+                 manifest: dict):
+        self.staging, self.part, self.files, self.arriving, self.manifest = staging, part, files, arriving, manifest
+
+    def temporary(self, name: str) -> str:
+        return self.staging.temporary(name)
+
+    def written(self, name: str, sha256: str) -> None:
+        self.staging.place(name)
+        self.manifest["files"][name] = {"bytes": (self.staging.files / name).stat().st_size, "sha256": sha256}
+        self.staging.write_manifest(self.part.index, self.part.count, self.manifest)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _still_written(staging: PartsDir, recorded: dict, workers: int) -> dict:
+    """Of the recorded files, those whose size and sha256 on disk are still what was recorded."""
+    def check(item):
+        name, entry = item
+        path = staging.files / name
+        try:
+            ok = path.stat().st_size == entry["bytes"] and _sha256(path) == entry["sha256"]
+        except OSError:
+            ok = False
+        return name, entry, ok
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib lets go of the GIL: one core a file
+        return {name: entry for name, entry, ok in pool.map(check, sorted(recorded.items())) if ok}
+
+
+def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.dtype, dtype_name: str,
+             ref_files, base_model: str | None, started: float):
+    """Part `opts.part` of the merge (see the module's doc); returns the MergeResult of its files."""
+    from lora_merge.runs.to_hf import MergeResult  # its result type; to_hf calls this
+
+    part = opts.part or Part(0, 1)
+    if opts.verify:
+        raise MergeError(f"--verify with --part {part}: each part holds some files only; verify the output once "
+                         f"`lora-merge finish --out {opts.out}` has published it (`lora-merge verify {opts.out} ...`)")
+    if not opts.sha256:
+        raise MergeError(f"--no-sha256 with --part {part}: finish and --resume check every file by its sha256")
+    stored = writer_plan if names is None else [replace(t, name=names.stored(t.name)) for t in writer_plan]
+    shards = split_into_shards(stored, opts.max_shard_size)
+    file_names = shard_file_names(len(shards))
+    sizes = [sum(t.nbytes for t in shard) for shard in shards]
+    owner = assign_files(sizes, part.count)
+    mine = frozenset(i for i, p in enumerate(owner) if p == part.index)
+    file_of = {t.name: file_names[i] for i, shard in enumerate(shards) for t in shard}
+    inside = opts.report is not None and os.path.realpath(opts.report.parent) == os.path.realpath(opts.out)
+    card = model_card_head(opts.out.name, inp.base, inp.lora, hf_config, inp.settings, dtype_name,
+                           plan.merged_modules, base_model)
+    fingerprint = hashlib.sha256(json.dumps({
+        "tool": __version__, "files": file_names,
+        "tensors": [[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
+        "inputs": [inp.base.describe(), inp.lora.describe() if inp.lora is not None else None],
+        "card": card, "config": hf_config, "reference": os.path.abspath(opts.hf_ref)}, sort_keys=True).encode()
+    ).hexdigest()
+
+    staging = PartsDir(opts.out)
+    staging.create()
+    for (index, count), theirs in staging.read_manifests().items():
+        where = staging.manifests / f"part-{index:05d}-of-{count:05d}.json"
+        if count != part.count:
+            raise MergeError(f"{where}: part {index}/{count} of a split into {count}, this is --part {part}; finish "
+                             f"or remove {staging.files} and {staging.manifests} before splitting differently")
+        if theirs.get("plan") != fingerprint:
+            raise MergeError(f"{where}: part {index}/{count} of another plan (other inputs or options); remove "
+                             f"{staging.files} and {staging.manifests} to start over")
+    kept = {}
+    if opts.resume:
+        own = staging.own_manifest(part.index, part.count)
+        recorded = {k: v for k, v in (own or {}).get("files", {}).items() if k in {file_names[i] for i in mine}}
+        kept = _still_written(staging, recorded, opts.workers or 1)
+    pending = frozenset(i for i in mine if file_names[i] not in kept)
+    tasks = [task for task in plan.tasks if any(file_of[_stored(names, t.name)] in {file_names[i] for i in pending}
+                                                 for t in task.outputs)]
+    arriving = frozenset(_stored(names, t.name) for task in tasks for t in task.outputs)
+    manifest = {"tool": f"lora-merge {__version__}", "part": [part.index, part.count], "plan": fingerprint,
+                "assigned": [file_names[i] for i in sorted(mine)], "files": dict(kept), "complete": False}
+    if part.index == 0:  # what finish writes: from part 0, which every split has
+        manifest["common"] = {
+            "files": file_names, "card": card, "later": [opts.report.name] if inside else [],
+            "index": {"metadata": {"total_size": sum(sizes)}, "weight_map": file_of} if len(shards) > 1 else None,
+            "report": report_data(inp, opts.hf_ref, plan, file_of, None, ref_files) if opts.report else None,
+            "report_path": os.path.abspath(opts.report) if opts.report else None,
+            "reference": {"directory": os.path.abspath(opts.hf_ref), "config": hf_config,
+                          "dtype": str(dtype).removeprefix("torch.")}}
+    staging.write_manifest(part.index, part.count, manifest)
+    pending_bytes = sum(sizes[i] for i in pending)
+    check_free_space(staging.files, pending_bytes, ref_files.total_bytes if part.index == 0 else 0)
+    files = PartFiles(staging, part, pending, arriving, manifest)
+    writer = ShardedSafetensorsWriter(staging.files, stored, opts.max_shard_size, hash_files=True, part=files)
+    sink = writer if names is None else RenamedSink(writer, names.stored)
+    part_plan = replace(plan, tasks=tasks)
+    stream_into(sink, staging.files, part_plan, opts.progress, sum(t.nbytes for task in tasks for t in task.outputs),
+                opts.workers)
+    manifest["complete"] = True
+    staging.write_manifest(part.index, part.count, manifest)
+    result = MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe() if inp.lora else None,
+                         dtype=dtype_name, tensors=sum(len(shards[i]) for i in mine), bytes=sum(sizes[i] for i in mine),
+                         lora_modules=plan.merged_modules, r=None, alpha=None, scale=None, settings_source=None,
+                         skipped=dict(plan.skipped), files=list(manifest["assigned"]),
+                         sha256={k: v["sha256"] for k, v in manifest["files"].items()},
+                         seconds=time.monotonic() - started, part=str(part), resumed=sorted(kept))
+    if inp.settings is not None:
+        result.r, result.alpha, result.scale = inp.settings.r, inp.settings.alpha, inp.settings.scale
+        result.settings_source = inp.settings.source
+    return result
+
+
+def _stored(names, name: str) -> str:
+    return name if names is None else names.stored(name)
+
+
+@dataclass
+class FinishResult:
+    out: Path
+    parts: int
+    files: list[str]
+    sha256: dict[str, str]
+    bytes: int
+    seconds: float
+
+
+def run_finish(out: Path, force: bool = False, workers: int | None = None, warn=None) -> FinishResult:
+    """Check every part of `out` and publish it (see the module's doc)."""
+    started = time.monotonic()
+    staging = PartsDir(out)
+    manifests = staging.read_manifests()
+    if not manifests:
+        raise MergeError(f"{out}: no parts to finish (no part manifests in {staging.manifests}); run the parts "
+                         "first (--part I/N)")
+    counts = sorted({count for _, count in manifests})
+    if len(counts) > 1:
+        raise MergeError(f"{staging.manifests}: parts of splits into {' and '.join(map(str, counts))}; remove the "
+                         "parts of the split not meant")
+    count = counts[0]
+    plans = {m.get("plan") for m in manifests.values()}
+    if len(plans) > 1:
+        odd = next(i for (i, _), m in sorted(manifests.items()) if m.get("plan") != manifests[min(manifests)].get("plan"))
+        raise MergeError(f"{staging.manifests}: part {odd}/{count} is of another plan than part "
+                         f"{min(manifests)[0]}/{count} (other inputs or options); rerun it with the same options")
+    for index in range(count):
+        manifest = manifests.get((index, count))
+        if manifest is None:
+            raise MergeError(f"{out}: part {index}/{count} is missing (no manifest); run it with --part {index}/{count}")
+        if not manifest.get("complete"):
+            done = len(manifest.get("files", {}))
+            raise MergeError(f"{out}: part {index}/{count} did not complete ({done} of {len(manifest['assigned'])} "
+                             f"files written); rerun it with --part {index}/{count} --resume")
+    common = manifests[0, count]["common"]
+    assigned = [name for index in range(count) for name in manifests[index, count]["assigned"]]
+    if sorted(assigned) != sorted(common["files"]):
+        raise MergeError(f"{staging.manifests}: the parts' files do not make up the output's {len(common['files'])}; "
+                         "the manifests were changed: rerun the parts")
+    recorded = {name: entry for index in range(count) for name, entry in manifests[index, count]["files"].items()}
+    owner = {name: index for index in range(count) for name in manifests[index, count]["assigned"]}
+    checked = _still_written(staging, recorded, workers or os.cpu_count() or 1)
+    for name in common["files"]:
+        if name not in checked:
+            path = staging.files / name
+            what = "is missing" if not path.exists() else "has other bytes than its part recorded"
+            raise MergeError(f"{path}: {what}; rerun part {owner[name]}/{count} with --part {owner[name]}/{count} "
+                             "--resume")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise MergeError(f"{out}: already exists (pass --force to replace an earlier output)")
+        check_replaceable(out, MERGED_MODEL)
+    reference = common["reference"]
+    staging.clear_except(set(common["files"]))  # temporary files of killed runs, an interrupted finish's files
+    check_free_space(staging.files, 0, reference_files(Path(reference["directory"])).total_bytes)
+    files = list(common["files"])
+    hashes = {name: checked[name]["sha256"] for name in files}
+    if common["index"] is not None:
+        (staging.files / INDEX).write_text(json.dumps(common["index"], indent=2) + "\n")
+        files.append(INDEX)
+    copied = copy_reference_files(Path(reference["directory"]), staging.files, reference["config"],
+                                  getattr(torch, reference["dtype"]))
+    files += copied
+    hashes |= hash_files(staging.files, [INDEX] * (common["index"] is not None) + copied)
+    later = tuple(common["later"])
+    with (staging.files / "README.md").open("x") as f:
+        f.write(finished_card(common["card"], hashes, later))
+    files.append("README.md")
+    report = None
+    if common["report"] is not None:
+        text = finished_report(common["report"], hashes)
+        path = Path(common["report_path"])
+        if later:
+            (staging.files / path.name).write_text(text)
+        else:
+            report = SideFile(path)
+            report.write(text)
+    try:
+        ignore_signals()  # the point of no return, as for a one-process run
+        staging.publish(force, MERGED_MODEL)
+    except BaseException:
+        if report is not None:
+            report.discard()
+        raise
+    PUBLISHED.append(out)
+    if report is not None:
+        report.publish(force)
+    return FinishResult(out=out, parts=count, files=files, sha256=hashes,
+                        bytes=sum(recorded[name]["bytes"] for name in common["files"]),
+                        seconds=time.monotonic() - started)

@@ -1,0 +1,250 @@
+"""A merge in parts (`--part I/N`, then `lora-merge finish`): the same bytes as one process for any N and any
+order, reruns and resumes that never corrupt, and `finish` refusing what is not one complete plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from helpers import fixture_info, fixture_root, quiet, run_failing
+from lora_merge import api, options
+from lora_merge.cli import main
+from lora_merge.errors import MergeError, UsageError
+from lora_merge.files.parts_dir import PartsDir
+from lora_merge.runs import parts as parts_module
+from lora_merge.runs.parts import assign_files
+
+SHARD = 64 << 10  # the fixtures are ~0.6-1.5 MB: ten to twenty shards
+
+
+@pytest.fixture(autouse=True)
+def small_shards(monkeypatch):
+    monkeypatch.setattr(options, "MIN_SHARD_BYTES", 1)
+
+
+def inputs(fixture: str) -> dict:
+    root = fixture_root(fixture)
+    given = dict(lora=root / "lora", hf_ref=root / "hf_ref")
+    if fixture_info(root)["lora"] == "filtered":
+        given["base"] = root / "base"
+    return given
+
+
+def merged(fixture: str, out: Path, **kw):
+    return api.merge(**inputs(fixture), out=out, max_shard_size=SHARD, report=out / "merge-report.json",
+                     workers=2, warn=quiet, **kw)
+
+
+def tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def assert_same_output(one: Path, other: Path) -> None:
+    mine, theirs = tree(one), tree(other)
+    assert sorted(mine) == sorted(theirs)
+    assert [name for name in mine if mine[name] != theirs[name]] == []
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Each fixture merged by one process, into a directory named as the parts' outputs are."""
+    made = {}
+
+    def get(fixture: str) -> Path:
+        if fixture not in made:
+            out = tmp_path_factory.mktemp(f"one-{fixture}") / "merged"
+            merged(fixture, out)
+            made[fixture] = out
+        return made[fixture]
+    return get
+
+
+@pytest.mark.parametrize("fixture,counts", [("tp2pp2_fp32_filtered", (1, 2, 3, 7)), ("qwen3moe_ep2", (2, 7)),
+                                            ("deepseek_v3_ep2", (3,))])
+def test_parts_in_any_order_give_the_one_process_bytes(fixture, counts, one_process, tmp_path):
+    expected = one_process(fixture)
+    assert sum(name.startswith("model-") for name in os.listdir(expected)) >= 8  # a split that means something
+    for count in counts:
+        out = tmp_path / str(count) / "merged"
+        out.parent.mkdir()
+        order = list(range(count))[::-1] if count % 2 else list(range(count))[1::2] + list(range(count))[::2]
+        written = []
+        for index in order:
+            result = merged(fixture, out, part=f"{index}/{count}")
+            assert result.part == f"{index}/{count}" and not out.exists()
+            written += result.files
+        assert sorted(written) == sorted(n for n in os.listdir(expected) if n.endswith(".safetensors"))
+        finished = api.finish(out)
+        assert finished.parts == count
+        assert_same_output(expected, out)
+        assert not PartsDir(out).files.exists() and not PartsDir(out).manifests.exists()
+
+
+def test_files_are_split_by_bytes_into_contiguous_balanced_parts():
+    assert assign_files([10] * 10, 3) == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert assign_files([10] * 4, 7) == [0, 2, 4, 6]  # more parts than files: some write none
+    assert assign_files([100, 1, 1, 1], 2) == [0, 1, 1, 1]
+    for count in (1, 2, 5):
+        owner = assign_files([3, 9, 1, 4, 4, 7, 2], count)
+        assert owner == sorted(owner) and set(owner) <= set(range(count))
+
+
+def test_the_cli_runs_parts_and_finish(one_process, tmp_path, capsys):
+    fixture = "tp2pp2_fp32_filtered"
+    out = tmp_path / "merged"
+    root = fixture_root(fixture)
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+            "--out", str(out), "--max-shard-size", str(SHARD), "--report", str(out / "merge-report.json"),
+            "--no-progress"]
+    for index in range(2):
+        assert main(args + ["--part", f"{index}/2"]) == 0
+        assert f"part {index}/2:" in capsys.readouterr().out
+    assert main(["finish", "--out", str(out)]) == 0
+    assert "checked 2 part(s)" in capsys.readouterr().out
+    assert_same_output(one_process(fixture), out)
+
+
+def test_two_runs_of_one_part_at_once_leave_one_correct_output(one_process, tmp_path):
+    fixture = "qwen3moe_ep2"
+    out = tmp_path / "merged"
+    merged(fixture, out, part="0/2")
+    errors = []
+
+    def run():
+        try:
+            merged(fixture, out, part="1/2")
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    api.finish(out)
+    assert_same_output(one_process(fixture), out)
+
+
+class Killed(BaseException):
+    """What a kill does to a run: it stops between two files (the test's stand-in for SIGKILL)."""
+
+
+def kill_after(monkeypatch, files: int) -> None:
+    placed = parts_module.PartFiles.written
+    count = [0]
+
+    def written(self, name, sha256):
+        if count[0] == files:
+            raise Killed
+        count[0] += 1
+        placed(self, name, sha256)
+    monkeypatch.setattr(parts_module.PartFiles, "written", written)
+
+
+def test_a_killed_part_resumes_from_its_files_and_finish_names_it_until_then(one_process, tmp_path, monkeypatch,
+                                                                             capsys):
+    fixture = "deepseek_v3_ep2"
+    out = tmp_path / "merged"
+    merged(fixture, out, part="0/2")
+    with monkeypatch.context() as m:
+        kill_after(m, 3)
+        with pytest.raises(Killed):
+            merged(fixture, out, part="1/2")
+    with pytest.raises(MergeError, match=r"part 1/2 did not complete \(3 of \d+ files written\); rerun it with "
+                                         r"--part 1/2 --resume"):
+        api.finish(out)
+    # a file the killed run completed, damaged since: written again, not kept
+    manifest = PartsDir(out).own_manifest(1, 2)
+    damaged = sorted(manifest["files"])[0]
+    with open(PartsDir(out).files / damaged, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    result = merged(fixture, out, part="1/2", resume=True)
+    assert len(result.resumed) == 2 and damaged not in result.resumed
+    api.finish(out)
+    assert_same_output(one_process(fixture), out)
+
+
+def test_resume_without_parts_publishes_at_once(one_process, tmp_path, monkeypatch):
+    fixture = "qwen3moe_ep2"
+    out = tmp_path / "merged"
+    with monkeypatch.context() as m:
+        kill_after(m, 4)
+        with pytest.raises(Killed):
+            merged(fixture, out, resume=True)
+    assert not out.exists()
+    result = merged(fixture, out, resume=True)
+    assert result.part is None and len(result.resumed) == 4
+    assert "README.md" in result.files and "model.safetensors.index.json" in result.files
+    assert_same_output(one_process(fixture), out)
+
+
+def part_runs(fixture: str, out: Path, count: int, skip=()) -> None:
+    for index in range(count):
+        if index not in skip:
+            merged(fixture, out, part=f"{index}/{count}")
+
+
+def test_finish_refuses_a_missing_part(tmp_path):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 3, skip=(1,))
+    with pytest.raises(MergeError, match=r"part 1/3 is missing \(no manifest\); run it with --part 1/3"):
+        api.finish(out)
+    assert not out.exists()
+
+
+def test_finish_refuses_a_file_changed_since_its_part_wrote_it(tmp_path, capsys):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    victim = PartsDir(out).files / json.loads((PartsDir(out).manifests / "part-00001-of-00002.json").read_text())["assigned"][0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x40
+    victim.write_bytes(bytes(data))
+    run_failing(["finish", "--out", str(out)], capsys, f"{victim}: has other bytes than its part recorded; rerun part "
+                "1/2 with --part 1/2 --resume")
+    victim.unlink()
+    with pytest.raises(MergeError, match="is missing; rerun part 1/2"):
+        api.finish(out)
+    assert not out.exists()
+
+
+def test_parts_of_another_plan_or_split_are_refused(tmp_path):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2, skip=(1,))
+    with pytest.raises(MergeError, match=r"part 0/2 of another plan \(other inputs or options\); remove"):
+        merged("tp2pp2_fp32_filtered", out, part="1/2", lora_alpha=3.0)  # another LoRA scale
+    with pytest.raises(MergeError, match="part 0/2 of a split into 2, this is --part 1/3"):
+        merged("tp2pp2_fp32_filtered", out, part="1/3")
+    manifests = PartsDir(out).manifests
+    theirs = json.loads((manifests / "part-00000-of-00002.json").read_text())
+    (manifests / "part-00001-of-00002.json").write_text(json.dumps({**theirs, "part": [1, 2], "plan": "0" * 64}))
+    with pytest.raises(MergeError, match="part 1/2 is of another plan than part 0/2"):
+        api.finish(out)
+    (manifests / "part-00001-of-00003.json").write_text(json.dumps(theirs))
+    with pytest.raises(MergeError, match="parts of splits into 2 and 3"):
+        api.finish(out)
+    (manifests / "part-00001-of-00002.json").write_text("{not json")
+    with pytest.raises(MergeError, match="part-00001-of-00002.json: not a readable part manifest"):
+        api.finish(out)
+
+
+def test_finish_without_parts_and_options_that_do_not_go_with_parts(tmp_path, capsys):
+    with pytest.raises(MergeError, match="no parts to finish"):
+        api.finish(tmp_path / "merged")
+    for bad in ("2/2", "1/0", "a/b", "-1/2", "3"):
+        with pytest.raises(UsageError, match="expected I/N with 0 ≤ I < N"):
+            merged("tp2pp2_fp32_filtered", tmp_path / "x", part=bad)
+    with pytest.raises(MergeError, match="--verify with --part 0/2"):
+        merged("tp2pp2_fp32_filtered", tmp_path / "x", part="0/2", verify=True)
+    with pytest.raises(MergeError, match="--no-sha256 with --part 0/2"):
+        merged("tp2pp2_fp32_filtered", tmp_path / "x", part="0/2", sha256=False)
+    root = fixture_root("tp2pp2_fp32_filtered")
+    run_failing(["--base", str(root / "base"), "--hf-ref", str(root / "hf_ref"), "--to", "megatron", "--out",
+                 str(tmp_path / "m"), "--part", "0/2"], capsys, "--part: an option of an HF output")
+    assert not (tmp_path / "x").exists()
