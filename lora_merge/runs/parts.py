@@ -123,11 +123,19 @@ def _still_written(staging: PartsDir, recorded: dict, workers: int) -> dict:
         return {name: entry for name, entry, ok in pool.map(check, sorted(recorded.items())) if ok}
 
 
-def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.dtype, dtype_name: str,
-             ref_files, base_model: str | None, started: float):
-    """Part `opts.part` of the merge (see the module's doc); returns the MergeResult of its files."""
-    from lora_merge.runs.to_hf import MergeResult  # its result type; to_hf calls this
+@dataclass
+class PartWritten:
+    part: str  # "I/N"
+    files: list[str]  # the output files that are this part's
+    sha256: dict[str, str]
+    resumed: list[str]  # files kept from a killed run (--resume)
+    tensors: int
+    bytes: int
 
+
+def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.dtype, dtype_name: str,
+             ref_files, base_model: str | None) -> PartWritten:
+    """Part `opts.part` of the merge (see the module's doc): its files written and recorded."""
     part = opts.part or Part(0, 1)
     if opts.verify:
         raise MergeError(f"--verify with --part {part}: each part holds some files only; verify the output once "
@@ -191,16 +199,9 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
                 opts.workers)
     manifest["complete"] = True
     staging.write_manifest(part.index, part.count, manifest)
-    result = MergeResult(out=opts.out, base=inp.base.describe(), lora=inp.lora.describe() if inp.lora else None,
-                         dtype=dtype_name, tensors=sum(len(shards[i]) for i in mine), bytes=sum(sizes[i] for i in mine),
-                         lora_modules=plan.merged_modules, r=None, alpha=None, scale=None, settings_source=None,
-                         skipped=dict(plan.skipped), files=list(manifest["assigned"]),
-                         sha256={k: v["sha256"] for k, v in manifest["files"].items()},
-                         seconds=time.monotonic() - started, part=str(part), resumed=sorted(kept))
-    if inp.settings is not None:
-        result.r, result.alpha, result.scale = inp.settings.r, inp.settings.alpha, inp.settings.scale
-        result.settings_source = inp.settings.source
-    return result
+    return PartWritten(part=str(part), files=list(manifest["assigned"]),
+                       sha256={k: v["sha256"] for k, v in manifest["files"].items()}, resumed=sorted(kept),
+                       tensors=sum(len(shards[i]) for i in mine), bytes=sum(sizes[i] for i in mine))
 
 
 def _stored(names, name: str) -> str:

@@ -143,15 +143,19 @@ def run_merge(opts: MergeOptions) -> MergeResult:
                            inputs=inp, copied_bytes=ref_files.total_bytes)
 
     if opts.part is not None or opts.resume:
-        result = run_part(opts, inp, plan, writer_plan, getattr(inp.base, "names", None), hf_config, dtype,
-                          dtype_name, ref_files, base_model, started)
+        written = run_part(opts, inp, plan, writer_plan, getattr(inp.base, "names", None), hf_config, dtype,
+                           dtype_name, ref_files, base_model)
+        files, hashes, tensors, nbytes = written.files, written.sha256, written.tensors, written.bytes
         if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
             finished = run_finish(opts.out, opts.force, opts.workers)
-            result.files, result.sha256, result.part = finished.files, finished.sha256, None
-            result.tensors, result.seconds = len(writer_plan), time.monotonic() - started
+            files, hashes, tensors, nbytes = finished.files, finished.sha256, len(writer_plan), tensor_bytes
         if base_model_warning and (opts.part is None or opts.part.index == 0):
             opts.warn(base_model_warning)
-        return result
+        return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora), dtype=dtype_name,
+                           tensors=tensors, bytes=nbytes, lora_modules=plan.merged_modules,
+                           **_settings_fields(inp.settings), skipped=dict(plan.skipped), files=files, sha256=hashes,
+                           seconds=time.monotonic() - started, part=None if opts.part is None else written.part,
+                           resumed=written.resumed)
 
     verify_report = None
     # Space held by runs that were killed is given back before deciding whether there is enough.
