@@ -209,11 +209,12 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                 padded_vocab_size: int | None = None, mla_naming: str = "megatron-core", dtype: str = "auto",
                 lora_r: int | None = None,
                 lora_alpha: float | None = None, allow_partial_lora: bool = False, dry_run: bool = False,
-                workers: int | None = None, progress: Callable[[int, int], None] | None = None,
-                warn: Callable[[str], None] = _warn_default) -> ConvertResult:
+                workers: int | None = None, progress: Callable[[int, int], None] | None = None, part=None,
+                resume: bool = False, warn: Callable[[str], None] = _warn_default) -> ConvertResult:
     """Write a Megatron checkpoint at `out` in the given layout from an HF model or a Megatron checkpoint,
     with a LoRA merged on the way if `lora` is given (see `lora-merge --to megatron --help`). `hf_ref`
-    defaults to `base` when that is an HF model dir."""
+    defaults to `base` when that is an HF model dir. `part` and `resume` as for `merge` (whole rank files; the
+    legacy format only)."""
     base_path = _path(base, "base", BASE)
     hf_ref = reference_dir(base_path, _path(hf_ref, "hf_ref", HF_REF))
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=tp if etp is None else etp,
@@ -227,7 +228,8 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),
                            allow_partial_lora=_flag(allow_partial_lora, "allow_partial_lora"),
                            dry_run=_flag(dry_run, "dry_run"), workers=_workers(workers), warn=_callable(warn, "warn"),
-                           progress=_callable(progress, "progress", optional=True))
+                           progress=_callable(progress, "progress", optional=True), part=parse_part(part),
+                           resume=_flag(resume, "resume"))
     return run_to_megatron(opts)
 
 

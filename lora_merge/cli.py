@@ -452,7 +452,7 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         raise MergeError("--lora given several times, or --lora-weight: merged into an HF output only (--to hf)")
     opts.lora = _loras(opts.lora)
 
-    for name in ("max_shard_size", "verify", "report", "force", "base_model_id", "part", "resume"):
+    for name in ("max_shard_size", "verify", "report", "force", "base_model_id"):
         if getattr(opts, name) not in (None, False, DEFAULT_SHARD_BYTES):
             raise MergeError(f"--{name.replace('_', '-')}: an option of an HF output, not of --to megatron")
 
@@ -470,11 +470,18 @@ def _run_to_megatron(api, opts, console: Console) -> int:
             make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, padded_vocab_size=opts.padded_vocab_size,
             mla_naming=given(opts.mla_naming, "megatron-core"), dtype=opts.dtype, lora_r=opts.lora_r,
             lora_alpha=opts.lora_alpha, allow_partial_lora=opts.allow_partial_lora, dry_run=opts.dry_run,
-            workers=opts.workers, progress=bar, warn=console.warn)
+            workers=opts.workers, progress=bar, part=opts.part, resume=opts.resume, warn=console.warn)
     finally:
         if bar is not None:
             bar.close()
     out = console.result
+    if s.part is not None:
+        _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules")
+        out(f"part {s.part}: {len(s.files)} of the checkpoint's rank files"
+            + (f" ({len(s.resumed)} kept from an earlier run)" if s.resumed else "")
+            + f", in {opts.out.name}.parts/ in {s.seconds:.1f} s; once every part has run: lora-merge finish --out "
+            f"{opts.out}")
+        return 0
     _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules")
     verb = "would write" if s.dry_run else "wrote"
     out(f"{verb} a Megatron {s.ckpt_format} checkpoint, {s.layout}, padded vocab {s.padded_vocab_size}: "
@@ -518,8 +525,8 @@ def _run(command: str, opts, console: Console) -> int:
         return 0
     if command == "finish":
         s = api.finish(opts.out, force=opts.force, workers=opts.workers)
-        console.result(f"checked {s.parts} part(s): {sum(f.endswith('.safetensors') for f in s.files)} shard(s), "
-                       f"{s.bytes / 1e9:.3f} GB; published {s.out} in {s.seconds:.1f} s")
+        console.result(f"checked {s.parts} part(s): {len(s.sha256)} files, {s.bytes / 1e9:.3f} GB of tensors; "
+                       f"published {s.out} in {s.seconds:.1f} s")
         for name in s.files:
             console.detail(f"  {name}" + (f"  sha256 {s.sha256[name]}" if name in s.sha256 else ""))
         return 0

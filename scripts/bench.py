@@ -33,6 +33,8 @@ for DeepSeek, whose lora-merge run writes torch_dist).
 --glm: GLM-4.5-Air layer shapes (synthetic_moe_checkpoint.py --family glm4.5-air), GroupedMLP at EP=4.
 --adapter-variants: 32B layer shapes, HF base + one PEFT adapter, a DoRA one, three weighted ones.
 --gpt-oss: gpt-oss-20b shapes, an MXFP4 HF base + a PEFT adapter on every expert (synthetic_gpt_oss_checkpoint.py).
+--parts N [N ...]: 32B layer shapes merged by one process, and as N parts run as N processes side by side
+(--workers 1 each) followed by `lora-merge finish`.
 
 --fp8: a block-FP8 DeepSeek-V3-shaped HF base (128x128 scales) + the Megatron LoRA, merged into bf16 and into
 FP8, against a copy of the same inputs.
@@ -502,6 +504,34 @@ def bench_fp8(work: Path, repeat: int, deepseek_shape: list[str]) -> dict:
     return result
 
 
+def bench_parts(layers: int, work: Path, repeat: int, counts: list[int], preset: str = "qwen32b") -> dict:
+    """32B layer shapes (a Megatron base + LoRA, TP=4) merged by one process, and as N parts run as N processes
+    side by side on this host (each with --workers 1) followed by `lora-merge finish`, alternating with a copy;
+    500MB shards, so that each part has files of its own."""
+    root = work / f"parts-L{layers}"
+    drop(root)
+    start = time.monotonic()
+    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
+                    "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
+    generate_seconds = time.monotonic() - start
+    out = root / "merged"
+    merge = LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                          "--out", str(out), "--no-progress", "--max-shard-size", "500MB"]
+    variants = [("one process, workers default", merge)]
+    for n in counts:
+        parts = " ".join(f'"$@" --part {i}/{n} --workers 1 &' for i in range(n))
+        variants.append((f"{n} parts side by side + finish", ["sh", "-c", f'{parts} wait && "$0" -m lora_merge finish '
+                                                             f'--out {out} -q', sys.executable, *merge]))
+    in_bytes = dir_bytes(root / "base") + dir_bytes(root / "lora")
+    check_free(root, in_bytes)
+    copy, merges, out_bytes = copy_and_merge(root, [root / "base", root / "lora"], [cmd for _, cmd in variants], repeat)
+    result = {"layers": layers, "layout": "dense, parts", "generate_seconds": generate_seconds,
+              "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "copy": copy, "runs": {}}
+    add_runs(result, variants, merges, copy, out_bytes)
+    drop(root)
+    return result
+
+
 def print_targets(title: str, r: dict) -> None:
     print(f"generated in {r['generate_seconds']:.0f} s")
     for label, ours in r["runs"].items():
@@ -563,6 +593,8 @@ def main() -> None:
                    "expert, merged into bf16 and into MXFP4")
     p.add_argument("--adapter-variants", action="store_true", help="the --peft input merged with one plain adapter, "
                    "a DoRA one, and three weighted ones (32B layer shapes)")
+    p.add_argument("--parts", type=int, nargs="+", metavar="N", help="32B layer shapes merged by one process and as "
+                   "N parts side by side (each --workers 1) + finish, for each N")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     WORKER_SETTINGS[:] = args.workers
@@ -587,6 +619,11 @@ def main() -> None:
         for n in args.layers:
             report_one(f"32B layer shapes, {n} layers, PEFT adapter variants", bench_adapter_variants(n, args.workdir,
                                                                                                    args.repeat))
+        return
+    if args.parts:
+        for n in args.layers:
+            report_one(f"32B layer shapes, {n} layers, in parts", bench_parts(n, args.workdir, args.repeat, args.parts,
+                                                                            args.preset))
         return
     if args.gpt_oss:
         for n in args.layers:

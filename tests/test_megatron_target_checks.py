@@ -199,8 +199,8 @@ def test_the_space_check_keeps_a_margin_for_a_megatron_output_too(tmp_path, monk
 
 # --- every API argument is checked for its type, where it is read ---
 
-PATH, BOOL, INT, OPT_INT, NUMBER, CHOICE, SIZE, CALLABLE, TEXT, WEIGHTS = (
-    "path", "bool", "int", "optional int", "number", "choice", "size", "callable", "text", "weights")
+PATH, BOOL, INT, OPT_INT, NUMBER, CHOICE, SIZE, CALLABLE, TEXT, WEIGHTS, PART = (
+    "path", "bool", "int", "optional int", "number", "choice", "size", "callable", "text", "weights", "part")
 KINDS = {
     "hf_ref": PATH, "out": PATH, "lora": PATH, "base": PATH, "report": PATH, "checkpoint": PATH,
     "dtype": CHOICE, "ckpt_format": CHOICE, "expert_layout": CHOICE, "mla_naming": CHOICE, "expert_format": CHOICE,
@@ -209,7 +209,7 @@ KINDS = {
     "base_model_id": TEXT, "progress": CALLABLE, "warn": CALLABLE,
     "tp": INT, "pp": INT, "vpp": INT, "ep": INT, "etp": OPT_INT, "decoder_first_pipeline_num_layers": OPT_INT,
     "decoder_last_pipeline_num_layers": OPT_INT, "make_vocab_size_divisible_by": OPT_INT, "padded_vocab_size": OPT_INT,
-    "lora_weights": WEIGHTS,
+    "lora_weights": WEIGHTS, "part": PART, "resume": BOOL,
 }
 WRONG = {
     PATH: [5, 1.5, [], object(), b"dir"],
@@ -222,6 +222,7 @@ WRONG = {
     CALLABLE: [5, "print"],
     TEXT: [5, [], object()],
     WEIGHTS: ["1", 1.0, [float("nan")], ["1"], [True], [1.0, 2.0], object()],
+    PART: [5, 1.5, "1", "2/2", "0/0", (1,), (True, 2), (0, 2.0), [], object()],
 }
 
 

@@ -244,7 +244,54 @@ def test_finish_without_parts_and_options_that_do_not_go_with_parts(tmp_path, ca
         merged("tp2pp2_fp32_filtered", tmp_path / "x", part="0/2", verify=True)
     with pytest.raises(MergeError, match="--no-sha256 with --part 0/2"):
         merged("tp2pp2_fp32_filtered", tmp_path / "x", part="0/2", sha256=False)
-    root = fixture_root("tp2pp2_fp32_filtered")
-    run_failing(["--base", str(root / "base"), "--hf-ref", str(root / "hf_ref"), "--to", "megatron", "--out",
-                 str(tmp_path / "m"), "--part", "0/2"], capsys, "--part: an option of an HF output")
     assert not (tmp_path / "x").exists()
+
+
+# --- a Megatron checkpoint in parts (--to megatron, legacy format): whole rank files --------------------------
+
+def converted(out: Path, **kw):
+    return api.to_megatron(out=out, warn=quiet, workers=2, **kw)
+
+
+@pytest.mark.parametrize("source,layout,counts", [
+    ("hf", dict(tp=2, pp=2), (3, 5)),
+    ("qwen3moe_ep2", dict(ep=4, tp=2, etp=1, expert_layout="grouped"), (2, 3)),
+])
+def test_a_megatron_checkpoint_in_parts_is_the_one_process_checkpoint(source, layout, counts, one_process, tmp_path):
+    if source == "hf":  # an HF model as the base: the dense fixture's merge
+        given = dict(base=one_process("tp2pp2_fp32_filtered"))
+    else:  # a Megatron base and its LoRA, resharded with the LoRA merged
+        given = inputs(source)
+    one = tmp_path / "one" / "mcore"
+    one.parent.mkdir()
+    converted(one, **given, **layout)
+    assert len(list(one.glob("release/mp_rank_*/model_optim_rng.pt"))) >= 2
+    for count in counts:
+        out = tmp_path / str(count) / "mcore"
+        out.parent.mkdir()
+        for index in reversed(range(count)):
+            result = converted(out, **given, **layout, part=f"{index}/{count}")
+            assert result.part == f"{index}/{count}" and not out.exists()
+        assert api.finish(out).parts == count
+        assert_same_output(one, out)
+
+
+def test_a_killed_megatron_part_resumes_and_resume_alone_publishes(tmp_path, monkeypatch, one_process):
+    given = dict(base=one_process("tp2pp2_fp32_filtered"), tp=2, pp=2)
+    one = tmp_path / "one" / "mcore"
+    one.parent.mkdir()
+    converted(one, **given)
+    out = tmp_path / "mcore"
+    with monkeypatch.context() as m:
+        kill_after(m, 1)  # the part's first rank file placed, then killed
+        with pytest.raises(Killed):
+            converted(out, **given, resume=True)
+    result = converted(out, **given, resume=True)
+    assert result.part is None and len(result.resumed) == 1
+    assert_same_output(one, out)
+
+
+def test_torch_dist_is_not_split(tmp_path, one_process):
+    with pytest.raises(MergeError, match="--part with --ckpt-format torch_dist: its .metadata indexes every file"):
+        converted(tmp_path / "dist", base=one_process("tp2pp2_fp32_filtered"), ckpt_format="torch_dist", part="0/2")
+    assert not PartsDir(tmp_path / "dist").files.exists()

@@ -30,6 +30,7 @@ _CARD_HEAD_BYTES = 64 << 10
 
 MERGED_MODEL = "merged model"
 PEFT_ADAPTER = "PEFT adapter"
+MEGATRON_CHECKPOINT = "Megatron checkpoint"  # never replaced: --to megatron writes a new directory
 # The card tags that say which kind of output a lora-merge card belongs to (writers/model_card.py).
 _KIND_TAG = {MERGED_MODEL: "merged-lora", PEFT_ADAPTER: "lora"}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
 from lora_merge.files.ownership import check_replaceable
-from lora_merge.files.staged_dir import _fsync_dir, _host, rename_exchange, rename_noreplace
+from lora_merge.files.staged_dir import _fsync_dir, _fsync_tree, _host, rename_exchange, rename_noreplace
 from lora_merge.files.small_files import read_bytes
 
 MANIFEST_FORMAT = 1
@@ -63,7 +63,10 @@ class PartsDir:
         self.files.mkdir(exist_ok=True)
 
     def temporary(self, name: str) -> str:
-        return f".{name}.{self.token}.tmp"
+        """Where this run writes the file `name` (a path relative to the files directory: a Megatron rank file
+        is `release/mp_rank_00/model_optim_rng.pt`) until it is complete: beside it, under a name of its own."""
+        path = Path(name)
+        return str(path.parent / f".{path.name}.{self.token}.tmp")
 
     def place(self, name: str) -> None:
         """The file written under this run's temporary name becomes `name` (flushed first)."""
@@ -74,7 +77,7 @@ class PartsDir:
         finally:
             os.close(fd)
         os.replace(path, self.files / name)
-        _fsync_dir(self.files)
+        _fsync_dir((self.files / name).parent)
 
     def write_manifest(self, index: int, count: int, manifest: dict) -> None:
         name = manifest_name(index, count)
@@ -113,20 +116,22 @@ class PartsDir:
         return self.read_manifest(path) if path.exists() else None
 
     def clear_except(self, keep: set[str]) -> None:
-        """Remove from the files directory whatever is not in `keep` (killed runs' temporary files, what an
-        interrupted finish wrote)."""
-        for path in self.files.iterdir():
-            if path.name in keep:
+        """Remove from the files directory whatever is not in `keep` (relative paths): killed runs' temporary
+        files, what an interrupted finish wrote; directories left empty go too."""
+        for path in sorted(self.files.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            name = str(path.relative_to(self.files))
+            if name in keep:
                 continue
             if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
+                if not any(path.iterdir()):
+                    path.rmdir()
             else:
                 path.unlink()
 
     def publish(self, force: bool, kind: str) -> None:
         """The files directory becomes the output (with `force`, swapped with an earlier output of this kind,
         which is then removed); then the manifests go."""
-        _fsync_dir(self.files)
+        _fsync_tree(self.files)  # what finish wrote (the shards are flushed as they are placed)
         if force and self.out.is_dir() and not self.out.is_symlink():
             check_replaceable(self.out, kind)
             rename_exchange(self.files, self.out)

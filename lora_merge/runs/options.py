@@ -55,6 +55,8 @@ class MegatronOptions(InputOptions):
     dry_run: bool = False
     workers: int | None = None
     progress: Callable[[int, int], None] | None = None
+    part: object = None  # as MergeOptions': whole rank files (legacy format only)
+    resume: bool = False
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError, UsageError
-from lora_merge.files.ownership import MERGED_MODEL, check_replaceable
+from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL, check_replaceable
 from lora_merge.files.parts_dir import PartsDir
 from lora_merge.files.staged_dir import PUBLISHED, SideFile, check_free_space
 from lora_merge.interrupts import ignore_signals
@@ -36,6 +36,7 @@ from lora_merge.runs.stream import stream_into
 from lora_merge.shown import shown
 from lora_merge.version import __version__
 from lora_merge.writers.hf_files import copy_reference_files, reference_files
+from lora_merge.writers.megatron_legacy import TRACKER
 from lora_merge.writers.model_card import finished_card, model_card_head
 from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter, shard_file_names, split_into_shards
 from lora_merge.writers.sink import RenamedSink
@@ -133,9 +134,61 @@ class PartWritten:
     bytes: int
 
 
+class PartRun:
+    """What every kind of part run shares: the staging directories opened and checked against the parts
+    already there (one plan, one split), the files a killed run of this part completed (`--resume`), and its
+    manifest, rewritten as each file completes."""
+
+    def __init__(self, out: Path, part: Part, fingerprint: str, file_names: list[str], mine: frozenset[int],
+                 resume: bool, workers: int | None, common: dict | None):
+        self.part, self.file_names = part, file_names
+        self.staging = staging = PartsDir(out)
+        staging.create()
+        for (index, count), theirs in staging.read_manifests().items():
+            where = staging.manifests / f"part-{index:05d}-of-{count:05d}.json"
+            if count != part.count:
+                raise MergeError(f"{where}: part {index}/{count} of a split into {count}, this is --part {part}; "
+                                 f"finish or remove {staging.files} and {staging.manifests} before splitting "
+                                 "differently")
+            if theirs.get("plan") != fingerprint:
+                raise MergeError(f"{where}: part {index}/{count} of another plan (other inputs or options); remove "
+                                 f"{staging.files} and {staging.manifests} to start over")
+        assigned = [file_names[i] for i in sorted(mine)]
+        kept = {}
+        if resume:
+            own = staging.own_manifest(part.index, part.count)
+            recorded = {k: v for k, v in (own or {}).get("files", {}).items() if k in assigned}
+            kept = _still_written(staging, recorded, workers or 1)
+        self.kept = kept
+        self.pending = frozenset(i for i in mine if file_names[i] not in kept)
+        self.manifest = {"tool": f"lora-merge {__version__}", "part": [part.index, part.count], "plan": fingerprint,
+                         "assigned": assigned, "files": dict(kept), "complete": False}
+        if part.index == 0:  # what finish writes: from part 0, which every split has
+            self.manifest["common"] = common
+        staging.write_manifest(part.index, part.count, self.manifest)
+
+    def files(self, arriving: frozenset[str]) -> "PartFiles":
+        return PartFiles(self.staging, self.part, self.pending, arriving, self.manifest)
+
+    def complete(self) -> None:
+        self.manifest["complete"] = True
+        self.staging.write_manifest(self.part.index, self.part.count, self.manifest)
+
+    def written(self, tensors: int, nbytes: int) -> PartWritten:
+        return PartWritten(part=str(self.part), files=list(self.manifest["assigned"]),
+                           sha256={k: v["sha256"] for k, v in self.manifest["files"].items()},
+                           resumed=sorted(self.kept), tensors=tensors, bytes=nbytes)
+
+
+def fingerprint_of(**what) -> str:
+    """The plan's fingerprint: what every part must agree on (the output's files and tensors, the inputs, the
+    options that change a byte), with this version of lora-merge."""
+    return hashlib.sha256(json.dumps({"tool": __version__, **what}, sort_keys=True).encode()).hexdigest()
+
+
 def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.dtype, dtype_name: str,
              ref_files, base_model: str | None) -> PartWritten:
-    """Part `opts.part` of the merge (see the module's doc): its files written and recorded."""
+    """Part `opts.part` of a merge into an HF model (see the module's doc): its files written and recorded."""
     part = opts.part or Part(0, 1)
     if opts.verify:
         raise MergeError(f"--verify with --part {part}: each part holds some files only; verify the output once "
@@ -152,56 +205,54 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
     inside = opts.report is not None and os.path.realpath(opts.report.parent) == os.path.realpath(opts.out)
     card = model_card_head(opts.out.name, inp.base, inp.lora, hf_config, inp.settings, dtype_name,
                            plan.merged_modules, base_model)
-    fingerprint = hashlib.sha256(json.dumps({
-        "tool": __version__, "files": file_names,
-        "tensors": [[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
-        "inputs": [inp.base.describe(), inp.lora.describe() if inp.lora is not None else None],
-        "card": card, "config": hf_config, "reference": os.path.abspath(opts.hf_ref)}, sort_keys=True).encode()
-    ).hexdigest()
-
-    staging = PartsDir(opts.out)
-    staging.create()
-    for (index, count), theirs in staging.read_manifests().items():
-        where = staging.manifests / f"part-{index:05d}-of-{count:05d}.json"
-        if count != part.count:
-            raise MergeError(f"{where}: part {index}/{count} of a split into {count}, this is --part {part}; finish "
-                             f"or remove {staging.files} and {staging.manifests} before splitting differently")
-        if theirs.get("plan") != fingerprint:
-            raise MergeError(f"{where}: part {index}/{count} of another plan (other inputs or options); remove "
-                             f"{staging.files} and {staging.manifests} to start over")
-    kept = {}
-    if opts.resume:
-        own = staging.own_manifest(part.index, part.count)
-        recorded = {k: v for k, v in (own or {}).get("files", {}).items() if k in {file_names[i] for i in mine}}
-        kept = _still_written(staging, recorded, opts.workers or 1)
-    pending = frozenset(i for i in mine if file_names[i] not in kept)
-    tasks = [task for task in plan.tasks if any(file_of[_stored(names, t.name)] in {file_names[i] for i in pending}
+    fingerprint = fingerprint_of(
+        files=file_names, tensors=[[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
+        inputs=[inp.base.describe(), inp.lora.describe() if inp.lora is not None else None],
+        card=card, config=hf_config, reference=os.path.abspath(opts.hf_ref))
+    common = {
+        "kind": MERGED_MODEL, "files": file_names, "card": card, "later": [opts.report.name] if inside else [],
+        "index": {"metadata": {"total_size": sum(sizes)}, "weight_map": file_of} if len(shards) > 1 else None,
+        "report": report_data(inp, opts.hf_ref, plan, file_of, None, ref_files) if opts.report else None,
+        "report_path": os.path.abspath(opts.report) if opts.report else None,
+        "reference": {"directory": os.path.abspath(opts.hf_ref), "config": hf_config,
+                      "dtype": str(dtype).removeprefix("torch.")}} if part.index == 0 else None
+    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common)
+    pending_names = {file_names[i] for i in run.pending}
+    tasks = [task for task in plan.tasks if any(file_of[_stored(names, t.name)] in pending_names
                                                  for t in task.outputs)]
     arriving = frozenset(_stored(names, t.name) for task in tasks for t in task.outputs)
-    manifest = {"tool": f"lora-merge {__version__}", "part": [part.index, part.count], "plan": fingerprint,
-                "assigned": [file_names[i] for i in sorted(mine)], "files": dict(kept), "complete": False}
-    if part.index == 0:  # what finish writes: from part 0, which every split has
-        manifest["common"] = {
-            "files": file_names, "card": card, "later": [opts.report.name] if inside else [],
-            "index": {"metadata": {"total_size": sum(sizes)}, "weight_map": file_of} if len(shards) > 1 else None,
-            "report": report_data(inp, opts.hf_ref, plan, file_of, None, ref_files) if opts.report else None,
-            "report_path": os.path.abspath(opts.report) if opts.report else None,
-            "reference": {"directory": os.path.abspath(opts.hf_ref), "config": hf_config,
-                          "dtype": str(dtype).removeprefix("torch.")}}
-    staging.write_manifest(part.index, part.count, manifest)
-    pending_bytes = sum(sizes[i] for i in pending)
-    check_free_space(staging.files, pending_bytes, ref_files.total_bytes if part.index == 0 else 0)
-    files = PartFiles(staging, part, pending, arriving, manifest)
-    writer = ShardedSafetensorsWriter(staging.files, stored, opts.max_shard_size, hash_files=True, part=files)
+    check_free_space(run.staging.files, sum(sizes[i] for i in run.pending),
+                     ref_files.total_bytes if part.index == 0 else 0)
+    writer = ShardedSafetensorsWriter(run.staging.files, stored, opts.max_shard_size, hash_files=True,
+                                      part=run.files(arriving))
     sink = writer if names is None else RenamedSink(writer, names.stored)
-    part_plan = replace(plan, tasks=tasks)
-    stream_into(sink, staging.files, part_plan, opts.progress, sum(t.nbytes for task in tasks for t in task.outputs),
-                opts.workers)
-    manifest["complete"] = True
-    staging.write_manifest(part.index, part.count, manifest)
-    return PartWritten(part=str(part), files=list(manifest["assigned"]),
-                       sha256={k: v["sha256"] for k, v in manifest["files"].items()}, resumed=sorted(kept),
-                       tensors=sum(len(shards[i]) for i in mine), bytes=sum(sizes[i] for i in mine))
+    stream_into(sink, run.staging.files, replace(plan, tasks=tasks), opts.progress,
+                sum(t.nbytes for task in tasks for t in task.outputs), opts.workers)
+    run.complete()
+    return run.written(sum(len(shards[i]) for i in mine), sum(sizes[i] for i in mine))
+
+
+def run_megatron_part(opts, plan, writer, inputs: list, args) -> PartWritten:
+    """Part `opts.part` of a legacy Megatron checkpoint (`--to megatron`): whole rank files, split as an HF
+    output's shards are; `finish` writes the tracker file."""
+    part = opts.part or Part(0, 1)
+    file_names = writer.file_names()
+    sizes = writer.file_sizes()
+    owner = assign_files(sizes, part.count)
+    mine = frozenset(i for i, p in enumerate(owner) if p == part.index)
+    fingerprint = fingerprint_of(files=file_names, sizes=sizes, tensors=[[t.name, list(t.shape), str(t.dtype)]
+                                                                         for t in plan.tensors],
+                                 inputs=inputs, args=repr(sorted(vars(args).items())))
+    common = {"kind": MEGATRON_CHECKPOINT, "files": file_names, "tracker": writer.tracker_text()} \
+        if part.index == 0 else None
+    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common)
+    tasks = [task for task in plan.tasks if any(writer.files_of(t.name) & run.pending for t in task.outputs)]
+    check_free_space(run.staging.files, sum(sizes[i] for i in run.pending), 0, "the tracker file")
+    writer.write_only(run.files(frozenset(t.name for task in tasks for t in task.outputs)))
+    stream_into(writer, run.staging.files, replace(plan, tasks=tasks), opts.progress,
+                sum(t.nbytes for task in tasks for t in task.outputs), opts.workers)
+    run.complete()
+    return run.written(len(mine), sum(sizes[i] for i in mine))
 
 
 def _stored(names, name: str) -> str:
@@ -258,15 +309,42 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, warn=
             what = "is missing" if not path.exists() else "has other bytes than its part recorded"
             raise MergeError(f"{path}: {what}; rerun part {owner[name]}/{count} with --part {owner[name]}/{count} "
                              "--resume")
+    kind = common.get("kind", MERGED_MODEL)
     if out.exists() or out.is_symlink():
-        if not force:
-            raise MergeError(f"{out}: already exists (pass --force to replace an earlier output)")
-        check_replaceable(out, MERGED_MODEL)
-    reference = common["reference"]
+        if not force or kind == MEGATRON_CHECKPOINT:
+            raise MergeError(f"{out}: already exists" + (" (pass --force to replace an earlier output)"
+                                                         if kind == MERGED_MODEL else "; a Megatron checkpoint is "
+                                                         "written to a new directory"))
+        check_replaceable(out, kind)
     staging.clear_except(set(common["files"]))  # temporary files of killed runs, an interrupted finish's files
+    hashes = {name: checked[name]["sha256"] for name in common["files"]}
+    if kind == MEGATRON_CHECKPOINT:
+        files = [TRACKER, *common["files"]]
+        (staging.files / TRACKER).write_text(common["tracker"])
+        report = None
+    else:
+        files, report = _finish_hf_model(staging, common, hashes)
+    try:
+        ignore_signals()  # the point of no return, as for a one-process run
+        staging.publish(force, kind)
+    except BaseException:
+        if report is not None:
+            report.discard()
+        raise
+    PUBLISHED.append(out)
+    if report is not None:
+        report.publish(force)
+    return FinishResult(out=out, parts=count, files=files, sha256=hashes,
+                        bytes=sum(recorded[name]["bytes"] for name in common["files"]),
+                        seconds=time.monotonic() - started)
+
+
+def _finish_hf_model(staging: PartsDir, common: dict, hashes: dict) -> tuple[list[str], SideFile | None]:
+    """What a one-process merge writes after its shards: the index, config and reference files, the card, and
+    the report (inside the output, or beside it as a side file published with it). `hashes` gains theirs."""
+    reference = common["reference"]
     check_free_space(staging.files, 0, reference_files(Path(reference["directory"])).total_bytes)
     files = list(common["files"])
-    hashes = {name: checked[name]["sha256"] for name in files}
     if common["index"] is not None:
         (staging.files / INDEX).write_text(json.dumps(common["index"], indent=2) + "\n")
         files.append(INDEX)
@@ -278,25 +356,13 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, warn=
     with (staging.files / "README.md").open("x") as f:
         f.write(finished_card(common["card"], hashes, later))
     files.append("README.md")
-    report = None
-    if common["report"] is not None:
-        text = finished_report(common["report"], hashes)
-        path = Path(common["report_path"])
-        if later:
-            (staging.files / path.name).write_text(text)
-        else:
-            report = SideFile(path)
-            report.write(text)
-    try:
-        ignore_signals()  # the point of no return, as for a one-process run
-        staging.publish(force, MERGED_MODEL)
-    except BaseException:
-        if report is not None:
-            report.discard()
-        raise
-    PUBLISHED.append(out)
-    if report is not None:
-        report.publish(force)
-    return FinishResult(out=out, parts=count, files=files, sha256=hashes,
-                        bytes=sum(recorded[name]["bytes"] for name in common["files"]),
-                        seconds=time.monotonic() - started)
+    if common["report"] is None:
+        return files, None
+    text = finished_report(common["report"], hashes)
+    path = Path(common["report_path"])
+    if later:
+        (staging.files / path.name).write_text(text)
+        return files, None
+    report = SideFile(path)
+    report.write(text)
+    return files, report

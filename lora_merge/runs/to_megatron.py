@@ -6,23 +6,24 @@ into the target's rank files as it streams."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_merge.errors import MergeError
+from lora_merge.files.ownership import MEGATRON_CHECKPOINT
 from lora_merge.model.layout import AsStored, SharedCopy
 from lora_merge.integrity import check_replica
 from lora_merge.merge_plan import build_plan
 from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
+from lora_merge.runs.parts import run_finish, run_megatron_part
 from lora_merge.runs.stream import stream_into
 from lora_merge.writers.megatron_args import target_args
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
 from lora_merge.writers.row_scatter import Block
 from lora_merge.files.staged_dir import StagedOutput, check_free_space, check_output_target, remove_abandoned_staging
 
-MEGATRON_CHECKPOINT = "Megatron checkpoint"
 # What the space check's margin covers beyond the counted bytes (the legacy rank files are counted exactly)
 CHECKPOINT_EXTRAS = "the tracker file and torch_dist's framing and metadata"
 
@@ -46,6 +47,8 @@ class ConvertResult:
     dry_run: bool = False
     plan: object = None  # a dry run's plan and planned writer (for tools that inspect them)
     writer: object = None
+    part: str | None = None  # "I/N": this run wrote part I of N (its `files`), for `finish` to publish
+    resumed: list = field(default_factory=list)  # rank files kept from a killed run (--resume)
 
 
 def drop_mtp_copies(plan) -> None:
@@ -73,6 +76,10 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     if opts.dtype == FP8:
         raise MergeError("--dtype fp8 with --to megatron: a Megatron checkpoint is written in bfloat16, float16 or "
                          "float32 (FP8 bases are read dequantized)")
+    if (opts.part is not None or opts.resume) and target.ckpt_format == "torch_dist":
+        raise MergeError(f"{'--part' if opts.part is not None else '--resume'} with --ckpt-format torch_dist: its "
+                         ".metadata indexes every file's chunks, so it is not split into parts yet; write the legacy "
+                         "format (--ckpt-format torch) in parts, or torch_dist in one run")
     check_input_dirs(opts)
     if opts.out.exists() or opts.out.is_symlink():
         raise MergeError(f"{opts.out}: already exists; a Megatron checkpoint is written to a new directory")
@@ -124,6 +131,13 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     if opts.dry_run:
         check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
         return ConvertResult(out=opts.out, files=[], dry_run=True, plan=plan, writer=writer, **describe)
+    if opts.part is not None or opts.resume:
+        written = run_megatron_part(opts, plan, writer, [inp.base.describe(), describe["lora"]], args)
+        files = written.files
+        if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
+            files = run_finish(opts.out, workers=opts.workers).files
+        return ConvertResult(out=opts.out, files=files, seconds=time.monotonic() - started,
+                             part=None if opts.part is None else written.part, resumed=written.resumed, **describe)
     remove_abandoned_staging(opts.out, inputs)
     check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
     with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:

@@ -14,6 +14,7 @@ Vocabulary padding rows are zero. No optimizer or RNG state: load with `--finetu
 
 from __future__ import annotations
 
+import hashlib
 import re
 from functools import partial
 from collections import OrderedDict
@@ -59,6 +60,7 @@ class MegatronLegacyWriter(RowScatter):
         self.layout, self.args, self.grouped_experts = layout, args, grouped_experts
         self._grouped: dict = {}  # (file, chunk, name) -> the Target of a GroupedMLP weight1/weight2
         self._slots: dict = {}  # id(Target) -> (file, slot)
+        self.part = None  # the files of a `--part` (write_only), or None for all
         self.out: Path | None = None
         files = {f: _File(f, Path(RELEASE, f.dir_name(layout), FILE_NAME), [OrderedDict() for _ in range(layout.vpp)])
                  for f in layout.rank_files()}
@@ -175,25 +177,66 @@ class MegatronLegacyWriter(RowScatter):
     def total_bytes(self) -> int:
         return sum(f.archive.size for f in self.files)
 
+    # --- a part of the files (`--part`) -----------------------------------------------------------------
+
+    def file_names(self) -> list[str]:
+        """The rank files, as paths relative to the checkpoint dir (the tracker file aside)."""
+        return [str(f.path) for f in self.files]
+
+    def file_sizes(self) -> list[int]:
+        return [f.archive.size for f in self.files]
+
+    def tracker_text(self) -> str:
+        return RELEASE
+
+    def files_of(self, hf_name: str) -> set[int]:
+        """The rank files (by index) that rows of this HF tensor go to."""
+        index = {id(f): i for i, f in enumerate(self.files)}
+        return {index[id(self._slots[id(t.grouped if isinstance(t, Block) else t)][0])]
+                for dest in self.hf[hf_name].destinations for targets in dest.targets.values() for t in targets}
+
+    def write_only(self, part) -> None:
+        """Write the rank files `part.files` (indices) only, each under `part.temporary(name)`, renamed into place
+        and reported to `part.written(name, sha256)` once complete; rows bound for the others are dropped."""
+        self.part = part
+        own = {id(self.files[i]) for i in part.files}
+        for t in self.targets:
+            if id(self._slots[id(t.grouped if isinstance(t, Block) else t)][0]) not in own:
+                self.ignored.add(id(t))
+
+    def _own(self) -> list[_File]:
+        return self.files if self.part is None else [self.files[i] for i in sorted(self.part.files)]
+
+    def _path(self, f: _File) -> Path:
+        return self.out / (f.path if self.part is None else self.part.temporary(str(f.path)))
+
+    # --- writing ------------------------------------------------------------------------------------
+
     def start(self, out: Path) -> None:
         """Open every rank file for writing front to back (O_DIRECT where the file system allows)."""
         self.out = Path(out)
-        (self.out / RELEASE).mkdir()
-        buffer = max(1 << 20, STREAM_BUFFER_BYTES // len(self.files)) // ALIGN * ALIGN
-        for f in self.files:
-            (self.out / f.path).parent.mkdir()
-            f.stream = ArchiveStream(f.archive, OutputFile(self.out / f.path, buffer))
+        (self.out / RELEASE).mkdir(exist_ok=self.part is not None)  # parts share one directory
+        own = self._own()
+        buffer = max(1 << 20, STREAM_BUFFER_BYTES // max(1, len(own))) // ALIGN * ALIGN
+        for f in own:
+            (self.out / f.path).parent.mkdir(exist_ok=self.part is not None)
+            file = OutputFile(self._path(f), buffer)
+            f.stream = ArchiveStream(f.archive, file if self.part is None else HashedFile(file))
         for t in self.targets:
-            if not isinstance(t, Block):
+            if not isinstance(t, Block) and id(t) not in self.ignored:
                 f, slot = self._slots[id(t)]
                 t.append = partial(f.stream.append, slot)
 
     def finish(self) -> list[str]:
         self.check_complete(self.out)
-        for f in self.files:
+        for f in self._own():
             for t in self._unreached[id(f)]:
                 self._complete(t)
             f.stream.close()
+        if self.part is not None:  # the tracker file is written once every part's files are (`lora-merge finish`)
+            for f in self._own():
+                self.part.written(str(f.path), f.stream.out.sha256.hexdigest())
+            return [str(f.path) for f in self._own()]
         with open(self.out / TRACKER, "x") as tracker:
             tracker.write(RELEASE)
         return [TRACKER] + [str(f.path) for f in self.files]
@@ -202,7 +245,26 @@ class MegatronLegacyWriter(RowScatter):
         for f in self.files:
             if f.stream is not None:
                 f.stream.out.abort()
+                if self.part is not None:  # not in a directory of its own that goes with the run
+                    self._path(f).unlink(missing_ok=True)
                 f.stream = None
+
+
+class HashedFile:
+    """An output file that hashes (sha256) what passes through it, for a part's manifest."""
+
+    def __init__(self, out: OutputFile):
+        self.out, self.sha256 = out, hashlib.sha256()
+
+    def write(self, data) -> None:
+        self.sha256.update(data)
+        self.out.write(data)
+
+    def close(self) -> None:
+        self.out.close()
+
+    def abort(self) -> None:
+        self.out.abort()
 
 
 # The order in which Megatron-Core's modules register their parameters (and so state_dict's order), within

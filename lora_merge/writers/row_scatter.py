@@ -85,6 +85,7 @@ class RowScatter:
         self.shape = shape
         self.hf: dict[str, _HfTensor] = {}
         self.targets: list[Target | Block] = []
+        self.ignored: set[int] = set()  # ids of the targets in files another part writes (`--part`)
 
     def route(self, rule, hf_prefix: str, name: str, shard_shapes: list[tuple[int, ...]], by_rank: dict) -> None:
         """Send the rule's HF rows to `by_rank[rank]` (the targets holding that TP rank's shard)."""
@@ -185,6 +186,8 @@ class RowScatter:
             data = None
             for targets in dest.targets.values():
                 for t in targets:
+                    if id(t) in self.ignored:
+                        continue
                     if isinstance(t, Block):
                         self._gather(t, piece, row)
                         continue
@@ -233,7 +236,7 @@ class RowScatter:
             self._written(block.grouped, data.nbytes, "a GroupedMLP expert")
 
     def check_complete(self, where) -> None:
-        unwritten = [t for t in self.targets if t.due]
+        unwritten = [t for t in self.targets if t.due and id(t) not in self.ignored]
         if unwritten:
             raise MergeError(f"{where}: {len(unwritten)} tensor(s) not completely written (plan error); nothing "
                              "published")
