@@ -64,7 +64,7 @@ class OrderedWorker:
         calls), dropping a failure: the run's own error is the one to report."""
         try:
             self.close()
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001  (whatever it was: raised from here, it would skip the cleanup after)
             pass
 
 
