@@ -28,6 +28,7 @@ from lora_merge import options
 from lora_merge.options import MAX_WORKERS
 from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS,
                                 VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
+from lora_merge.files.parts_dir import STAGED
 from lora_merge.files.staged_dir import PUBLISHED
 
 if TYPE_CHECKING:
@@ -403,6 +404,7 @@ def _main(argv: list[str] | None) -> int:
     if getattr(opts, "out", None) is not None and command != "verify":
         opts.out = Path(os.path.abspath(opts.out))  # `--out .` or `--out ..` name a directory, not a link
     PUBLISHED.clear()
+    STAGED.clear()
     with signals_raise():
         try:
             return _run(command, opts, console)
@@ -501,6 +503,9 @@ def _run_to_megatron(api, opts, console: Console) -> int:
 def what_was_written() -> str:
     if PUBLISHED:
         return f"{', '.join(map(str, PUBLISHED))} had already been published complete"
+    if STAGED:  # a run in parts: its completed files stay, recorded in its manifest
+        return (f"nothing was published; {STAGED[-1]} keeps the files completed so far: run the same command with "
+                "--resume to continue")
     return "no output was written"
 
 

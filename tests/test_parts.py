@@ -295,3 +295,26 @@ def test_torch_dist_is_not_split(tmp_path, one_process):
     with pytest.raises(MergeError, match="--part with --ckpt-format torch_dist: its .metadata indexes every file"):
         converted(tmp_path / "dist", base=one_process("tp2pp2_fp32_filtered"), ckpt_format="torch_dist", part="0/2")
     assert not PartsDir(tmp_path / "dist").files.exists()
+
+
+def test_an_interrupted_part_says_what_it_keeps_for_resume(tmp_path, monkeypatch, capsys):
+    import signal
+
+    root = fixture_root("tp2pp2_fp32_filtered")
+    out = tmp_path / "merged"
+    placed = parts_module.PartFiles.written
+    count = [0]
+
+    def written(self, name, sha256):
+        placed(self, name, sha256)
+        count[0] += 1
+        if count[0] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(parts_module.PartFiles, "written", written)
+    code = main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(out), "--max-shard-size", str(SHARD), "--no-progress", "--part", "0/2"])
+    err = capsys.readouterr().err
+    assert code == 143 and err.count("\n") == 1, err
+    assert (f"interrupted by SIGTERM; nothing was published; {PartsDir(out).files} keeps the files completed so far: "
+            "run the same command with --resume to continue") in err
+    assert len(PartsDir(out).own_manifest(0, 2)["files"]) >= 2 and not out.exists()

@@ -33,6 +33,10 @@ MANIFEST = re.compile(r"part-(\d{5})-of-(\d{5})\.json")
 TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")
 
 
+# The parts directories this process has written into: what an interrupted run leaves for --resume (cli.py).
+STAGED: list[Path] = []
+
+
 def manifest_name(index: int, count: int) -> str:
     return f"part-{index:05d}-of-{count:05d}.json"
 
@@ -61,6 +65,7 @@ class PartsDir:
                                  "lora-merge's parts: move it away")
         self.manifests.mkdir(exist_ok=True)
         self.files.mkdir(exist_ok=True)
+        STAGED.append(self.files)
 
     def temporary(self, name: str) -> str:
         """Where this run writes the file `name` (a path relative to the files directory: a Megatron rank file
