@@ -33,6 +33,9 @@ for DeepSeek, whose lora-merge run writes torch_dist).
 --glm: GLM-4.5-Air layer shapes (synthetic_moe_checkpoint.py --family glm4.5-air), GroupedMLP at EP=4.
 --adapter-variants: 32B layer shapes, HF base + one PEFT adapter, a DoRA one, three weighted ones.
 --gpt-oss: gpt-oss-20b shapes, an MXFP4 HF base + a PEFT adapter on every expert (synthetic_gpt_oss_checkpoint.py).
+--cold (with any of the above): the page cache is dropped before every measured run (copy and merge alike), so
+the inputs come from the disk, as on a user's first run (root only).
+
 --parts N [N ...]: 32B layer shapes merged by one process, and as N parts run as N processes side by side
 (--workers 1 each) followed by `lora-merge finish`.
 
@@ -152,11 +155,27 @@ def merge_variants(cmd: list[str], no_sha256: bool = False) -> list[tuple[str, l
     return variants
 
 
+COLD = []  # [True] with --cold: the page cache is dropped before every measured run
+
+
+def drop_page_cache() -> None:
+    """Write back, then drop the page cache (root only: /proc/sys/vm/drop_caches), so that a run reads its
+    inputs from the disk as a user's first run does."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise SystemExit(f"--cold: cannot drop the page cache ({exc.strerror}: it takes root); run without --cold, "
+                         "and say that the inputs were cached")
+
+
 def measure(cmd: list[str], allow_failure: bool = False) -> dict:
     """Run cmd in a fresh process; wall seconds, its CPU seconds (user + system) and its own peak RSS, and
-    for a lora-merge run the CPU seconds of each of its stages."""
+    for a lora-merge run the CPU seconds of each of its stages. With --cold, from an empty page cache."""
     stage_file = Path(f"/tmp/lora-merge-bench-stages-{os.getpid()}.json")
     stage_file.unlink(missing_ok=True)
+    if COLD:
+        drop_page_cache()
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "LORA_MERGE_STAGE_TIMES": str(stage_file)})
@@ -595,8 +614,13 @@ def main() -> None:
                    "a DoRA one, and three weighted ones (32B layer shapes)")
     p.add_argument("--parts", type=int, nargs="+", metavar="N", help="32B layer shapes merged by one process and as "
                    "N parts side by side (each --workers 1) + finish, for each N")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before every measured run, copies "
+                   "included (root: writes /proc/sys/vm/drop_caches), so inputs come from the disk")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
+    if args.cold:
+        drop_page_cache()  # fails here, before anything is generated, where it cannot
+        COLD.append(True)
     WORKER_SETTINGS[:] = args.workers
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.scaling:

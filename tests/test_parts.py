@@ -318,3 +318,21 @@ def test_an_interrupted_part_says_what_it_keeps_for_resume(tmp_path, monkeypatch
     assert (f"interrupted by SIGTERM; nothing was published; {PartsDir(out).files} keeps the files completed so far: "
             "run the same command with --resume to continue") in err
     assert len(PartsDir(out).own_manifest(0, 2)["files"]) >= 2 and not out.exists()
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, (8 << 20) - 1, 8 << 20, (8 << 20) + 4097])
+def test_a_file_hashed_without_the_page_cache_has_its_sha256(tmp_path, size):
+    import hashlib
+
+    from lora_merge.files.file_hash import sha256_of
+
+    data = os.urandom(size)
+    for directory in (tmp_path, Path("/dev/shm")):  # a disk file system, and tmpfs (O_DIRECT refused on older kernels)
+        if not directory.is_dir():
+            continue
+        path = directory / f"lora-merge-hash-test-{os.getpid()}"
+        try:
+            path.write_bytes(data)
+            assert sha256_of(path) == hashlib.sha256(data).hexdigest()
+        finally:
+            path.unlink(missing_ok=True)

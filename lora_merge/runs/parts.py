@@ -27,9 +27,11 @@ import torch
 
 from lora_merge.errors import MergeError, UsageError
 from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL, check_replaceable
+from lora_merge.files.file_hash import sha256_of
 from lora_merge.files.parts_dir import PartsDir
 from lora_merge.files.staged_dir import PUBLISHED, SideFile, check_free_space
 from lora_merge.interrupts import ignore_signals
+from lora_merge.merge_pipeline import default_workers
 from lora_merge.options import argument_name
 from lora_merge.report import finished_report, hash_files, report_data
 from lora_merge.runs.stream import stream_into
@@ -102,25 +104,18 @@ class PartFiles:
         self.staging.write_manifest(self.part.index, self.part.count, self.manifest)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _still_written(staging: PartsDir, recorded: dict, workers: int) -> dict:
     """Of the recorded files, those whose size and sha256 on disk are still what was recorded."""
     def check(item):
         name, entry = item
         path = staging.files / name
         try:
-            ok = path.stat().st_size == entry["bytes"] and _sha256(path) == entry["sha256"]
+            ok = path.stat().st_size == entry["bytes"] and sha256_of(path) == entry["sha256"]
         except OSError:
             ok = False
         return name, entry, ok
-    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib lets go of the GIL: one core a file
+    # hashlib and the reads let go of the GIL; two files a core keep the disk busy while the other hashes
+    with ThreadPoolExecutor(max(1, 2 * workers)) as pool:
         return {name: entry for name, entry, ok in pool.map(check, sorted(recorded.items())) if ok}
 
 
@@ -158,7 +153,7 @@ class PartRun:
         if resume:
             own = staging.own_manifest(part.index, part.count)
             recorded = {k: v for k, v in (own or {}).get("files", {}).items() if k in assigned}
-            kept = _still_written(staging, recorded, workers or 1)
+            kept = _still_written(staging, recorded, workers or default_workers())
         self.kept = kept
         self.pending = frozenset(i for i in mine if file_names[i] not in kept)
         self.manifest = {"tool": f"lora-merge {__version__}", "part": [part.index, part.count], "plan": fingerprint,
@@ -302,7 +297,7 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, warn=
                          "the manifests were changed: rerun the parts")
     recorded = {name: entry for index in range(count) for name, entry in manifests[index, count]["files"].items()}
     owner = {name: index for index in range(count) for name in manifests[index, count]["assigned"]}
-    checked = _still_written(staging, recorded, workers or os.cpu_count() or 1)
+    checked = _still_written(staging, recorded, workers or default_workers())
     for name in common["files"]:
         if name not in checked:
             path = staging.files / name
