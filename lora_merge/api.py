@@ -195,11 +195,13 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
     return run_merge(opts)
 
 
-def finish(out, *, force: bool = False, workers: int | None = None) -> FinishResult:
+def finish(out, *, force: bool = False, workers: int | None = None, rehash: bool = True) -> FinishResult:
     """Publish a merge run in parts (`merge(..., part="I/N")`) at `out`: every part of one plan must have
-    completed and every file must still have the sha256 its part recorded; then the index, config, reference
-    files, card and report are written and the directory is renamed into place (see `lora-merge finish --help`)."""
-    return run_finish(_abs(_required(out, "out", OUT)), force=_flag(force, "force"), workers=_workers(workers))
+    completed and every file must still have the sha256 its part recorded (`rehash=False`: the size; the
+    sha256 as recorded while writing); then the index, config, reference files, card and report are written
+    and the directory is renamed into place (see `lora-merge finish --help`)."""
+    return run_finish(_abs(_required(out, "out", OUT)), force=_flag(force, "force"), workers=_workers(workers),
+                      rehash=_flag(rehash, "rehash"))
 
 
 def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,

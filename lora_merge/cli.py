@@ -291,8 +291,11 @@ def build_finish_parser() -> argparse.ArgumentParser:
                     "byte for byte what one process writes.")
     p.add_argument("--out", type=Path, required=True, help="the --out the parts were run with")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier output) and the report")
-    p.add_argument("--workers", type=_workers, default=None, metavar="N", help="files hashed side by side "
-                   "(default: every core)")
+    p.add_argument("--workers", type=_workers, default=None, metavar="N", help="cores hashing files side by side "
+                   "(default: every core this process may use)")
+    p.add_argument("--no-rehash", dest="rehash", action="store_false", help="check the files' sizes only, taking "
+                   "each sha256 as its part recorded it while writing (skips reading the whole output again; a "
+                   "file changed on the disk since goes unnoticed)")
     _output_options(p)
     return p
 
@@ -529,7 +532,7 @@ def _run(command: str, opts, console: Console) -> int:
                          f"start vLLM with --max-lora-rank {s.r} or more")
         return 0
     if command == "finish":
-        s = api.finish(opts.out, force=opts.force, workers=opts.workers)
+        s = api.finish(opts.out, force=opts.force, workers=opts.workers, rehash=opts.rehash)
         console.result(f"checked {s.parts} part(s): {len(s.sha256)} files, {s.bytes / 1e9:.3f} GB of tensors; "
                        f"published {s.out} in {s.seconds:.1f} s")
         for name in s.files:

@@ -78,7 +78,7 @@ def test_parts_in_any_order_give_the_one_process_bytes(fixture, counts, one_proc
             assert result.part == f"{index}/{count}" and not out.exists()
             written += result.files
         assert sorted(written) == sorted(n for n in os.listdir(expected) if n.endswith(".safetensors"))
-        finished = api.finish(out)
+        finished = api.finish(out, rehash=count != 7)
         assert finished.parts == count
         assert_same_output(expected, out)
         assert not PartsDir(out).files.exists() and not PartsDir(out).manifests.exists()
@@ -208,6 +208,11 @@ def test_finish_refuses_a_file_changed_since_its_part_wrote_it(tmp_path, capsys)
     victim.write_bytes(bytes(data))
     run_failing(["finish", "--out", str(out)], capsys, f"{victim}: has other bytes than its part recorded; rerun part "
                 "1/2 with --part 1/2 --resume")
+    # without rehashing, a file of the same size passes (its sha256 is the one its part recorded) ...
+    data[-1] ^= 0x40
+    victim.write_bytes(bytes(data[:-1]))  # ... one cut short does not
+    with pytest.raises(MergeError, match="has another size than its part recorded; rerun part 1/2"):
+        api.finish(out, rehash=False)
     victim.unlink()
     with pytest.raises(MergeError, match="is missing; rerun part 1/2"):
         api.finish(out)
@@ -300,6 +305,11 @@ def test_torch_dist_is_not_split(tmp_path, one_process):
 def test_an_interrupted_part_says_what_it_keeps_for_resume(tmp_path, monkeypatch, capsys):
     import signal
 
+    from lora_merge import entry, interrupts
+
+    received = []  # the signal this test sends is this test's alone
+    monkeypatch.setattr(interrupts, "RECEIVED", received)
+    monkeypatch.setattr(entry, "RECEIVED", received)
     root = fixture_root("tp2pp2_fp32_filtered")
     out = tmp_path / "merged"
     placed = parts_module.PartFiles.written
