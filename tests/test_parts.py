@@ -35,8 +35,8 @@ def inputs(fixture: str) -> dict:
 
 
 def merged(fixture: str, out: Path, **kw):
-    return api.merge(**inputs(fixture), out=out, max_shard_size=SHARD, report=out / "merge-report.json",
-                     workers=2, warn=quiet, **kw)
+    kw.setdefault("report", out / "merge-report.json")
+    return api.merge(**inputs(fixture), out=out, max_shard_size=SHARD, workers=2, warn=quiet, **kw)
 
 
 def tree(directory: Path) -> dict[str, bytes]:
@@ -346,3 +346,120 @@ def test_a_file_hashed_without_the_page_cache_has_its_sha256(tmp_path, size):
             assert sha256_of(path) == hashlib.sha256(data).hexdigest()
         finally:
             path.unlink(missing_ok=True)
+
+
+# --- what the review of the parts found: each defect's class ----------------------------------------------
+
+def test_parts_differing_in_any_lora_setting_are_refused(tmp_path, one_process):
+    out = tmp_path / "merged"
+    merged("tp2pp2_fp32_filtered", out, part="0/2", lora_alpha=3.0)
+    with pytest.raises(MergeError, match="part 0/2 of another plan"):  # the card shows both as 3
+        merged("tp2pp2_fp32_filtered", out, part="1/2", lora_alpha=3.000001)
+    with pytest.raises(MergeError, match="part 0/2 of another plan"):
+        merged("tp2pp2_fp32_filtered", out, part="1/2", lora_alpha=3.0, report=None)  # the report is the plan's too
+    mcore = tmp_path / "mcore"
+    given = dict(inputs("qwen3moe_ep2"), ep=2, tp=2, etp=1)
+    converted(mcore, **given, part="0/2")
+    with pytest.raises(MergeError, match="part 0/2 of another plan"):
+        converted(mcore, **given, part="1/2", lora_alpha=3.0)
+
+
+def test_an_input_changed_between_parts_is_another_plan(tmp_path):
+    import shutil
+
+    root = tmp_path / "inputs"
+    shutil.copytree(fixture_root("tp2pp2_fp32_filtered"), root)
+    given = dict(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", max_shard_size=SHARD, warn=quiet)
+    out = tmp_path / "merged"
+    api.merge(**given, out=out, part="0/2")
+    tracker = next(root.joinpath("lora").rglob("latest_checkpointed_iteration.txt"))
+    os.utime(tracker, ns=(1, 1))  # the same bytes, written again (a LoRA trained again into the same directory)
+    with pytest.raises(MergeError, match="part 0/2 of another plan"):
+        api.merge(**given, out=out, part="1/2")
+
+
+def test_finish_refuses_a_report_it_may_not_replace_before_publishing(tmp_path):
+    out = tmp_path / "merged"
+    report = tmp_path / "report.json"
+    for index in range(2):
+        api.merge(**inputs("tp2pp2_fp32_filtered"), out=out, max_shard_size=SHARD, report=report, warn=quiet,
+                  part=f"{index}/2")
+    report.write_text("someone's notes")
+    with pytest.raises(MergeError, match="report.json: already exists and is a file that is not a report of lora-merge"):
+        api.finish(out, force=True)
+    report.unlink()
+    report.write_text('{"lora_merge_report": 1, "tool": "lora-merge 0.1"}')  # an earlier report of ours
+    with pytest.raises(MergeError, match=r"report.json: already exists: an earlier report of lora-merge \(pass --force"):
+        api.finish(out)
+    assert not out.exists() and PartsDir(out).manifests.is_dir()  # nothing published, the parts kept
+    api.finish(out, force=True)
+    assert json.loads(report.read_text())["files"]
+
+
+def test_damaged_manifests_name_the_part_to_rerun_and_a_part_rewrites_its_own(tmp_path, one_process):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    manifests = PartsDir(out).manifests
+    (manifests / "part-00001-of-00002.json").write_text("{not json")
+    with pytest.raises(MergeError, match=r"part-00001-of-00002.json: not a readable part manifest .*; remove it and "
+                                         r"rerun part 1/2"):
+        api.finish(out)
+    merged("tp2pp2_fp32_filtered", out, part="1/2", resume=True)  # its own: written again
+    (manifests / "part-00000-of-00002.json").write_text(json.dumps({"lora-merge part manifest": 1, "plan": "x"}))
+    with pytest.raises(MergeError, match="a part manifest without its plan, files or state; remove it and rerun part 0/2"):
+        merged("tp2pp2_fp32_filtered", out, part="1/2")
+    (manifests / "part-00000-of-00002.json").unlink()
+    merged("tp2pp2_fp32_filtered", out, part="0/2")
+    api.finish(out)
+    assert_same_output(one_process("tp2pp2_fp32_filtered"), out)
+
+
+def test_files_not_ours_in_the_parts_directory_are_never_removed(tmp_path):
+    out = tmp_path / "merged"
+    staging = PartsDir(out)
+    staging.files.mkdir(parents=True)
+    (staging.files / "notes.txt").write_text("mine")
+    staging.manifests.mkdir()  # an empty one does not make the files ours
+    with pytest.raises(MergeError, match="exists with files but no part manifest"):
+        merged("tp2pp2_fp32_filtered", out, part="0/2")
+    (staging.files / "notes.txt").unlink()
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    (staging.files / "photos").mkdir()
+    (staging.files / "photos" / "cat.jpg").write_text("mine")
+    with pytest.raises(MergeError, match="photos/cat.jpg: in the parts' directory, but not written by lora-merge"):
+        api.finish(out)
+    assert (staging.files / "photos" / "cat.jpg").read_text() == "mine" and not out.exists()
+
+
+def test_a_manifest_naming_files_outside_the_output_is_refused(tmp_path):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    path = PartsDir(out).manifests / "part-00001-of-00002.json"
+    manifest = json.loads(path.read_text())
+    victim = manifest["assigned"][0]
+    (tmp_path / "outside.bin").write_bytes((PartsDir(out).files / victim).read_bytes())
+    manifest["assigned"][0] = "../../outside.bin"
+    manifest["files"]["../../outside.bin"] = manifest["files"].pop(victim)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(MergeError, match="the parts' files do not make up the output's"):
+        api.finish(out)
+    assert not out.exists()
+
+
+def test_finish_says_what_the_output_directory_is(tmp_path):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    with pytest.raises(MergeError) as err:
+        api.finish(out)
+    assert "not replacing it even with --force" in str(err.value) and "(pass --force" not in str(err.value)
+    (out / "mine.txt").unlink()
+    out.rmdir()
+    out.symlink_to(tmp_path)
+    with pytest.raises(MergeError, match="is a symlink; give the directory itself"):
+        api.finish(out, force=True)
+    out.unlink()
+    api.finish(out)
+    with pytest.raises(MergeError, match=r"no parts to finish: the output is there and merged.parts is not \(finished"):
+        api.finish(out)

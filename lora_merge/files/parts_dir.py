@@ -60,9 +60,10 @@ class PartsDir:
         if foreign:
             raise OutputConflict(f"{self.manifests}: holds {foreign[0]}, not a part manifest of lora-merge; the parts "
                                  f"of {self.out} are staged there: move it away")
-        if self.files.is_dir() and any(self.files.iterdir()) and not self.manifests.is_dir():
-            raise OutputConflict(f"{self.files}: exists with files but no {self.manifests.name} beside it; not "
-                                 "lora-merge's parts: move it away")
+        has_manifests = self.manifests.is_dir() and any(MANIFEST.fullmatch(p.name) for p in self.manifests.iterdir())
+        if self.files.is_dir() and any(self.files.iterdir()) and not has_manifests:
+            raise OutputConflict(f"{self.files}: exists with files but no part manifest in {self.manifests.name} "
+                                 "beside it; not lora-merge's parts: move it away")
         self.manifests.mkdir(exist_ok=True)
         self.files.mkdir(exist_ok=True)
         STAGED.append(self.files)
@@ -94,36 +95,57 @@ class PartsDir:
         os.replace(temporary, self.manifests / name)
         _fsync_dir(self.manifests)
 
-    def read_manifests(self) -> dict[tuple[int, int], dict]:
-        """Every part's manifest, by (index, count); a damaged one is an error naming it."""
+    def read_manifests(self, skip: tuple[int, int] | None = None) -> dict[tuple[int, int], dict]:
+        """Every part's manifest, by (index, count), but `skip`'s; a damaged one is an error naming it."""
         found = {}
         if not self.manifests.is_dir():
             return found
         for path in sorted(self.manifests.iterdir()):
             match = MANIFEST.fullmatch(path.name)
-            if match is None:
+            if match is None or (int(match[1]), int(match[2])) == skip:
                 continue
             found[int(match[1]), int(match[2])] = self.read_manifest(path)
         return found
 
     def read_manifest(self, path: Path) -> dict:
+        match = MANIFEST.fullmatch(path.name)
+        rerun = f"remove it and rerun part {int(match[1])}/{int(match[2])}" if match else "remove it"
         try:
             data = json.loads(read_bytes(path, "a part manifest"))
         except (ValueError, UnicodeDecodeError) as exc:
-            raise MergeError(f"{path}: not a readable part manifest ({exc}); rerun that part") from None
+            raise MergeError(f"{path}: not a readable part manifest ({exc}); {rerun}") from None
         if not isinstance(data, dict) or data.get(MANIFEST_KEY) != MANIFEST_FORMAT:
             raise MergeError(f"{path}: not a part manifest of this lora-merge (format "
-                             f"{data.get(MANIFEST_KEY) if isinstance(data, dict) else None!r}); rerun that part")
+                             f"{data.get(MANIFEST_KEY) if isinstance(data, dict) else None!r}); {rerun}")
+        files = data.get("files")
+        if not (isinstance(data.get("plan"), str) and isinstance(data.get("complete"), bool)
+                and isinstance(data.get("assigned"), list) and all(isinstance(n, str) for n in data["assigned"])
+                and isinstance(files, dict) and all(
+                    isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+                    for e in files.values())):
+            raise MergeError(f"{path}: a part manifest without its plan, files or state; {rerun}")
         return data
 
     def own_manifest(self, index: int, count: int) -> dict | None:
+        """This part's manifest, or None where there is none or it is damaged (rewritten by this run)."""
         path = self.manifests / manifest_name(index, count)
-        return self.read_manifest(path) if path.exists() else None
+        try:
+            return self.read_manifest(path) if path.exists() else None
+        except MergeError:
+            return None
 
-    def clear_except(self, keep: set[str]) -> None:
-        """Remove from the files directory whatever is not in `keep` (relative paths): killed runs' temporary
-        files, what an interrupted finish wrote; directories left empty go too."""
-        for path in sorted(self.files.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+    def clear_except(self, keep: set[str], ours: set[str]) -> None:
+        """Remove from the files directory what runs of lora-merge left there and the output will not hold (the
+        relative paths in `keep`): temporary files of killed runs, and the files in `ours` that an interrupted
+        finish wrote; directories left empty go too. Anything else is not ours: an error, nothing removed."""
+        paths = sorted(self.files.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+        def removable(path: Path) -> bool:
+            return TEMPORARY.fullmatch(path.name) is not None or str(path.relative_to(self.files)) in ours
+        foreign = [p for p in paths if not p.is_dir() or p.is_symlink()
+                   if str(p.relative_to(self.files)) not in keep and not removable(p)]
+        if foreign:
+            raise OutputConflict(f"{foreign[0]}: in the parts' directory, but not written by lora-merge; move it away")
+        for path in paths:
             name = str(path.relative_to(self.files))
             if name in keep:
                 continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -25,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from lora_merge.errors import MergeError, UsageError
-from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL, check_replaceable
+from lora_merge.errors import MergeError, OutputConflict, UsageError
+from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL, check_replaceable, report_refusal
 from lora_merge.files.file_hash import sha256_of
-from lora_merge.files.parts_dir import PartsDir
+from lora_merge.files.parts_dir import PartsDir, manifest_name
 from lora_merge.files.staged_dir import PUBLISHED, SideFile, check_free_space
 from lora_merge.interrupts import ignore_signals
 from lora_merge.merge_pipeline import default_workers
@@ -136,14 +137,15 @@ class PartRun:
     manifest, rewritten as each file completes."""
 
     def __init__(self, out: Path, part: Part, fingerprint: str, file_names: list[str], mine: frozenset[int],
-                 resume: bool, workers: int | None, common: dict | None):
+                 resume: bool, workers: int | None, common: dict | None, explicit: bool = True):
         self.part, self.file_names = part, file_names
         self.staging = staging = PartsDir(out)
         staging.create()
-        for (index, count), theirs in staging.read_manifests().items():
-            where = staging.manifests / f"part-{index:05d}-of-{count:05d}.json"
+        this = f"--part {part}" if explicit else "a one-process run with --resume (part 0/1)"
+        for (index, count), theirs in staging.read_manifests(skip=(part.index, part.count)).items():
+            where = staging.manifests / manifest_name(index, count)
             if count != part.count:
-                raise MergeError(f"{where}: part {index}/{count} of a split into {count}, this is --part {part}; "
+                raise MergeError(f"{where}: part {index}/{count} of a split into {count}, this is {this}; "
                                  f"finish or remove {staging.files} and {staging.manifests} before splitting "
                                  "differently")
             if theirs.get("plan") != fingerprint:
@@ -151,8 +153,12 @@ class PartRun:
                                  f"{staging.files} and {staging.manifests} to start over")
         assigned = [file_names[i] for i in sorted(mine)]
         kept = {}
+        own = staging.own_manifest(part.index, part.count)
+        if own is not None and own["plan"] != fingerprint:
+            raise MergeError(f"{staging.manifests / manifest_name(part.index, part.count)}: part {part} of another "
+                             f"plan (other inputs or options); remove {staging.files} and {staging.manifests} to "
+                             "start over")
         if resume:
-            own = staging.own_manifest(part.index, part.count)
             recorded = {k: v for k, v in (own or {}).get("files", {}).items() if k in assigned}
             kept = _still_written(staging, recorded, workers or default_workers())
         self.kept = kept
@@ -176,10 +182,33 @@ class PartRun:
                            resumed=sorted(self.kept), tensors=tensors, bytes=nbytes)
 
 
-def fingerprint_of(**what) -> str:
-    """The plan's fingerprint: what every part must agree on (the output's files and tensors, the inputs, the
-    options that change a byte), with this version of lora-merge."""
-    return hashlib.sha256(json.dumps({"tool": __version__, **what}, sort_keys=True).encode()).hexdigest()
+def fingerprint_of(opts, inp, **what) -> str:
+    """The plan's fingerprint: what every part must agree on, with this version of lora-merge: the output's
+    files and tensors (`what`), the LoRA settings exactly (repr: 3.0 and 3.000001 differ, as they do in the
+    merge), the options that choose them, and every input file by path, size and modification time (a LoRA
+    trained again into the same directory is another input)."""
+    settings = {"settings": repr(inp.settings), "lora_r": opts.lora_r, "lora_alpha": repr(opts.lora_alpha),
+                "lora_weights": repr(opts.lora_weights),
+                "inputs": [inp.base.describe(), inp.lora.describe() if inp.lora is not None else None],
+                "files": _input_files(opts.base, opts.lora, *opts.more_loras, opts.hf_ref)}
+    return hashlib.sha256(json.dumps({"tool": __version__, **settings, **what}, sort_keys=True).encode()).hexdigest()
+
+
+def _input_files(*dirs) -> list:
+    found = []
+    for directory in dirs:
+        if directory is None:
+            continue
+        for root, subdirs, names in os.walk(directory, followlinks=True):
+            subdirs.sort()
+            for name in sorted(names):
+                path = os.path.join(root, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                found.append([path, st.st_size, st.st_mtime_ns])
+    return found
 
 
 def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.dtype, dtype_name: str,
@@ -202,9 +231,9 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
     card = model_card_head(opts.out.name, inp.base, inp.lora, hf_config, inp.settings, dtype_name,
                            plan.merged_modules, base_model)
     fingerprint = fingerprint_of(
-        files=file_names, tensors=[[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
-        inputs=[inp.base.describe(), inp.lora.describe() if inp.lora is not None else None],
-        card=card, config=hf_config, reference=os.path.abspath(opts.hf_ref))
+        opts, inp, output=file_names, tensors=[[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
+        card=card, config=hf_config, reference=os.path.abspath(opts.hf_ref),
+        report=os.path.abspath(opts.report) if opts.report else None)
     common = {
         "kind": MERGED_MODEL, "files": file_names, "card": card, "later": [opts.report.name] if inside else [],
         "index": {"metadata": {"total_size": sum(sizes)}, "weight_map": file_of} if len(shards) > 1 else None,
@@ -212,7 +241,8 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
         "report_path": os.path.abspath(opts.report) if opts.report else None,
         "reference": {"directory": os.path.abspath(opts.hf_ref), "config": hf_config,
                       "dtype": str(dtype).removeprefix("torch.")}} if part.index == 0 else None
-    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common)
+    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common,
+                  explicit=opts.part is not None)
     pending_names = {file_names[i] for i in run.pending}
     tasks = [task for task in plan.tasks if any(file_of[_stored(names, t.name)] in pending_names
                                                  for t in task.outputs)]
@@ -228,7 +258,7 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
     return run.written(sum(len(shards[i]) for i in mine), sum(sizes[i] for i in mine))
 
 
-def run_megatron_part(opts, plan, writer, inputs: list, args) -> PartWritten:
+def run_megatron_part(opts, inp, plan, writer, args) -> PartWritten:
     """Part `opts.part` of a legacy Megatron checkpoint (`--to megatron`): whole rank files, split as an HF
     output's shards are; `finish` writes the tracker file."""
     part = opts.part or Part(0, 1)
@@ -236,12 +266,13 @@ def run_megatron_part(opts, plan, writer, inputs: list, args) -> PartWritten:
     sizes = writer.file_sizes()
     owner = assign_files(sizes, part.count)
     mine = frozenset(i for i, p in enumerate(owner) if p == part.index)
-    fingerprint = fingerprint_of(files=file_names, sizes=sizes, tensors=[[t.name, list(t.shape), str(t.dtype)]
-                                                                         for t in plan.tensors],
-                                 inputs=inputs, args=repr(sorted(vars(args).items())))
+    fingerprint = fingerprint_of(opts, inp, output=file_names, sizes=sizes,
+                                 tensors=[[t.name, list(t.shape), str(t.dtype)] for t in plan.tensors],
+                                 args=repr(sorted(vars(args).items())))
     common = {"kind": MEGATRON_CHECKPOINT, "files": file_names, "tracker": writer.tracker_text()} \
         if part.index == 0 else None
-    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common)
+    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common,
+                  explicit=opts.part is not None)
     tasks = [task for task in plan.tasks if any(writer.files_of(t.name) & run.pending for t in task.outputs)]
     check_free_space(run.staging.files, sum(sizes[i] for i in run.pending), 0, "the tracker file")
     writer.write_only(run.files(frozenset(t.name for task in tasks for t in task.outputs)))
@@ -274,32 +305,42 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
     staging = PartsDir(out)
     manifests = staging.read_manifests()
     if not manifests:
+        if out.is_dir() and not staging.files.exists():
+            raise MergeError(f"{out}: no parts to finish: the output is there and {staging.files.name} is not "
+                             "(finished already?)")
         raise MergeError(f"{out}: no parts to finish (no part manifests in {staging.manifests}); run the parts "
                          "first (--part I/N)")
+    if not staging.files.is_dir() or staging.files.is_symlink():
+        raise OutputConflict(f"{staging.files}: " + ("is a symlink" if staging.files.is_symlink() else "is missing")
+                             + f"; the parts' files are written there (finished already, if {out} is complete: then "
+                               f"remove {staging.manifests})")
     counts = sorted({count for _, count in manifests})
     if len(counts) > 1:
         raise MergeError(f"{staging.manifests}: parts of splits into {' and '.join(map(str, counts))}; remove the "
                          "parts of the split not meant")
     count = counts[0]
-    plans = {m.get("plan") for m in manifests.values()}
+    plans = {m["plan"] for m in manifests.values()}
     if len(plans) > 1:
-        odd = next(i for (i, _), m in sorted(manifests.items()) if m.get("plan") != manifests[min(manifests)].get("plan"))
+        odd = next(i for (i, _), m in sorted(manifests.items()) if m["plan"] != manifests[min(manifests)]["plan"])
         raise MergeError(f"{staging.manifests}: part {odd}/{count} is of another plan than part "
                          f"{min(manifests)[0]}/{count} (other inputs or options); rerun it with the same options")
     for index in range(count):
         manifest = manifests.get((index, count))
         if manifest is None:
             raise MergeError(f"{out}: part {index}/{count} is missing (no manifest); run it with --part {index}/{count}")
-        if not manifest.get("complete"):
-            done = len(manifest.get("files", {}))
-            raise MergeError(f"{out}: part {index}/{count} did not complete ({done} of {len(manifest['assigned'])} "
-                             f"files written); rerun it with --part {index}/{count} --resume")
-    common = manifests[0, count]["common"]
+        if not manifest["complete"]:
+            raise MergeError(f"{out}: part {index}/{count} did not complete ({len(manifest['files'])} of "
+                             f"{len(manifest['assigned'])} files written); rerun it with --part {index}/{count} --resume")
+    common = manifests[0, count].get("common")
+    if not isinstance(common, dict) or not all(_output_name(n) for n in common.get("files", [None])):
+        raise MergeError(f"{staging.manifests / manifest_name(0, count)}: says nothing valid of the whole output "
+                         f"(its 'common' section); remove it and rerun part 0/{count}")
+    expected = set(common["files"])
     assigned = [name for index in range(count) for name in manifests[index, count]["assigned"]]
-    if sorted(assigned) != sorted(common["files"]):
-        raise MergeError(f"{staging.manifests}: the parts' files do not make up the output's {len(common['files'])}; "
-                         "the manifests were changed: rerun the parts")
     recorded = {name: entry for index in range(count) for name, entry in manifests[index, count]["files"].items()}
+    if sorted(assigned) != sorted(expected) or not set(recorded) <= expected:
+        raise MergeError(f"{staging.manifests}: the parts' files do not make up the output's {len(expected)}; "
+                         "the manifests were changed: remove them and rerun the parts")
     owner = {name: index for index in range(count) for name in manifests[index, count]["assigned"]}
     checked = _still_written(staging, recorded, workers or default_workers(), rehash)
     for name in common["files"]:
@@ -310,13 +351,22 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
             raise MergeError(f"{path}: {what}; rerun part {owner[name]}/{count} with --part {owner[name]}/{count} "
                              "--resume")
     kind = common.get("kind", MERGED_MODEL)
-    if out.exists() or out.is_symlink():
-        if not force or kind == MEGATRON_CHECKPOINT:
-            raise MergeError(f"{out}: already exists" + (" (pass --force to replace an earlier output)"
-                                                         if kind == MERGED_MODEL else "; a Megatron checkpoint is "
-                                                         "written to a new directory"))
-        check_replaceable(out, kind)
-    staging.clear_except(set(common["files"]))  # temporary files of killed runs, an interrupted finish's files
+    if out.is_symlink():
+        raise OutputConflict(f"{out}: is a symlink; give the directory itself")
+    if os.path.lexists(out):
+        if kind == MEGATRON_CHECKPOINT:
+            raise OutputConflict(f"{out}: already exists; a Megatron checkpoint is written to a new directory")
+        check_replaceable(out, kind)  # before suggesting --force: only where it would help
+        if not force:
+            raise OutputConflict(f"{out}: already exists (pass --force to replace it)")
+    if common.get("report_path") and not common.get("later"):  # beside the output: checked before publishing
+        report = Path(common["report_path"])
+        refusal = report_refusal(report)
+        if refusal or (os.path.lexists(report) and not force):
+            raise OutputConflict(refusal or f"{report}: already exists: an earlier report of lora-merge (pass --force "
+                                 "to replace it)")
+    # what killed runs and an interrupted finish left; anything else there is not ours, and stops the run
+    staging.clear_except(expected, _finish_writes(common))
     hashes = {name: checked[name]["sha256"] for name in common["files"]}
     if kind == MEGATRON_CHECKPOINT:
         files = [TRACKER, *common["files"]]
@@ -337,6 +387,25 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
     return FinishResult(out=out, parts=count, files=files, sha256=hashes,
                         bytes=sum(recorded[name]["bytes"] for name in common["files"]),
                         seconds=time.monotonic() - started)
+
+
+OUTPUT_NAMES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|release/mp_rank_\d{2}(_\d{3}){0,2}/model_optim_rng\.pt")
+
+
+def _output_name(name) -> bool:
+    """A file name a part may write: a shard or a rank file, nothing with a way out of the directory."""
+    return isinstance(name, str) and OUTPUT_NAMES.fullmatch(name) is not None
+
+
+def _finish_writes(common: dict) -> set[str]:
+    """What finish itself writes into the files directory (an interrupted finish may have left them)."""
+    if common.get("kind") == MEGATRON_CHECKPOINT:
+        return {TRACKER}
+    names = {INDEX, "README.md", "config.json", *common.get("later", [])}
+    reference = common.get("reference") or {}
+    if reference.get("directory"):
+        names |= set(reference_files(Path(reference["directory"])).copied)
+    return names
 
 
 def _finish_hf_model(staging: PartsDir, common: dict, hashes: dict) -> tuple[list[str], SideFile | None]:

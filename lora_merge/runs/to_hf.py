@@ -146,11 +146,11 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         written = run_part(opts, inp, plan, writer_plan, getattr(inp.base, "names", None), hf_config, dtype,
                            dtype_name, ref_files, base_model)
         files, hashes, tensors, nbytes = written.files, written.sha256, written.tensors, written.bytes
+        if base_model_warning and (opts.part is None or opts.part.index == 0):
+            opts.warn(base_model_warning)  # before anything is published (a warn that raises stops the run)
         if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
             finished = run_finish(opts.out, opts.force, opts.workers)
             files, hashes, tensors, nbytes = finished.files, finished.sha256, len(writer_plan), tensor_bytes
-        if base_model_warning and (opts.part is None or opts.part.index == 0):
-            opts.warn(base_model_warning)
         return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora), dtype=dtype_name,
                            tensors=tensors, bytes=nbytes, lora_modules=plan.merged_modules,
                            **_settings_fields(inp.settings), skipped=dict(plan.skipped), files=files, sha256=hashes,

@@ -132,7 +132,7 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
         check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
         return ConvertResult(out=opts.out, files=[], dry_run=True, plan=plan, writer=writer, **describe)
     if opts.part is not None or opts.resume:
-        written = run_megatron_part(opts, plan, writer, [inp.base.describe(), describe["lora"]], args)
+        written = run_megatron_part(opts, inp, plan, writer, args)
         files = written.files
         if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
             files = run_finish(opts.out, workers=opts.workers).files
