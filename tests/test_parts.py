@@ -463,3 +463,40 @@ def test_finish_says_what_the_output_directory_is(tmp_path):
     api.finish(out)
     with pytest.raises(MergeError, match=r"no parts to finish: the output is there and merged.parts is not \(finished"):
         api.finish(out)
+
+
+def test_parts_killed_for_real_resume_to_the_one_process_bytes(tmp_path, one_process):
+    """SIGKILL, not an exception: each part is killed in a child process once its manifest records a file,
+    then resumed; the published output is the one-process output."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fixture = "qwen3moe_ep2"
+    out = tmp_path / "merged"
+    root = fixture_root(fixture)
+    code = ("import sys; from lora_merge import options; options.MIN_SHARD_BYTES = 1; from lora_merge.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+            str(out), "--max-shard-size", str(SHARD), "--report", str(out / "merge-report.json"), "--no-progress",
+            "-q", "--workers", "1", "--resume"]
+    killed = 0
+    for index in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", code, *args, "--part", f"{index}/2"])
+        manifest = PartsDir(out).manifests / f"part-0000{index}-of-00002.json"
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if json.loads(manifest.read_text())["files"]:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.005)
+        killed += proc.wait() == -signal.SIGKILL
+    assert killed, "no part was killed mid-run: the test proved nothing"
+    for index in range(2):
+        assert subprocess.run([sys.executable, "-c", code, *args, "--part", f"{index}/2"]).returncode == 0
+    api.finish(out)
+    assert_same_output(one_process(fixture), out)
