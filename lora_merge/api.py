@@ -215,8 +215,8 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                 resume: bool = False, warn: Callable[[str], None] = _warn_default) -> ConvertResult:
     """Write a Megatron checkpoint at `out` in the given layout from an HF model or a Megatron checkpoint,
     with a LoRA merged on the way if `lora` is given (see `lora-merge --to megatron --help`). `hf_ref`
-    defaults to `base` when that is an HF model dir. `part` and `resume` as for `merge` (whole rank files; the
-    legacy format only)."""
+    defaults to `base` when that is an HF model dir. `part` and `resume` as for `merge` (whole files of the
+    checkpoint)."""
     base_path = _path(base, "base", BASE)
     hf_ref = reference_dir(base_path, _path(hf_ref, "hf_ref", HF_REF))
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=tp if etp is None else etp,

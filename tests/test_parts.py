@@ -296,10 +296,24 @@ def test_a_killed_megatron_part_resumes_and_resume_alone_publishes(tmp_path, mon
     assert_same_output(one, out)
 
 
-def test_torch_dist_is_not_split(tmp_path, one_process):
-    with pytest.raises(MergeError, match="--part with --ckpt-format torch_dist: its .metadata indexes every file"):
-        converted(tmp_path / "dist", base=one_process("tp2pp2_fp32_filtered"), ckpt_format="torch_dist", part="0/2")
-    assert not PartsDir(tmp_path / "dist").files.exists()
+@pytest.mark.parametrize("source,layout", [("hf", dict()), ("qwen3moe_ep2", dict(ep=2))])
+def test_a_torch_dist_checkpoint_in_parts_is_the_one_process_checkpoint(source, layout, tmp_path, monkeypatch,
+                                                                        one_process):
+    from lora_merge.writers import megatron_dist
+
+    monkeypatch.setattr(megatron_dist, "FILE_BYTES", 64 << 10)  # several .distcp files from a small model
+    given = dict(base=one_process("tp2pp2_fp32_filtered")) if source == "hf" else inputs(source)
+    one = tmp_path / "one" / "dist"
+    one.parent.mkdir()
+    converted(one, **given, **layout, ckpt_format="torch_dist")
+    assert len(list(one.glob("release/*.distcp"))) >= 4
+    for count in (2, 5):
+        out = tmp_path / str(count) / "dist"
+        out.parent.mkdir()
+        for index in reversed(range(count)):
+            converted(out, **given, **layout, ckpt_format="torch_dist", part=f"{index}/{count}")
+        api.finish(out)
+        assert_same_output(one, out)
 
 
 def test_an_interrupted_part_says_what_it_keeps_for_resume(tmp_path, monkeypatch, capsys):

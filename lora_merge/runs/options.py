@@ -55,7 +55,7 @@ class MegatronOptions(InputOptions):
     dry_run: bool = False
     workers: int | None = None
     progress: Callable[[int, int], None] | None = None
-    part: object = None  # as MergeOptions': whole rank files (legacy format only)
+    part: object = None  # as MergeOptions': whole files of the checkpoint
     resume: bool = False
 
 

@@ -259,8 +259,9 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
 
 
 def run_megatron_part(opts, inp, plan, writer, args) -> PartWritten:
-    """Part `opts.part` of a legacy Megatron checkpoint (`--to megatron`): whole rank files, split as an HF
-    output's shards are; `finish` writes the tracker file."""
+    """Part `opts.part` of a Megatron checkpoint (`--to megatron`): whole files (legacy rank files; torch_dist's
+    .distcp files, then its common.pt, .metadata and metadata.json), split as an HF output's shards are;
+    `finish` writes the tracker file."""
     part = opts.part or Part(0, 1)
     file_names = writer.file_names()
     sizes = writer.file_sizes()
@@ -389,7 +390,8 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
                         seconds=time.monotonic() - started)
 
 
-OUTPUT_NAMES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|release/mp_rank_\d{2}(_\d{3}){0,2}/model_optim_rng\.pt")
+OUTPUT_NAMES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|release/mp_rank_\d{2}(_\d{3}){0,2}/model_optim_rng\.pt"
+                          r"|release/(__0_\d+\.distcp|common\.pt|\.metadata|metadata\.json)")
 
 
 def _output_name(name) -> bool:

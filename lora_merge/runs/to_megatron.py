@@ -76,10 +76,6 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     if opts.dtype == FP8:
         raise MergeError("--dtype fp8 with --to megatron: a Megatron checkpoint is written in bfloat16, float16 or "
                          "float32 (FP8 bases are read dequantized)")
-    if (opts.part is not None or opts.resume) and target.ckpt_format == "torch_dist":
-        raise MergeError(f"{'--part' if opts.part is not None else '--resume'} with --ckpt-format torch_dist: its "
-                         ".metadata indexes every file's chunks, so it is not split into parts yet; write the legacy "
-                         "format (--ckpt-format torch) in parts, or torch_dist in one run")
     check_input_dirs(opts)
     if opts.out.exists() or opts.out.is_symlink():
         raise MergeError(f"{opts.out}: already exists; a Megatron checkpoint is written to a new directory")

@@ -82,6 +82,7 @@ from lora_merge.errors import MergeError
 from lora_merge.model.moe_shape import megatron_moe_layers
 from lora_merge.files.output_file import ALIGN as ALIGN_DIRECT, OutputFile
 from lora_merge.files.torch_zip import ArchiveStream, TensorSlot, TorchArchive, pwrite_all
+from lora_merge.writers.megatron_legacy import RELEASE, HashedFile
 from lora_merge.writers.row_scatter import RowScatter, Target, target_shard_shapes, tensor_dtype
 
 try:
@@ -216,10 +217,12 @@ class DistCheckpointWriter:
     (`args`, `iteration`, …); `checkpoint_version` 3.0 and the content metadata are added when missing."""
 
     def __init__(self, iter_dir: Path, tensors: list[DistTensor], common: dict, model: DistModelFacts,
-                 file_bytes: int = FILE_BYTES, streamed: bool = False):
+                 file_bytes: int = FILE_BYTES, streamed: bool = False, opened: bool = True):
         """`streamed`: the files are written front to back (O_DIRECT where allowed) by `append(name, bytes)`,
-        the tensors' bytes in the order `tensors` lists them, instead of pwritten into `region`s."""
+        the tensors' bytes in the order `tensors` lists them, instead of pwritten into `region`s. `opened=False`:
+        planned only, until `open(iter_dir, part)` (streamed)."""
         self.streamed = streamed
+        self.part = None  # the files of a `--part` (`open`), or None for all
         self._sequences: list[_Sequence] = []
         self.iter_dir = Path(iter_dir)
         self.model = model
@@ -239,11 +242,39 @@ class DistCheckpointWriter:
                              "names MLA and MoE norms differently)")
         self._plan(tensors)
         self.files = self._place(file_bytes)
+        if opened:
+            self.open(self.iter_dir)
+
+    def open(self, iter_dir: Path, part=None) -> None:
+        """Create the files in `iter_dir`; with `part` (streamed only) those of `part.files` only, indices into
+        `all_files()`, each under `part.temporary(name)` and reported to `part.written(name, sha256)` once
+        complete (names relative to iter_dir's parent, as `release/__0_0.distcp`)."""
+        self.iter_dir, self.part = Path(iter_dir), part
         try:
             self._open_and_frame()
         except BaseException:
             self.abort()
             raise
+
+    SMALL = (COMMON, METADATA, METADATA_JSON)  # written by finish(), in this order
+
+    def all_files(self) -> list[tuple[str, int]]:
+        """(name, size) of every file: the .distcp files, then the small ones."""
+        sizes = [0] * len(self.files)
+        for chunk in [*self.extra.values(), *self._by_name.values()]:
+            sizes[chunk.file] = max(sizes[chunk.file], chunk.base + chunk.size)
+        return [*zip(self.files, sizes), *((name, len(data)) for name, data in zip(self.SMALL, self._small_bytes()))]
+
+    def _small_bytes(self) -> list[bytes]:
+        return [self._common_bytes(), pickle.dumps(self.metadata()), json.dumps(CHECKPOINTING_CONFIG).encode()]
+
+    def _own(self, index: int) -> bool:
+        return self.part is None or index in self.part.files
+
+    def _path(self, name: str) -> Path:
+        if self.part is None:
+            return self.iter_dir / name
+        return self.iter_dir.parent / self.part.temporary(f"{self.iter_dir.name}/{name}")
 
     # --- planning ------------------------------------------------------------------------------------
 
@@ -427,19 +458,25 @@ class DistCheckpointWriter:
             if not self.iter_dir.is_dir():
                 raise
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        for name in (METADATA, METADATA_JSON, COMMON):
+        for name in (METADATA, METADATA_JSON, COMMON) if self.part is None else ():  # parts share the directory
             if os.path.lexists(self.iter_dir / name):
                 raise FileExistsError(17, "already exists", str(self.iter_dir / name))
         if self.streamed:
             template = _render(self._extra_frame.archive) if self.extra else b""
             chunks = sorted(list(self.extra.values()) + list(self._by_name.values()), key=lambda c: (c.file, c.base))
-            buffer = max(1 << 20, (32 << 20) // len(self.files)) // ALIGN_DIRECT * ALIGN_DIRECT
+            own = [i for i in range(len(self.files)) if self._own(i)]
+            buffer = max(1 << 20, (32 << 20) // max(1, len(own))) // ALIGN_DIRECT * ALIGN_DIRECT
             for i, name in enumerate(self.files):
-                path = self.iter_dir / name
+                if not self._own(i):
+                    self._sequences.append(None)
+                    continue
+                path = self._path(name)
                 if os.path.lexists(path):
                     raise FileExistsError(17, "already exists", str(path))
                 self._created.append(path)
-                self._sequences.append(_Sequence(OutputFile(path, buffer), [c for c in chunks if c.file == i], template))
+                out = OutputFile(path, buffer)
+                self._sequences.append(_Sequence(out if self.part is None else HashedFile(out),
+                                                 [c for c in chunks if c.file == i], template))
             return
         for name in self.files:
             path = self.iter_dir / name
@@ -480,6 +517,9 @@ class DistCheckpointWriter:
 
     def finish(self) -> None:
         """After every tensor byte is written: CRC32s, then common.pt, .metadata and metadata.json, all flushed."""
+        if self.part is not None:
+            self._finish_part()
+            return
         if self.streamed:
             for sequence in self._sequences:
                 sequence.close()
@@ -498,12 +538,35 @@ class DistCheckpointWriter:
         _fsync_dir(self.iter_dir)
         self._finished = True
 
+    def _finish_part(self) -> None:
+        """A part's files: each closed (its bytes hashed as they were written), renamed into place and reported;
+        the small files where they are the part's, hashed from their bytes."""
+        prefix = self.iter_dir.name + "/"
+        for name, sequence in zip(self.files, self._sequences):
+            if sequence is not None:
+                sequence.close()
+                self.part.written(prefix + name, sequence.out.sha256.hexdigest())
+        self._sequences = []
+        for i, (name, data) in enumerate(zip(self.SMALL, self._small_bytes()), start=len(self.files)):
+            if self._own(i):
+                path = self._path(name)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+                self._created.append(path)
+                try:
+                    pwrite_all(fd, data, 0)
+                finally:
+                    os.close(fd)
+                self.part.written(prefix + name, hashlib.sha256(data).hexdigest())
+        self._finished = True
+
     def abort(self) -> None:
         """Close and remove every file this writer created (and the iteration dir, if it made it); after a
         successful `finish` the checkpoint is complete and stays."""
         if self._finished:
             return
         for sequence in self._sequences:
+            if sequence is None:
+                continue
             sequence.out.abort()
         self._sequences = []
         for fd in self._fds:
@@ -677,23 +740,55 @@ class MegatronDistOutput(RowScatter):
         position = {id(t): i for i, t in enumerate(order.get(0, []) + self._unreached)}
         by_target = {id(t): spec for spec, (_, t) in zip(self.tensors, self._named)}
         self.tensors = [by_target[id(t)] for t in sorted((t for _, t in self._named), key=lambda t: position[id(t)])]
+        common = {"args": self.args, "checkpoint_version": 3.0, "iteration": 0}
+        self.writer = DistCheckpointWriter(Path(RELEASE), self.tensors, common, self.facts, file_bytes=FILE_BYTES,
+                                           streamed=True, opened=False)
+        self.part = None
+
+    # --- a part of the files (`--part`), as the legacy writer's -----------------------------------------
+
+    def file_names(self) -> list[str]:
+        return [f"{RELEASE}/{name}" for name, _ in self.writer.all_files()]
+
+    def file_sizes(self) -> list[int]:
+        return [size for _, size in self.writer.all_files()]
+
+    def tracker_text(self) -> str:
+        return RELEASE
+
+    def files_of(self, hf_name: str) -> set[int]:
+        by_target = {id(t): name for name, t in self._named}
+        return {self.writer._by_name[by_target[id(t)]].file for dest in self.hf[hf_name].destinations
+                for targets in dest.targets.values() for t in targets}
+
+    def write_only(self, part) -> None:
+        self.part = part
+        for name, target in self._named:
+            if self.writer._by_name[name].file not in part.files:
+                self.ignored.add(id(target))
+
+    # --- writing ------------------------------------------------------------------------------------
 
     def start(self, out: Path) -> None:
         self.out = Path(out)
-        common = {"args": self.args, "checkpoint_version": 3.0, "iteration": 0}
-        self.writer = DistCheckpointWriter(self.out / "release", self.tensors, common, self.facts, streamed=True)
+        self.writer.open(self.out / RELEASE, self.part)
         for name, target in self._named:
-            target.append = partial(self.writer.append, name)
+            if id(target) not in self.ignored:
+                target.append = partial(self.writer.append, name)
 
     def finish(self) -> list[str]:
         self.check_complete(self.out)
         for target in self._unreached:  # all padding
-            self._complete(target)
+            if id(target) not in self.ignored:
+                self._complete(target)
         self.writer.finish()
+        if self.part is not None:  # the tracker file is written once every part's files are (`lora-merge finish`)
+            names = self.file_names()
+            return [names[i] for i in sorted(self.part.files)]
         with open(self.out / "latest_checkpointed_iteration.txt", "x") as tracker:
-            tracker.write("release")
+            tracker.write(RELEASE)
         return ["latest_checkpointed_iteration.txt"] + sorted(
-            str(p.relative_to(self.out)) for p in (self.out / "release").iterdir())
+            str(p.relative_to(self.out)) for p in (self.out / RELEASE).iterdir())
 
     def abort(self) -> None:
         if self.writer is not None:

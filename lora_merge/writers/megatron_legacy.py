@@ -254,7 +254,7 @@ class HashedFile:
     """An output file that hashes (sha256) what passes through it, for a part's manifest."""
 
     def __init__(self, out: OutputFile):
-        self.out, self.sha256 = out, hashlib.sha256()
+        self.out, self.sha256, self.path = out, hashlib.sha256(), out.path
 
     def write(self, data) -> None:
         self.sha256.update(data)
