@@ -358,6 +358,10 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
         f"in about {shards} shard(s) -> {opts.out}")
     needed = space_needed(total, result.copied_bytes)[1]
     out(f"  disk:   needs {needed}, {gigabytes(free)} free")
+    if result.part is not None:
+        shown = ", ".join(result.files[:3]) + (f" … {result.files[-1]}" if len(result.files) > 3 else "")
+        out(f"  part:   {result.part}: {len(result.files)} of the output's files, {result.tensors} "
+            f"tensors, {result.bytes / 1e9:.3f} GB" + (f" ({shown})" if result.files else " (none: more parts than files)"))
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(plan.skipped.items())) or "nothing"
     out(f"  skipped on purpose: {skipped}")
     if console.verbose:
@@ -583,7 +587,7 @@ def _run(command: str, opts, console: Console) -> int:
     finally:
         if bar is not None:
             bar.close()
-    if result.part is not None:
+    if result.part is not None and not result.dry_run:
         console.result(f"part {result.part}: {len(result.files)} of the output's files"
                        + (f" ({len(result.resumed)} kept from an earlier run)" if result.resumed else "")
                        + f", {result.bytes / 1e9:.3f} GB, in {opts.out.name}.parts/ in {result.seconds:.1f} s; "

@@ -514,3 +514,19 @@ def test_parts_killed_for_real_resume_to_the_one_process_bytes(tmp_path, one_pro
         assert subprocess.run([sys.executable, "-c", code, *args, "--part", f"{index}/2"]).returncode == 0
     api.finish(out)
     assert_same_output(one_process(fixture), out)
+
+
+def test_a_dry_run_of_a_part_names_its_files(tmp_path, capsys):
+    root = fixture_root("tp2pp2_fp32_filtered")
+    args = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"), "--out",
+            str(tmp_path / "merged"), "--max-shard-size", str(SHARD), "--dry-run"]
+    listed = []
+    for index in range(3):
+        assert main(args + ["--part", f"{index}/3"]) == 0
+        line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("part:"))
+        assert line.strip().startswith(f"part:   {index}/3: ")
+        result = api.merge(**inputs("tp2pp2_fp32_filtered"), out=tmp_path / "merged", max_shard_size=SHARD,
+                           dry_run=True, part=f"{index}/3", warn=quiet)
+        listed += result.files
+    written = merged("tp2pp2_fp32_filtered", tmp_path / "m", part="0/1")
+    assert listed == written.files and not (tmp_path / "merged.parts").exists()

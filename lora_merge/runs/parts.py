@@ -211,6 +211,16 @@ def _input_files(*dirs) -> list:
     return found
 
 
+def hf_files_of_part(writer_plan, names, max_shard_size: int, part: Part):
+    """An HF output's tensors under the names the files hold, its shards, their file names and sizes, and the
+    indices of the files that are `part`'s."""
+    stored = writer_plan if names is None else [replace(t, name=names.stored(t.name)) for t in writer_plan]
+    shards = split_into_shards(stored, max_shard_size)
+    sizes = [sum(t.nbytes for t in shard) for shard in shards]
+    mine = frozenset(i for i, p in enumerate(assign_files(sizes, part.count)) if p == part.index)
+    return stored, shards, shard_file_names(len(shards)), sizes, mine
+
+
 def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.dtype, dtype_name: str,
              ref_files, base_model: str | None) -> PartWritten:
     """Part `opts.part` of a merge into an HF model (see the module's doc): its files written and recorded."""
@@ -220,12 +230,7 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
                          f"`lora-merge finish --out {opts.out}` has published it (`lora-merge verify {opts.out} ...`)")
     if not opts.sha256:
         raise MergeError(f"--no-sha256 with --part {part}: finish and --resume check every file by its sha256")
-    stored = writer_plan if names is None else [replace(t, name=names.stored(t.name)) for t in writer_plan]
-    shards = split_into_shards(stored, opts.max_shard_size)
-    file_names = shard_file_names(len(shards))
-    sizes = [sum(t.nbytes for t in shard) for shard in shards]
-    owner = assign_files(sizes, part.count)
-    mine = frozenset(i for i, p in enumerate(owner) if p == part.index)
+    stored, shards, file_names, sizes, mine = hf_files_of_part(writer_plan, names, opts.max_shard_size, part)
     file_of = {t.name: file_names[i] for i, shard in enumerate(shards) for t in shard}
     inside = opts.report is not None and os.path.realpath(opts.report.parent) == os.path.realpath(opts.out)
     card = model_card_head(opts.out.name, inp.base, inp.lora, hf_config, inp.settings, dtype_name,

@@ -16,7 +16,7 @@ from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (baseline_dir, card_base_model, check_input_dirs, given_paths, input_paths,
                                     inside_dir, open_inputs, output_dtype)
 from lora_merge.runs.options import FP8, MXFP4, MergeOptions
-from lora_merge.runs.parts import run_finish, run_part
+from lora_merge.runs.parts import hf_files_of_part, run_finish, run_part
 from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
@@ -136,11 +136,17 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         # stops here the same way (the real run first removes killed runs' staging dirs; a dry run writes
         # and removes nothing, so it counts them as taken).
         check_free_space(opts.out, tensor_bytes, ref_files.total_bytes)
-        return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
-                           dtype=dtype_name, tensors=len(writer_plan),
-                           bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
-                           **_settings_fields(inp.settings), skipped=dict(plan.skipped), dry_run=True, plan=plan,
-                           inputs=inp, copied_bytes=ref_files.total_bytes)
+        result = MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora),
+                             dtype=dtype_name, tensors=len(writer_plan),
+                             bytes=sum(t.nbytes for t in writer_plan), lora_modules=plan.merged_modules,
+                             **_settings_fields(inp.settings), skipped=dict(plan.skipped), dry_run=True, plan=plan,
+                             inputs=inp, copied_bytes=ref_files.total_bytes)
+        if opts.part is not None:  # which files the part would write
+            _, shards, names, sizes, mine = hf_files_of_part(writer_plan, getattr(inp.base, "names", None),
+                                                             opts.max_shard_size, opts.part)
+            result.part, result.files = str(opts.part), [names[i] for i in sorted(mine)]
+            result.tensors, result.bytes = sum(len(shards[i]) for i in mine), sum(sizes[i] for i in mine)
+        return result
 
     if opts.part is not None or opts.resume:
         written = run_part(opts, inp, plan, writer_plan, getattr(inp.base, "names", None), hf_config, dtype,
