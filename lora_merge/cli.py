@@ -484,9 +484,12 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         if bar is not None:
             bar.close()
     out = console.result
-    if s.part is not None:
+    if s.part is not None and s.dry_run:
+        out(f"part {s.part} would write {len(s.files)} of the checkpoint's files"
+            + (f": {', '.join(s.files[:3])}" + (f" … {s.files[-1]}" if len(s.files) > 3 else "") if s.files else ""))
+    elif s.part is not None:
         _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules")
-        out(f"part {s.part}: {len(s.files)} of the checkpoint's rank files"
+        out(f"part {s.part}: {len(s.files)} of the checkpoint's files"
             + (f" ({len(s.resumed)} kept from an earlier run)" if s.resumed else "")
             + f", in {opts.out.name}.parts/ in {s.seconds:.1f} s; once every part has run: lora-merge finish --out "
             f"{opts.out}")

@@ -222,14 +222,16 @@ def test_finish_refuses_a_file_changed_since_its_part_wrote_it(tmp_path, capsys)
 def test_parts_of_another_plan_or_split_are_refused(tmp_path):
     out = tmp_path / "merged"
     part_runs("tp2pp2_fp32_filtered", out, 2, skip=(1,))
-    with pytest.raises(MergeError, match=r"part 0/2 of another plan \(other inputs or options\); remove"):
+    with pytest.raises(MergeError, match=r"part 0/2 differs from this run \(--part 1/2\) in the model card "
+                                         r"\(--base-model-id\), --lora-alpha, the LoRA settings \(r, alpha, rsLoRA\); "
+                                         r"rerun with its inputs and options, or remove"):
         merged("tp2pp2_fp32_filtered", out, part="1/2", lora_alpha=3.0)  # another LoRA scale
     with pytest.raises(MergeError, match="part 0/2 of a split into 2, this is --part 1/3"):
         merged("tp2pp2_fp32_filtered", out, part="1/3")
     manifests = PartsDir(out).manifests
     theirs = json.loads((manifests / "part-00000-of-00002.json").read_text())
     (manifests / "part-00001-of-00002.json").write_text(json.dumps({**theirs, "part": [1, 2], "plan": "0" * 64}))
-    with pytest.raises(MergeError, match="part 1/2 is of another plan than part 0/2"):
+    with pytest.raises(MergeError, match="part 1/2 differs from part 0/2 in .*; rerun it with the same"):
         api.finish(out)
     (manifests / "part-00001-of-00003.json").write_text(json.dumps(theirs))
     with pytest.raises(MergeError, match="parts of splits into 2 and 3"):
@@ -367,14 +369,14 @@ def test_a_file_hashed_without_the_page_cache_has_its_sha256(tmp_path, size):
 def test_parts_differing_in_any_lora_setting_are_refused(tmp_path, one_process):
     out = tmp_path / "merged"
     merged("tp2pp2_fp32_filtered", out, part="0/2", lora_alpha=3.0)
-    with pytest.raises(MergeError, match="part 0/2 of another plan"):  # the card shows both as 3
+    with pytest.raises(MergeError, match="part 0/2 differs from this run .*--lora-alpha"):  # the card shows both as 3
         merged("tp2pp2_fp32_filtered", out, part="1/2", lora_alpha=3.000001)
-    with pytest.raises(MergeError, match="part 0/2 of another plan"):
+    with pytest.raises(MergeError, match=r"part 0/2 differs from this run \(--part 1/2\) in --report;"):
         merged("tp2pp2_fp32_filtered", out, part="1/2", lora_alpha=3.0, report=None)  # the report is the plan's too
     mcore = tmp_path / "mcore"
     given = dict(inputs("qwen3moe_ep2"), ep=2, tp=2, etp=1)
     converted(mcore, **given, part="0/2")
-    with pytest.raises(MergeError, match="part 0/2 of another plan"):
+    with pytest.raises(MergeError, match="part 0/2 differs from this run .*--lora-alpha"):
         converted(mcore, **given, part="1/2", lora_alpha=3.0)
 
 
@@ -388,7 +390,8 @@ def test_an_input_changed_between_parts_is_another_plan(tmp_path):
     api.merge(**given, out=out, part="0/2")
     tracker = next(root.joinpath("lora").rglob("latest_checkpointed_iteration.txt"))
     os.utime(tracker, ns=(1, 1))  # the same bytes, written again (a LoRA trained again into the same directory)
-    with pytest.raises(MergeError, match="part 0/2 of another plan"):
+    with pytest.raises(MergeError, match=r"part 0/2 differs from this run \(--part 1/2\) in the input files \(their "
+                                         r"paths, sizes or modification times\);"):
         api.merge(**given, out=out, part="1/2")
 
 
@@ -530,3 +533,80 @@ def test_a_dry_run_of_a_part_names_its_files(tmp_path, capsys):
         listed += result.files
     written = merged("tp2pp2_fp32_filtered", tmp_path / "m", part="0/1")
     assert listed == written.files and not (tmp_path / "merged.parts").exists()
+
+
+
+# --- what the second review found ------------------------------------------------------------------------
+
+def test_finish_refuses_a_reference_changed_since_the_parts(tmp_path):
+    import shutil
+
+    root = tmp_path / "inputs"
+    shutil.copytree(fixture_root("tp2pp2_fp32_filtered"), root)
+    given = dict(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", max_shard_size=SHARD, warn=quiet)
+    out = tmp_path / "merged"
+    for index in range(2):
+        api.merge(**given, out=out, part=f"{index}/2")
+    (root / "hf_ref" / "special_tokens_map.json").write_text("{}")
+    with pytest.raises(MergeError, match=r"hf_ref: changed since part 0/2 read it \(special_tokens_map.json\); the "
+                                         "output would hold other reference files"):
+        api.finish(out)
+    (root / "hf_ref" / "special_tokens_map.json").unlink()
+    api.finish(out)
+
+
+def test_finish_leaves_what_is_not_a_manifest_in_the_manifests_directory(tmp_path):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    notes = PartsDir(out).manifests / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(MergeError, match="notes.txt: not a part manifest of lora-merge; the directory is removed once"):
+        api.finish(out)
+    assert notes.read_text() == "mine" and not out.exists()
+
+
+def test_a_run_in_one_process_warns_of_parts_it_leaves_beside_its_output(tmp_path, monkeypatch, one_process):
+    out = tmp_path / "merged"
+    with monkeypatch.context() as m:
+        kill_after(m, 2)
+        with pytest.raises(Killed):
+            merged("tp2pp2_fp32_filtered", out, resume=True)
+    warnings = []
+    api.merge(**inputs("tp2pp2_fp32_filtered"), out=out, max_shard_size=SHARD, report=out / "merge-report.json",
+              warn=warnings.append)
+    assert any("merged.parts/ and merged.manifests/ beside" in w and "neither uses nor removes" in w for w in warnings)
+    assert_same_output(one_process("tp2pp2_fp32_filtered"), out)
+    with pytest.raises(MergeError, match=r"part 0/1 did not complete \(2 of \d+ files written\); rerun it with --resume$"):
+        api.finish(tmp_path / "merged")
+
+
+def test_options_that_do_not_go_with_resume_say_resume(tmp_path):
+    with pytest.raises(MergeError, match=r"--verify with --resume: verify the output once it is published"):
+        merged("tp2pp2_fp32_filtered", tmp_path / "x", resume=True, verify=True)
+    with pytest.raises(MergeError, match="--no-sha256 with --resume:"):
+        merged("tp2pp2_fp32_filtered", tmp_path / "x", resume=True, sha256=False)
+
+
+def test_inputs_named_by_relative_paths_are_the_same_plan(tmp_path, monkeypatch, one_process):
+    root = fixture_root("tp2pp2_fp32_filtered")
+    out = tmp_path / "merged"
+    merged("tp2pp2_fp32_filtered", out, part="0/2")
+    monkeypatch.chdir(root)
+    api.merge(base="base", lora="lora", hf_ref="hf_ref", out=out, max_shard_size=SHARD, report=out / "merge-report.json",
+              warn=quiet, part="1/2")
+    api.finish(out)
+    assert_same_output(one_process("tp2pp2_fp32_filtered"), out)
+
+
+def test_a_dry_run_of_a_megatron_part_names_its_files(tmp_path, capsys, one_process):
+    base = one_process("tp2pp2_fp32_filtered")
+    listed = []
+    for index in range(3):
+        result = converted(tmp_path / "mcore", base=base, tp=2, pp=2, dry_run=True, part=f"{index}/3")
+        listed += result.files
+    one = tmp_path / "one"
+    converted(one, base=base, tp=2, pp=2)
+    assert sorted(listed) == sorted(str(p.relative_to(one)) for p in one.glob("release/*/model_optim_rng.pt"))
+    assert main(["--to", "megatron", "--base", str(base), "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2",
+                 "--dry-run", "--part", "0/3"]) == 0
+    assert "part 0/3 would write" in capsys.readouterr().out

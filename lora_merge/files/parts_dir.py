@@ -55,11 +55,8 @@ class PartsDir:
         for path in (self.files, self.manifests):
             if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
                 raise OutputConflict(f"{path}: exists and is not a directory; the parts of {self.out} are staged there")
-        foreign = [p.name for p in self.manifests.iterdir() if not MANIFEST.fullmatch(p.name)
-                   and not TEMPORARY.fullmatch(p.name)] if self.manifests.is_dir() else []
-        if foreign:
-            raise OutputConflict(f"{self.manifests}: holds {foreign[0]}, not a part manifest of lora-merge; the parts "
-                                 f"of {self.out} are staged there: move it away")
+        if self.manifests.is_dir():
+            self.check_manifests_dir()
         has_manifests = self.manifests.is_dir() and any(MANIFEST.fullmatch(p.name) for p in self.manifests.iterdir())
         if self.files.is_dir() and any(self.files.iterdir()) and not has_manifests:
             raise OutputConflict(f"{self.files}: exists with files but no part manifest in {self.manifests.name} "
@@ -67,6 +64,14 @@ class PartsDir:
         self.manifests.mkdir(exist_ok=True)
         self.files.mkdir(exist_ok=True)
         STAGED.append(self.files)
+
+    def check_manifests_dir(self) -> None:
+        """The manifests directory holds manifests and temporary files only (it is removed once published)."""
+        foreign = [p.name for p in self.manifests.iterdir() if not MANIFEST.fullmatch(p.name)
+                   and not TEMPORARY.fullmatch(p.name)]
+        if foreign:
+            raise OutputConflict(f"{self.manifests / foreign[0]}: not a part manifest of lora-merge; the directory is "
+                                 "removed once the output is published: move it away")
 
     def temporary(self, name: str) -> str:
         """Where this run writes the file `name` (a path relative to the files directory: a Megatron rank file

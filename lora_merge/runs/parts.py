@@ -136,35 +136,34 @@ class PartRun:
     already there (one plan, one split), the files a killed run of this part completed (`--resume`), and its
     manifest, rewritten as each file completes."""
 
-    def __init__(self, out: Path, part: Part, fingerprint: str, file_names: list[str], mine: frozenset[int],
+    def __init__(self, out: Path, part: Part, plan: tuple[str, dict], file_names: list[str], mine: frozenset[int],
                  resume: bool, workers: int | None, common: dict | None, explicit: bool = True):
         self.part, self.file_names = part, file_names
+        fingerprint, digests = plan
         self.staging = staging = PartsDir(out)
         staging.create()
         this = f"--part {part}" if explicit else "a one-process run with --resume (part 0/1)"
-        for (index, count), theirs in staging.read_manifests(skip=(part.index, part.count)).items():
+        own = staging.own_manifest(part.index, part.count)
+        others = staging.read_manifests(skip=(part.index, part.count))
+        for (index, count), theirs in [*others.items(), *([((part.index, part.count), own)] if own else [])]:
             where = staging.manifests / manifest_name(index, count)
             if count != part.count:
                 raise MergeError(f"{where}: part {index}/{count} of a split into {count}, this is {this}; "
                                  f"finish or remove {staging.files} and {staging.manifests} before splitting "
                                  "differently")
-            if theirs.get("plan") != fingerprint:
-                raise MergeError(f"{where}: part {index}/{count} of another plan (other inputs or options); remove "
-                                 f"{staging.files} and {staging.manifests} to start over")
+            if theirs["plan"] != fingerprint:
+                raise MergeError(f"{where}: part {index}/{count} differs from this run ({this}) in "
+                                 f"{plan_differences(digests, theirs.get('plan_of', {}))}; rerun with its inputs and "
+                                 f"options, or remove {staging.files} and {staging.manifests} to start over")
         assigned = [file_names[i] for i in sorted(mine)]
         kept = {}
-        own = staging.own_manifest(part.index, part.count)
-        if own is not None and own["plan"] != fingerprint:
-            raise MergeError(f"{staging.manifests / manifest_name(part.index, part.count)}: part {part} of another "
-                             f"plan (other inputs or options); remove {staging.files} and {staging.manifests} to "
-                             "start over")
         if resume:
             recorded = {k: v for k, v in (own or {}).get("files", {}).items() if k in assigned}
             kept = _still_written(staging, recorded, workers or default_workers())
         self.kept = kept
         self.pending = frozenset(i for i in mine if file_names[i] not in kept)
         self.manifest = {"tool": f"lora-merge {__version__}", "part": [part.index, part.count], "plan": fingerprint,
-                         "assigned": assigned, "files": dict(kept), "complete": False}
+                         "plan_of": digests, "assigned": assigned, "files": dict(kept), "complete": False}
         if part.index == 0:  # what finish writes: from part 0, which every split has
             self.manifest["common"] = common
         staging.write_manifest(part.index, part.count, self.manifest)
@@ -182,24 +181,46 @@ class PartRun:
                            resumed=sorted(self.kept), tensors=tensors, bytes=nbytes)
 
 
-def fingerprint_of(opts, inp, **what) -> str:
-    """The plan's fingerprint: what every part must agree on, with this version of lora-merge: the output's
-    files and tensors (`what`), the LoRA settings exactly (repr: 3.0 and 3.000001 differ, as they do in the
-    merge), the options that choose them, and every input file by path, size and modification time (a LoRA
-    trained again into the same directory is another input)."""
-    settings = {"settings": repr(inp.settings), "lora_r": opts.lora_r, "lora_alpha": repr(opts.lora_alpha),
-                "lora_weights": repr(opts.lora_weights),
-                "inputs": [inp.base.describe(), inp.lora.describe() if inp.lora is not None else None],
-                "files": _input_files(opts.base, opts.lora, *opts.more_loras, opts.hf_ref)}
-    return hashlib.sha256(json.dumps({"tool": __version__, **settings, **what}, sort_keys=True).encode()).hexdigest()
+# What each part of a plan's fingerprint is, for the message naming what differs between two parts.
+PLAN_PARTS = {"tool": "the version of lora-merge", "settings": "the LoRA settings (r, alpha, rsLoRA)",
+              "lora_r": "--lora-r", "lora_alpha": "--lora-alpha", "lora_weights": "--lora-weight",
+              "inputs": "the input files (their paths, sizes or modification times)",
+              "output": "the output's files (--max-shard-size, the model)", "sizes": "the output's files' sizes",
+              "tensors": "the output's tensors (--dtype, the model)", "card": "the model card (--base-model-id)",
+              "config": "the output's config.json", "reference": "--hf-ref", "report": "--report",
+              "args": "the Megatron checkpoint's layout or args"}
+
+
+def fingerprint_of(opts, inp, **what) -> tuple[str, dict]:
+    """The plan's fingerprint, and a digest of each thing in it: what every part must agree on, with this
+    version of lora-merge: the output's files and tensors (`what`), the LoRA settings exactly (repr: 3.0 and
+    3.000001 differ, as they do in the merge), the options that choose them, and every input file by its real
+    path, size and modification time (a LoRA trained again into the same directory is another input; the same
+    directory named by a relative path is not)."""
+    parts = {"tool": __version__, "settings": repr(inp.settings), "lora_r": opts.lora_r,
+             "lora_alpha": repr(opts.lora_alpha), "lora_weights": repr(opts.lora_weights),
+             "inputs": _input_files(opts.base, opts.lora, *opts.more_loras, opts.hf_ref), **what}
+    digests = {key: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+               for key, value in parts.items()}
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest(), digests
+
+
+def plan_differences(mine: dict, theirs: dict) -> str:
+    """What differs between two plans' digests, in words."""
+    keys = sorted(set(mine) | set(theirs))
+    differ = [PLAN_PARTS.get(key, key) for key in keys if mine.get(key) != theirs.get(key)]
+    return ", ".join(differ) or "what it was made from"
 
 
 def _input_files(*dirs) -> list:
+    """Every file below the input directories: [the directory's real path, the file's path in it, its size,
+    its modification time]."""
     found = []
     for directory in dirs:
         if directory is None:
             continue
-        for root, subdirs, names in os.walk(directory, followlinks=True):
+        top = os.path.realpath(directory)
+        for root, subdirs, names in os.walk(top, followlinks=True):
             subdirs.sort()
             for name in sorted(names):
                 path = os.path.join(root, name)
@@ -207,7 +228,7 @@ def _input_files(*dirs) -> list:
                     st = os.stat(path)
                 except OSError:
                     continue
-                found.append([path, st.st_size, st.st_mtime_ns])
+                found.append([top, os.path.relpath(path, top), st.st_size, st.st_mtime_ns])
     return found
 
 
@@ -225,19 +246,20 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
              ref_files, base_model: str | None) -> PartWritten:
     """Part `opts.part` of a merge into an HF model (see the module's doc): its files written and recorded."""
     part = opts.part or Part(0, 1)
+    given = f"--part {part}" if opts.part is not None else "--resume"
     if opts.verify:
-        raise MergeError(f"--verify with --part {part}: each part holds some files only; verify the output once "
-                         f"`lora-merge finish --out {opts.out}` has published it (`lora-merge verify {opts.out} ...`)")
+        raise MergeError(f"--verify with {given}: verify the output once it is published (`lora-merge verify "
+                         f"{opts.out} ...`)" + (": each part holds some files only" if opts.part is not None else ""))
     if not opts.sha256:
-        raise MergeError(f"--no-sha256 with --part {part}: finish and --resume check every file by its sha256")
+        raise MergeError(f"--no-sha256 with {given}: finish and --resume check every file by its sha256")
     stored, shards, file_names, sizes, mine = hf_files_of_part(writer_plan, names, opts.max_shard_size, part)
     file_of = {t.name: file_names[i] for i, shard in enumerate(shards) for t in shard}
     inside = opts.report is not None and os.path.realpath(opts.report.parent) == os.path.realpath(opts.out)
     card = model_card_head(opts.out.name, inp.base, inp.lora, hf_config, inp.settings, dtype_name,
                            plan.merged_modules, base_model)
-    fingerprint = fingerprint_of(
+    plan_id = fingerprint_of(
         opts, inp, output=file_names, tensors=[[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
-        card=card, config=hf_config, reference=os.path.abspath(opts.hf_ref),
+        card=card, config=hf_config, reference=os.path.realpath(opts.hf_ref),
         report=os.path.abspath(opts.report) if opts.report else None)
     common = {
         "kind": MERGED_MODEL, "files": file_names, "card": card, "later": [opts.report.name] if inside else [],
@@ -245,8 +267,9 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
         "report": report_data(inp, opts.hf_ref, plan, file_of, None, ref_files) if opts.report else None,
         "report_path": os.path.abspath(opts.report) if opts.report else None,
         "reference": {"directory": os.path.abspath(opts.hf_ref), "config": hf_config,
-                      "dtype": str(dtype).removeprefix("torch.")}} if part.index == 0 else None
-    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common,
+                      "dtype": str(dtype).removeprefix("torch."), "files": _input_files(opts.hf_ref)}
+    } if part.index == 0 else None
+    run = PartRun(opts.out, part, plan_id, file_names, mine, opts.resume, opts.workers, common,
                   explicit=opts.part is not None)
     pending_names = {file_names[i] for i in run.pending}
     tasks = [task for task in plan.tasks if any(file_of[_stored(names, t.name)] in pending_names
@@ -272,12 +295,12 @@ def run_megatron_part(opts, inp, plan, writer, args) -> PartWritten:
     sizes = writer.file_sizes()
     owner = assign_files(sizes, part.count)
     mine = frozenset(i for i, p in enumerate(owner) if p == part.index)
-    fingerprint = fingerprint_of(opts, inp, output=file_names, sizes=sizes,
-                                 tensors=[[t.name, list(t.shape), str(t.dtype)] for t in plan.tensors],
-                                 args=repr(sorted(vars(args).items())))
+    plan_id = fingerprint_of(opts, inp, output=file_names, sizes=sizes,
+                             tensors=[[t.name, list(t.shape), str(t.dtype)] for t in plan.tensors],
+                             args=repr(sorted(vars(args).items())))
     common = {"kind": MEGATRON_CHECKPOINT, "files": file_names, "tracker": writer.tracker_text()} \
         if part.index == 0 else None
-    run = PartRun(opts.out, part, fingerprint, file_names, mine, opts.resume, opts.workers, common,
+    run = PartRun(opts.out, part, plan_id, file_names, mine, opts.resume, opts.workers, common,
                   explicit=opts.part is not None)
     tasks = [task for task in plan.tasks if any(writer.files_of(t.name) & run.pending for t in task.outputs)]
     check_free_space(run.staging.files, sum(sizes[i] for i in run.pending), 0, "the tracker file")
@@ -327,16 +350,20 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
     count = counts[0]
     plans = {m["plan"] for m in manifests.values()}
     if len(plans) > 1:
-        odd = next(i for (i, _), m in sorted(manifests.items()) if m["plan"] != manifests[min(manifests)]["plan"])
-        raise MergeError(f"{staging.manifests}: part {odd}/{count} is of another plan than part "
-                         f"{min(manifests)[0]}/{count} (other inputs or options); rerun it with the same options")
+        first = manifests[min(manifests)]
+        odd, theirs = next(((i, m) for (i, _), m in sorted(manifests.items()) if m["plan"] != first["plan"]))
+        raise MergeError(f"{staging.manifests}: part {odd}/{count} differs from part {min(manifests)[0]}/{count} in "
+                         f"{plan_differences(first.get('plan_of', {}), theirs.get('plan_of', {}))}; rerun it with the "
+                         "same inputs and options")
+    staging.check_manifests_dir()  # nothing there but manifests: it is removed once published
     for index in range(count):
         manifest = manifests.get((index, count))
         if manifest is None:
             raise MergeError(f"{out}: part {index}/{count} is missing (no manifest); run it with --part {index}/{count}")
         if not manifest["complete"]:
             raise MergeError(f"{out}: part {index}/{count} did not complete ({len(manifest['files'])} of "
-                             f"{len(manifest['assigned'])} files written); rerun it with --part {index}/{count} --resume")
+                             f"{len(manifest['assigned'])} files written); rerun it with "
+                             + (f"--part {index}/{count} --resume" if count > 1 else "--resume"))
     common = manifests[0, count].get("common")
     if not isinstance(common, dict) or not all(_output_name(n) for n in common.get("files", [None])):
         raise MergeError(f"{staging.manifests / manifest_name(0, count)}: says nothing valid of the whole output "
@@ -354,9 +381,19 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
             path = staging.files / name
             what = ("is missing" if not path.exists() else "has other bytes than its part recorded" if rehash else
                     "has another size than its part recorded")
-            raise MergeError(f"{path}: {what}; rerun part {owner[name]}/{count} with --part {owner[name]}/{count} "
-                             "--resume")
+            raise MergeError(f"{path}: {what}; rerun " + (f"part {owner[name]}/{count} with --part "
+                                                           f"{owner[name]}/{count} --resume" if count > 1 else
+                                                           "the merge with --resume"))
     kind = common.get("kind", MERGED_MODEL)
+    reference = common.get("reference") or {}
+    if reference.get("files") is not None:  # what finish copies: as part 0 saw it, or the plan is not the parts'
+        now = _input_files(reference["directory"])
+        if now != reference["files"]:
+            before, after = ({f[1]: f[2:] for f in files} for files in (reference["files"], now))
+            changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+            raise MergeError(f"{reference['directory']}: changed since part 0/{count} read it "
+                             f"({', '.join(changed[:3]) or 'its place'}); the output would hold other reference files "
+                             "than the parts were made with: restore it, or rerun the parts")
     if out.is_symlink():
         raise OutputConflict(f"{out}: is a symlink; give the directory itself")
     if os.path.lexists(out):
@@ -442,3 +479,15 @@ def _finish_hf_model(staging: PartsDir, common: dict, hashes: dict) -> tuple[lis
     report = SideFile(path)
     report.write(text)
     return files, report
+
+
+def stale_parts_warning(out: Path) -> str | None:
+    """For a run in one process: a warning when an earlier run in parts (or with --resume) left its staging
+    beside `out`; this run neither uses nor removes it."""
+    staging = PartsDir(out)
+    if staging.manifests.is_dir() and any(staging.manifests.iterdir()):
+        return (f"{staging.files.name}/ and {staging.manifests.name}/ beside {out} hold an earlier run's parts, which "
+                "this run neither uses nor removes (--resume would continue them); remove them once this output is "
+                "published")
+    return None
+

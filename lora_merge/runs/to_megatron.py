@@ -17,7 +17,7 @@ from lora_merge.merge_plan import build_plan
 from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
-from lora_merge.runs.parts import run_finish, run_megatron_part
+from lora_merge.runs.parts import assign_files, run_finish, run_megatron_part, stale_parts_warning
 from lora_merge.runs.stream import stream_into
 from lora_merge.writers.megatron_args import target_args
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
@@ -126,7 +126,12 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
                     lora_modules=plan.merged_modules, skipped=dict(plan.skipped))
     if opts.dry_run:
         check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
-        return ConvertResult(out=opts.out, files=[], dry_run=True, plan=plan, writer=writer, **describe)
+        files = []
+        if opts.part is not None:  # which files the part would write
+            owner = assign_files(writer.file_sizes(), opts.part.count)
+            files = [name for name, p in zip(writer.file_names(), owner) if p == opts.part.index]
+        return ConvertResult(out=opts.out, files=files, dry_run=True, plan=plan, writer=writer,
+                             part=None if opts.part is None else str(opts.part), **describe)
     if opts.part is not None or opts.resume:
         written = run_megatron_part(opts, inp, plan, writer, args)
         files = written.files
@@ -134,6 +139,9 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
             files = run_finish(opts.out, workers=opts.workers).files
         return ConvertResult(out=opts.out, files=files, seconds=time.monotonic() - started,
                              part=None if opts.part is None else written.part, resumed=written.resumed, **describe)
+    stale = stale_parts_warning(opts.out)
+    if stale:
+        opts.warn(stale)
     remove_abandoned_staging(opts.out, inputs)
     check_free_space(opts.out, writer.total_bytes, 0, CHECKPOINT_EXTRAS)
     with StagedOutput(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT) as stage:
