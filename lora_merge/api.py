@@ -29,7 +29,8 @@ from lora_merge.peft_adapter import EXPERT_FORMATS
 from lora_merge.readers.detect import check_input_dir
 from lora_merge.runs.export import ExportResult, run_export
 from lora_merge.runs.inputs import BASE, HF_REF, LORA, OUT, reference_dir
-from lora_merge.runs.parts import FinishResult, parse_part, run_finish
+from lora_merge.runs.finish import FinishResult, run_finish
+from lora_merge.runs.parts import parse_part
 from lora_merge.runs.options import FP8, MXFP4, ExportOptions, MegatronOptions, MergeOptions, VerifyOptions
 from lora_merge.runs.to_hf import MergeResult, VerificationFailed, run_merge  # noqa: F401  (API)
 from lora_merge.runs.to_megatron import ConvertResult, run_to_megatron

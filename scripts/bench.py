@@ -392,15 +392,15 @@ def bench_adapter_variants(layers: int, work: Path, repeat: int, preset: str = "
         "generate_seconds": time.monotonic() - generate_start}, per_output_gb=True)
 
 
-def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
-    """A gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on q_proj and every expert (synthetic_gpt_oss_checkpoint.py),
-    merged into bf16 and back into MXFP4 (--dtype mxfp4), alternating with a plain copy of both; CPU per GB of
-    input (the two outputs differ in size)."""
-    root = work / f"L{layers}gpt_oss"
+def bench_gpt_oss(layers: int, work: Path, repeat: int, experts: int = 32) -> dict:
+    """A gpt-oss-shaped MXFP4 HF base (20b's layers, or 120b's with 128 experts) + a PEFT adapter on q_proj and
+    every expert (synthetic_gpt_oss_checkpoint.py), merged into bf16 and back into MXFP4 (--dtype mxfp4),
+    alternating with a plain copy of both; CPU per GB of input (the two outputs differ in size)."""
+    root = work / f"L{layers}gpt_oss{experts}"
     drop(root)
     generate_start = time.monotonic()
-    subprocess.run([sys.executable, str(HERE / "synthetic_gpt_oss_checkpoint.py"), str(root), "--layers", str(layers)],
-                   check=True)
+    subprocess.run([sys.executable, str(HERE / "synthetic_gpt_oss_checkpoint.py"), str(root), "--layers", str(layers),
+                    "--experts", str(experts)], check=True)
     inputs = [root / "base", root / "adapter"]
     in_bytes = sum(dir_bytes(p) for p in inputs)
     check_free(root, in_bytes * 3)
@@ -409,7 +409,8 @@ def bench_gpt_oss(layers: int, work: Path, repeat: int) -> dict:
     variants = [(f"-> {target}, {wlabel}", c) for target in ("bfloat16", "mxfp4")
                 for wlabel, c in merge_variants(cmd + ["--dtype", target])]
     return variants_against_copy(root, inputs, variants, repeat, {
-        "layers": layers, "layout": "gpt-oss-20b shapes, MXFP4 HF base + PEFT adapter",
+        "layers": layers, "layout": f"gpt-oss-{'120b' if experts == 128 else '20b'} shapes ({experts} experts), "
+                                    "MXFP4 HF base + PEFT adapter",
         "generate_seconds": time.monotonic() - generate_start}, per_output_gb=False)
 
 
@@ -610,6 +611,8 @@ def main() -> None:
                    "and into FP8 (--deepseek-shape applies)")
     p.add_argument("--gpt-oss", action="store_true", help="a gpt-oss-20b-shaped MXFP4 HF base + a PEFT adapter on every "
                    "expert, merged into bf16 and into MXFP4")
+    p.add_argument("--gpt-oss-experts", type=int, default=32, metavar="E", help="with --gpt-oss: experts a layer "
+                   "(32: gpt-oss-20b, 128: gpt-oss-120b)")
     p.add_argument("--adapter-variants", action="store_true", help="the --peft input merged with one plain adapter, "
                    "a DoRA one, and three weighted ones (32B layer shapes)")
     p.add_argument("--parts", type=int, nargs="+", metavar="N", help="32B layer shapes merged by one process and as "
@@ -651,7 +654,8 @@ def main() -> None:
         return
     if args.gpt_oss:
         for n in args.layers:
-            report_one(f"gpt-oss-20b shapes, MXFP4, {n} layers", bench_gpt_oss(n, args.workdir, args.repeat))
+            report_one(f"gpt-oss shapes, {args.gpt_oss_experts} experts, MXFP4, {n} layers",
+                       bench_gpt_oss(n, args.workdir, args.repeat, args.gpt_oss_experts))
         return
     if args.to_megatron:
         runs = [bench_to_megatron(2, args.workdir, args.repeat, True, args.deepseek_shape,

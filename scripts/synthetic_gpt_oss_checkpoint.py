@@ -5,6 +5,7 @@ PEFT 0.21 saves it (the two parameter wrappers nested, gate_up_proj innermost). 
 correctness is proven on tiny models in tests/test_gpt_oss.py.
 
     python scripts/synthetic_gpt_oss_checkpoint.py OUT --layers 2      # OUT/base, OUT/adapter
+    python scripts/synthetic_gpt_oss_checkpoint.py OUT --layers 1 --experts 128   # gpt-oss-120b's layer shapes
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=E, help="experts a layer (gpt-oss-20b: 32, gpt-oss-120b: 128)")
     opts = ap.parse_args()
-    base, adapter = opts.out / "base", opts.out / "adapter"
+    make(opts.out, opts.layers, opts.experts)
+
+
+def make(out: Path, layers: int, E: int) -> None:  # noqa: N803  (E: the experts, as the module's shapes are named)
+    base, adapter = out / "base", out / "adapter"
     base.mkdir(parents=True)
     adapter.mkdir()
     g = torch.Generator().manual_seed(0)
@@ -37,7 +43,7 @@ def main() -> None:
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
     t = {"model.embed_tokens.weight": bf(V, H), "lm_head.weight": bf(V, H), "model.norm.weight": bf(H)}
-    for i in range(opts.layers):
+    for i in range(layers):
         p = f"model.layers.{i}."
         for name, shape in (("input_layernorm.weight", (H,)), ("post_attention_layernorm.weight", (H,)),
                             ("self_attn.q_proj.weight", (NH * D, H)), ("self_attn.q_proj.bias", (NH * D,)),
@@ -54,15 +60,15 @@ def main() -> None:
                                                                generator=g)
     save_file(t, base / "model.safetensors", metadata={"format": "pt"})
     config = json.loads(PUBLISHED.read_text())
-    config.update(num_hidden_layers=opts.layers,
-                  layer_types=["sliding_attention", "full_attention"] * (opts.layers // 2) + ["sliding_attention"]
-                  * (opts.layers % 2))
+    config.update(num_hidden_layers=layers, num_local_experts=E,
+                  layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"]
+                  * (layers % 2))
     (base / "config.json").write_text(json.dumps(config, indent=2))
     for f in TOKENIZER.glob("tokenizer*"):
         shutil.copy(f, base / f.name)
 
     factors = {}
-    for i in range(opts.layers):
+    for i in range(layers):
         p = f"base_model.model.model.layers.{i}."
         for name, shape in (("self_attn.q_proj.lora_A.weight", (R, H)), ("self_attn.q_proj.lora_B.weight", (NH * D, R)),
                             ("mlp.experts.base_layer.lora_A.weight", (E * R, H)),  # gate_up_proj

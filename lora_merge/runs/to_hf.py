@@ -16,7 +16,8 @@ from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (baseline_dir, card_base_model, check_input_dirs, given_paths, input_paths,
                                     inside_dir, open_inputs, output_dtype)
 from lora_merge.runs.options import FP8, MXFP4, MergeOptions
-from lora_merge.runs.parts import hf_files_of_part, run_finish, run_part, stale_parts_warning
+from lora_merge.runs.finish import run_finish
+from lora_merge.runs.parts import hf_files_of_part, run_part, stale_parts_warning
 from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files

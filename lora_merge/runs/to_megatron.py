@@ -17,7 +17,8 @@ from lora_merge.merge_plan import build_plan
 from lora_merge.runs.inputs import (check_input_dirs, given_paths, input_paths, open_inputs,
                                     output_dtype)
 from lora_merge.runs.options import FP8, MegatronOptions
-from lora_merge.runs.parts import assign_files, run_finish, run_megatron_part, stale_parts_warning
+from lora_merge.runs.finish import run_finish
+from lora_merge.runs.parts import assign_files, run_megatron_part, stale_parts_warning
 from lora_merge.runs.stream import stream_into
 from lora_merge.writers.megatron_args import target_args
 from lora_merge.writers.megatron_legacy import MegatronLegacyWriter
