@@ -27,10 +27,10 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
-from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows
+from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows, scale_shape
 from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock
 from lora_merge.lora import StackedExpertsDelta
-from lora_merge.mxfp4 import (BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, quantize as quantize_mxfp4,
+from lora_merge.mxfp4 import (BLOCK as MXFP4_BLOCK, BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, quantize as quantize_mxfp4,
                               quantize_rows as quantize_mxfp4_rows)
 from lora_merge.lora import megatron_deltas
 from lora_merge.merge_plan import MergePlan, Task
@@ -283,7 +283,7 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
             row += b.rows
         on_workers = not stored and all(start % block[0] == 0 for start in starts)
         if on_workers:  # every piece starts on a block row: quantized where it is computed
-            quantizers[planned.name] = []
+            quantizers[planned.name] = ScaleRows(scale_shape(tuple(planned.shape), block), torch.float32)
             for job in _piece_jobs(blocks[name], deltas.get(name), compute, task.pieces.mapped, chunk, block[0]):
                 yield planned.name, partial(_quantized, job, block, plan.pow2_scales, planned.name)
         else:
@@ -310,7 +310,8 @@ def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped
             yield planned.name, partial(_stored_rows, stored.blocks, start, start + step, mapped)
         yield None, partial(write, param + MXFP4_SCALES, stored.scales, None)
         return
-    quantizers[planned.name] = []
+    experts, inputs, outputs = shape
+    quantizers[planned.name] = ScaleRows((experts, outputs, inputs // MXFP4_BLOCK))
     if isinstance(source, Mxfp4RowBlock) and isinstance(delta, StackedExpertsDelta) and delta.in_out:
         # MXFP4 in and out: merged and quantized in the blocks' own [out, in] layout, never transposed
         step = max(1, chunk // (4 * source.row_numel))
@@ -386,9 +387,28 @@ def _quantized(job, block, pow2: bool, name: str):
         charge("merge", time.thread_time() - started)
 
 
+class ScaleRows:
+    """The scales of a quantized tensor (MXFP4's E8M0 bytes, block-FP8's float32), filled in as its pieces are delivered (in order), in one buffer made up
+    front. Kept as a list of small pieces until the tensor was complete and then joined, they scattered long-lived
+    allocations through the heap that freed merge chunks could not reuse around: the process grew to 1.8 GB at
+    gpt-oss-120b's 128 experts (0.9 GB at 20b's 32)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8):
+        self.buffer = torch.empty(shape, dtype=dtype)
+        self.filled = 0
+
+    def append(self, piece: torch.Tensor) -> None:
+        self.buffer[self.filled:self.filled + piece.shape[0]] = piece
+        self.filled += piece.shape[0]
+
+    def scales(self) -> torch.Tensor:
+        if self.filled != self.buffer.shape[0]:
+            raise RuntimeError(f"scales of {self.filled} of {self.buffer.shape[0]} rows delivered (plan error)")
+        return self.buffer
+
+
 def _write_scales(write, name: str, quantizers: dict, scales_name: str | None = None) -> None:
-    quantizer = quantizers.pop(name)
-    scales = torch.cat(quantizer) if isinstance(quantizer, list) else quantizer.scales()
+    scales = quantizers.pop(name).scales()
     write(scales_name or name + SCALE_SUFFIX, scales, None)
 
 
