@@ -610,3 +610,18 @@ def test_a_dry_run_of_a_megatron_part_names_its_files(tmp_path, capsys, one_proc
     assert main(["--to", "megatron", "--base", str(base), "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2",
                  "--dry-run", "--part", "0/3"]) == 0
     assert "part 0/3 would write" in capsys.readouterr().out
+
+
+def test_what_finish_writes_from_part_0s_record_is_checked_before_use(tmp_path):
+    out = tmp_path / "merged"
+    part_runs("tp2pp2_fp32_filtered", out, 2)
+    path = PartsDir(out).manifests / "part-00000-of-00002.json"
+    original = json.loads(path.read_text())
+    for damage in ({"reference": {**original["common"]["reference"], "dtype": "load"}}, {"card": "text"},
+                   {"later": ["../elsewhere.json"]}, {"report_path": "relative.json"}, {"kind": "something else"}):
+        path.write_text(json.dumps({**original, "common": {**original["common"], **damage}}))
+        with pytest.raises(MergeError, match=r"part-00000-of-00002.json: says nothing valid of the whole output .*; "
+                                             "remove it and rerun part 0/2"):
+            api.finish(out)
+    path.write_text(json.dumps(original))
+    api.finish(out)

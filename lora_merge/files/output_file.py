@@ -18,6 +18,7 @@ bounded.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import errno
 import mmap
 import os
@@ -234,3 +235,21 @@ def _sync_file_range():
             err = ctypes.get_errno()
             raise OSError(err, f"sync_file_range: {os.strerror(err)}")
     return sync_file_range
+
+
+class HashedFile:
+    """An output file that hashes (sha256) what passes through it, for a part's manifest (a run in parts,
+    runs/parts.py), without reading it back."""
+
+    def __init__(self, out: OutputFile):
+        self.out, self.sha256, self.path = out, hashlib.sha256(), out.path
+
+    def write(self, data) -> None:
+        self.sha256.update(data)
+        self.out.write(data)
+
+    def close(self) -> None:
+        self.out.close()
+
+    def abort(self) -> None:
+        self.out.abort()

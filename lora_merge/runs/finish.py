@@ -16,14 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from lora_merge.errors import MergeError, OutputConflict
 from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL, check_replaceable, report_refusal
 from lora_merge.files.parts_dir import PartsDir, manifest_name
 from lora_merge.files.staged_dir import PUBLISHED, SideFile, check_free_space
 from lora_merge.interrupts import ignore_signals
 from lora_merge.merge_pipeline import default_workers
+from lora_merge.model.model_shape import DTYPES
 from lora_merge.report import finished_report, hash_files
 from lora_merge.runs.parts import input_files, plan_differences, still_written
 from lora_merge.writers.hf_files import copy_reference_files, reference_files
@@ -83,7 +82,7 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
                              f"{len(manifest['assigned'])} files written); rerun it with "
                              + (f"--part {index}/{count} --resume" if count > 1 else "--resume"))
     common = manifests[0, count].get("common")
-    if not isinstance(common, dict) or not all(_output_name(n) for n in common.get("files", [None])):
+    if not _valid_common(common):
         raise MergeError(f"{staging.manifests / manifest_name(0, count)}: says nothing valid of the whole output "
                          f"(its 'common' section); remove it and rerun part 0/{count}")
     expected = set(common["files"])
@@ -159,6 +158,26 @@ def _output_name(name) -> bool:
     return isinstance(name, str) and OUTPUT_NAMES.fullmatch(name) is not None
 
 
+def _valid_common(common) -> bool:
+    """Part 0's record of the whole output, as a part writes it: the output's file names, and for an HF model
+    the card, index, report and reference it needs (what finish writes is taken from here, so it is checked)."""
+    if not isinstance(common, dict) or not isinstance(common.get("files"), list) or not common["files"] or \
+            not all(_output_name(n) for n in common["files"]):
+        return False
+    if common.get("kind") == MEGATRON_CHECKPOINT:
+        return common.get("tracker") == "release"
+    card, reference = common.get("card"), common.get("reference")
+    return (common.get("kind") == MERGED_MODEL and isinstance(card, dict) and isinstance(card.get("data"), dict)
+            and isinstance(card.get("title"), str) and isinstance(card.get("lines"), list)
+            and isinstance(common.get("later"), list) and all(isinstance(n, str) and "/" not in n for n in common["later"])
+            and (common.get("index") is None or isinstance(common["index"], dict))
+            and (common.get("report") is None) == (common.get("report_path") is None)
+            and (common.get("report") is None or isinstance(common["report"], dict) and isinstance(
+                common["report_path"], str) and os.path.isabs(common["report_path"]))
+            and isinstance(reference, dict) and isinstance(reference.get("directory"), str)
+            and isinstance(reference.get("config"), dict) and reference.get("dtype") in DTYPES)
+
+
 def _finish_writes(common: dict) -> set[str]:
     """What finish itself writes into the files directory (an interrupted finish may have left them)."""
     if common.get("kind") == MEGATRON_CHECKPOINT:
@@ -180,7 +199,7 @@ def _finish_hf_model(staging: PartsDir, common: dict, hashes: dict) -> tuple[lis
         (staging.files / INDEX).write_text(json.dumps(common["index"], indent=2) + "\n")
         files.append(INDEX)
     copied = copy_reference_files(Path(reference["directory"]), staging.files, reference["config"],
-                                  getattr(torch, reference["dtype"]))
+                                  DTYPES[reference["dtype"]])
     files += copied
     hashes |= hash_files(staging.files, [INDEX] * (common["index"] is not None) + copied)
     later = tuple(common["later"])

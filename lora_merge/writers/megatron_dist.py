@@ -80,9 +80,9 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from lora_merge.model.mtp import OWN as MTP_OWN, args_mtp_layers
 from lora_merge.errors import MergeError
 from lora_merge.model.moe_shape import megatron_moe_layers
-from lora_merge.files.output_file import ALIGN as ALIGN_DIRECT, OutputFile
+from lora_merge.files.output_file import ALIGN as ALIGN_DIRECT, HashedFile, OutputFile
 from lora_merge.files.torch_zip import ArchiveStream, TensorSlot, TorchArchive, pwrite_all
-from lora_merge.writers.megatron_legacy import RELEASE, HashedFile
+from lora_merge.writers.megatron_legacy import RELEASE
 from lora_merge.writers.row_scatter import RowScatter, Target, target_shard_shapes, tensor_dtype
 
 try:

@@ -14,7 +14,6 @@ Vocabulary padding rows are zero. No optimizer or RNG state: load with `--finetu
 
 from __future__ import annotations
 
-import hashlib
 import re
 from functools import partial
 from collections import OrderedDict
@@ -31,7 +30,7 @@ from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.parallel_layout import ParallelLayout, RankFile
 from lora_merge.readers.experts import is_expert_name
 from lora_merge.writers.row_scatter import Block, RowScatter, Target, target_shard_shapes, tensor_dtype
-from lora_merge.files.output_file import ALIGN, OutputFile
+from lora_merge.files.output_file import ALIGN, HashedFile, OutputFile
 from lora_merge.files.torch_zip import ArchiveStream, TensorSlot, TorchArchive
 
 RELEASE = "release"
@@ -248,23 +247,6 @@ class MegatronLegacyWriter(RowScatter):
                 if self.part is not None:  # not in a directory of its own that goes with the run
                     self._path(f).unlink(missing_ok=True)
                 f.stream = None
-
-
-class HashedFile:
-    """An output file that hashes (sha256) what passes through it, for a part's manifest."""
-
-    def __init__(self, out: OutputFile):
-        self.out, self.sha256, self.path = out, hashlib.sha256(), out.path
-
-    def write(self, data) -> None:
-        self.sha256.update(data)
-        self.out.write(data)
-
-    def close(self) -> None:
-        self.out.close()
-
-    def abort(self) -> None:
-        self.out.abort()
 
 
 # The order in which Megatron-Core's modules register their parameters (and so state_dict's order), within
