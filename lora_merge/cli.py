@@ -367,9 +367,9 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
     if console.verbose:
         console.detail("  tensors:")
         for task in plan.tasks:
-            for t in task.outputs:
+            for t in task.outputs if task.opens_outputs else ():
                 merged = task.lora is not None or t.name[len(task.hf_prefix):] in (task.delta or {})
-                console.detail(f"    {t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} <- {task.megatron}"
+                console.detail(f"    {t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} <- {task.source}"
                                + (" + LoRA" if merged else ""))
 
 

@@ -16,7 +16,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite
-from lora_merge.model.layout import Rule, check_shards, unshard_replicated, unshard_row
+from lora_merge.model.layout import ExpertSlab, Rule, check_shards, unshard_replicated, unshard_row
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import LoraModule
 from lora_merge.value_checks import (MAX_ALPHA, MAX_RANK, finite_number, is_number, lora_scale, positive_int,
@@ -107,6 +107,16 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
     if b_split == "replicated":  # whole on every rank: the rule sees it as one rank's shard
         b_shards = [unshard_replicated(b_shards, f"{module}.lora_B")]
     return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
+
+
+def whole_factors(rule: Rule, lora: LoraModule, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] of a linear, un-sharded as they are (Megatron's row order)."""
+    a_shards = [ref.load() for ref in lora.a]
+    b_shards = [ref.load() for ref in lora.b]
+    a_split, b_split = rule.lora_split
+    a = unshard_row(a_shards) if a_split == "row" else unshard_replicated(a_shards, f"{module}.lora_A")
+    b = unshard_replicated(b_shards, f"{module}.lora_B") if b_split == "replicated" else torch.cat(b_shards)
+    return a, b
 
 
 # W + s·B·A is computed this many float32 bytes of rows at a time: the block stays in the CPU cache from
@@ -214,7 +224,12 @@ class StackedExpertsDelta:
 
 
 def megatron_deltas(rule: Rule, lora: LoraModule, shape: ModelShape, module: str, scale: float) -> dict[str, Delta]:
-    """The deltas of a Megatron LoRA module, by the HF tensor each changes."""
+    """The deltas of a Megatron LoRA module, by the HF tensor each changes (a routed expert's of a stacked tensor:
+    the change to its row, as PEFT's factors of one expert)."""
+    if isinstance(rule, ExpertSlab):
+        a, b = whole_factors(rule, lora, module)
+        b, a = rule.lora_factors(b, a)
+        return {rule.hf: StackedExpertsDelta(b, a, scale, experts=1, in_out=True)}
     return {name: LowRankDelta(b, a, scale) for name, (b, a) in hf_factors(rule, lora, shape, module).items()}
 
 

@@ -28,7 +28,7 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows, scale_shape
-from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock
+from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock, SlabBlock
 from lora_merge.lora import StackedExpertsDelta
 from lora_merge.mxfp4 import (BLOCK as MXFP4_BLOCK, BLOCKS_SUFFIX as MXFP4_BLOCKS, SCALES_SUFFIX as MXFP4_SCALES, quantize as quantize_mxfp4,
                               quantize_rows as quantize_mxfp4_rows)
@@ -265,7 +265,7 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
         if param in plan.mxfp4:
             name = param[len(task.hf_prefix):]
             yield from _mxfp4_jobs(blocks[name], deltas.get(name), planned, param, plan.mxfp4[param],
-                                   task.pieces.mapped, chunk, quantizers, write)
+                                   task.pieces.mapped, chunk, quantizers, write, task)
             continue
         name = planned.name[len(task.hf_prefix):]
         block = plan.quantized.get(planned.name)
@@ -298,10 +298,10 @@ def _task_jobs(plan: MergePlan, task: Task, chunk: int, quantizers: dict | None 
 
 
 def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped: bool, chunk: int,
-                quantizers: dict, write):
+                quantizers: dict, write, task: Task):
     """A stacked experts parameter written as MXFP4: from an MXFP4 base without a change, its blocks and scales
     copied as stored; else computed in float32, whole experts a piece, and quantized where computed, its
-    scales written once its blocks are."""
+    scales written once its blocks are (once its last expert's are, where each expert is a task: task.rows)."""
     source = blocks[0] if len(blocks) == 1 else None
     if isinstance(source, Mxfp4RowBlock) and delta is None:
         stored = source.weight
@@ -311,7 +311,8 @@ def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped
         yield None, partial(write, param + MXFP4_SCALES, stored.scales, None)
         return
     experts, inputs, outputs = shape
-    quantizers[planned.name] = ScaleRows((experts, outputs, inputs // MXFP4_BLOCK))
+    if task.opens_outputs:
+        quantizers[planned.name] = ScaleRows((experts, outputs, inputs // MXFP4_BLOCK))
     if isinstance(source, Mxfp4RowBlock) and isinstance(delta, StackedExpertsDelta) and delta.in_out:
         # MXFP4 in and out: merged and quantized in the blocks' own [out, in] layout, never transposed
         step = max(1, chunk // (4 * source.row_numel))
@@ -322,7 +323,8 @@ def _mxfp4_jobs(blocks, delta, planned: PlannedTensor, param: str, shape, mapped
         return
     for job in _piece_jobs(blocks, delta, PlannedTensor(param, shape, torch.float32), mapped, chunk):
         yield planned.name, partial(_mxfp4_quantized, job)
-    yield None, partial(_write_scales, write, planned.name, quantizers, param + MXFP4_SCALES)
+    if task.closes_outputs:
+        yield None, partial(_write_scales, write, planned.name, quantizers, param + MXFP4_SCALES)
 
 
 TRANSPOSE_ROWS = 256  # rows of a slab transposed at a time: 5x faster than torch's transpose of a 3-D tensor here
@@ -360,6 +362,21 @@ def _merged_stored_slabs(block: Mxfp4RowBlock, delta: StackedExpertsDelta | None
     if mapped:
         _release_all([weight.blocks[start:stop], weight.scales[start:stop]])
     return slabs
+
+
+def _slab_piece(block: SlabBlock, delta, planned: PlannedTensor, mapped: bool) -> torch.Tensor:
+    name, dtype = planned.name, planned.dtype
+    stored = block.parts[0]
+    check_finite(stored, name, "non-finite values (NaN or Inf) in the checkpoint; the checkpoint is damaged or "
+                 "training diverged")
+    row = block.take(0, 1)
+    piece = delta.merge_rows(row, 0, 1, dtype, name) if delta is not None else row.to(dtype)
+    if delta is None and stored.dtype != dtype:
+        check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 or "
+                     "float32")
+    if mapped:
+        _release_all([stored])
+    return piece.contiguous()  # (a transposed row without a change is still a view)
 
 
 def _stored_rows(t: torch.Tensor, start: int, stop: int, mapped: bool):
@@ -450,6 +467,8 @@ def _piece(block, start: int, stop: int, offset: int, delta, planned: PlannedTen
 
 def _compute_piece(block, start: int, stop: int, offset: int, delta, planned: PlannedTensor, mapped: bool):
     name, dtype = planned.name, planned.dtype
+    if isinstance(block, SlabBlock):  # an expert's tensor as its row of a stacked tensor: taken whole, reordered
+        return _slab_piece(block, delta, planned, mapped), None
     sources = [part[start:stop] for part in block.parts]
     damaged = (f"non-finite values (NaN or Inf) in the checkpoint, rows {offset + start}..{offset + stop - 1}; "
                "the checkpoint is damaged or training diverged")

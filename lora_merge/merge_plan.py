@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.fp8 import (DEFAULT_CONFIG, SCALE_SUFFIX, not_converted_modules, partial_block_note,
                             quantized_by_default_unless_excluded, scale_shape, skip_patterns)
-from lora_merge.model.layout import AsStored, Rule, SharedCopy, Skip, check_shards, single
+from lora_merge.model.layout import AsStored, ExpertSlab, Rule, SharedCopy, Skip, check_shards, single
 from lora_merge.lora import LoraSettings, check_factor_shapes
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.mtp import args_mtp_layers, in_mtp_layer
@@ -40,10 +40,31 @@ class Task:
     outputs: list[PlannedTensor]
     lora: LoraModule | None = None  # a Megatron LoRA module's factors (brought to HF layout by the rule)
     delta: dict | None = None  # or factors already in HF layout, by HF name (a PEFT adapter's, with their scale)
+    # the rows of its one output this task writes, where tasks beside it write the others (layout.ExpertSlab: one
+    # expert of a stacked tensor, the tasks of every expert one after another); None: all of them
+    rows: tuple[int, int] | None = None
 
     @property
     def lora_module(self) -> str:
         return self.megatron.removesuffix(".weight")
+
+    @property
+    def opens_outputs(self) -> bool:
+        """Whether its outputs start here (false for the tasks that write a stacked tensor's later rows)."""
+        return self.rows is None or self.rows[0] == 0
+
+    @property
+    def closes_outputs(self) -> bool:
+        """Whether its outputs are complete once it is done."""
+        return self.rows is None or self.rows[1] == self.outputs[0].shape[0]
+
+    @property
+    def source(self) -> str:
+        """The Megatron parameter(s) it reads, in words (an expert of a stacked tensor: every expert's)."""
+        if self.rows is None:
+            return self.megatron
+        e = self.rows[0]
+        return self.megatron.replace(f".experts.{e}.", f".experts.{{0..{self.outputs[0].shape[0] - 1}}}.")
 
 
 @dataclass
@@ -62,12 +83,17 @@ class MergePlan:
 
     @property
     def tensors(self) -> list[PlannedTensor]:
-        return [t for task in self.tasks for t in task.outputs]
+        return planned_outputs(self.tasks)
 
     @property
     def merged_modules(self) -> int:
         own = [task for task in self.tasks if not isinstance(getattr(task.rule, "rule", task.rule), SharedCopy)]
         return sum(task.lora is not None for task in own) + sum(len(task.delta or ()) for task in own)
+
+
+def planned_outputs(tasks) -> list[PlannedTensor]:
+    """The output tensors of these tasks, each once (a stacked tensor's experts are several tasks)."""
+    return [t for task in tasks if task.opens_outputs for t in task.outputs]
 
 
 def _preview(names) -> str:
@@ -111,6 +137,11 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     # on an HF base the Megatron LoRA's
     namer = megatron_lora if base.hf_named else base
     for rule, names, hf_prefix in iter_rules(arch, shape, namer.has if namer is not None else None):
+        if isinstance(rule, ExpertSlab) and base.hf_named:  # the base stores every expert in one tensor: one task
+            _no_expert_lora_on_stacked_base(rule, names, adapters, base, lora)
+            if rule.index:
+                continue
+            rule = rule.whole()
         if isinstance(rule, Skip):
             if not base.hf_named:
                 _skip(plan, base, rule, names, unclaimed, shape)
@@ -131,7 +162,8 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
                          f"{megatron} ({pieces[0].where})")
         task = Task(rule=task_rule, megatron=megatron, hf_prefix=hf_prefix, pieces=pieces,
                     outputs=[PlannedTensor(hf_prefix + name, dims, rule.keep_dtype or dtype)
-                             for name, dims in rule.hf_shapes(shape).items()])
+                             for name, dims in rule.hf_shapes(shape).items()],
+                    rows=(rule.index, rule.index + 1) if isinstance(rule, ExpertSlab) else None)
         if megatron_lora is not None and megatron_lora is not base and megatron_lora.params:
             _check_own_base(plan, rule, names, task, shape, base, megatron_lora)
         if megatron.endswith(".weight") and task.lora_module in adapters:
@@ -168,6 +200,16 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
         raise MergeError(f"{lora.path}: adapts tensors this {shape.model_type} model does not have: "
                          f"{_preview(names)}{tied}")
     return plan
+
+
+def _no_expert_lora_on_stacked_base(rule: ExpertSlab, names, adapters: dict, base: Source, lora: Source | None) -> None:
+    """A Megatron LoRA of a routed expert whose HF base stacks the experts into one tensor (gpt-oss) is refused by
+    name: merge it onto the Megatron base it was trained on instead."""
+    module = names[0].removesuffix(".weight")
+    if module in adapters:
+        raise UnsupportedInput(f"{lora.path}: LoRA of {module}, a routed expert that the HF base {base.path} stores "
+                               f"stacked with the others ({rule.hf}): a Megatron LoRA of stacked experts is merged onto "
+                               "its Megatron base (--base the Megatron checkpoint, --hf-ref the HF directory)")
 
 
 def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch: Architecture,

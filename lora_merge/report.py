@@ -57,10 +57,14 @@ def report_data(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
     if plan is not None:
         for task in plan.tasks:
             for t in task.outputs:
+                merged = task.lora is not None or t.name[len(task.hf_prefix):] in (task.delta or {})
+                if not task.opens_outputs:  # a later expert of a stacked tensor
+                    if merged:
+                        tensors[stored(t.name)]["status"] = "merged with LoRA"
+                    continue
                 tensors[stored(t.name)] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                                           "file": file_of.get(stored(t.name)), "source": task.megatron,
-                                           "status": "merged with LoRA" if task.lora is not None or
-                                           t.name[len(task.hf_prefix):] in (task.delta or {}) else "converted"}
+                                           "file": file_of.get(stored(t.name)), "source": task.source,
+                                           "status": "merged with LoRA" if merged else "converted"}
     if verify is not None:
         for name, status in verify.statuses.items():
             tensors.setdefault(stored(name), {})["verify"] = status

@@ -2,7 +2,7 @@
 stacked ([E, hidden, 2·ffn] with interleaved gate/up columns, [E, ffn, hidden]) and adapted by PEFT's
 target_parameters expert by expert. From a bf16 base our merge equals PEFT's merge_and_unload, loads whole in
 transformers' GptOssForCausalLM, and verify checks the stacked experts against the factors. The MXFP4 release is read
-dequantized as transformers dequantizes it. Megatron checkpoints of it are refused by name."""
+dequantized as transformers dequantizes it. Its Megatron form: test_gpt_oss_megatron.py."""
 
 from pathlib import Path
 
@@ -32,11 +32,6 @@ def test_a_peft_adapter_on_the_stacked_experts_merges_as_peft_does(hf_base, tmp_
     ours, base = assert_merges_as_peft(hf_base, lora, 9, tmp_path, verify=True)
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert all((ours[name][e] - base[name][e]).abs().max() > 0 for e in range(4)), name  # each expert's own
-
-
-def test_megatron_checkpoints_of_it_are_refused_by_name(hf_base, tmp_path, capsys):
-    run_failing(["--to", "megatron", "--base", str(hf_base), "--out", str(tmp_path / "mg")], capsys,
-                "--to megatron: gpt_oss is merged from HF bases (with PEFT adapters) only")
 
 
 def test_the_published_config_reads_as_transformers_reads_it(tmp_path):

@@ -348,9 +348,10 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
     head_dim = fields.positive_int("head_dim", nullable=not fields.stated("head_dim")
                                    or "head_dim" in _class_parameters(type(fields.config)))
     max_positions = fields.positive_int("max_position_embeddings")
-    if spec.hf_only:
+    if spec.hf_only or spec.read_mechanics:
         # RoPE acts in the forward only, and with no Megatron form there is nothing to check it against (a YaRN
-        # variant, one RoPE per layer type): the config keeps it as published; the rotated fraction is shown
+        # variant, one RoPE per layer type): the config keeps it as published; the rotated fraction is shown. A
+        # family with mechanics of its own checks its RoPE against the args itself.
         rope_theta, rope_scaling, rotary_percent = None, None, rotated_fraction(fields.config)
     else:
         rope_theta, rope_scaling, rotary_percent = hf_rope(fields.raw, fields.config, fields.path, max_positions, notes)
@@ -390,6 +391,7 @@ def _shape(fields: ConfigFields, spec: HfConfig, notes: list[str], tokenizer_ids
         mtp_key=spec.mtp_key,
         config_features=frozenset(flag for flag in spec.flags if fields.flag(flag)),
         defaulted=frozenset(fields.defaulted),
+        own_mechanics=spec.read_mechanics(fields) if spec.read_mechanics else None,
     )
 
 
@@ -523,6 +525,8 @@ def _refuse_unsupported_computation(fields: ConfigFields, spec: HfConfig) -> Non
 def _refuse_untrainable(fields: ConfigFields, spec: HfConfig) -> None:
     """What the HF config computes that the Megatron model cannot have: another activation, sliding windows."""
     path = fields.path
+    if spec.read_mechanics is not None:  # the family's windows and activation are its own (own_mechanics)
+        return
     act = fields.text("hidden_act")
     if act != "silu":
         raise MergeError(f"{path}: hidden_act={shown(act)}, but the {spec.model_type} MLP Megatron trains is swiglu "

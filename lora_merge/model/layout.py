@@ -136,6 +136,26 @@ class Mxfp4RowBlock(RowBlock):
         return self.weight.rows(start, stop)
 
 
+@dataclass(frozen=True)
+class SlabBlock(RowBlock):
+    """One routed expert's Megatron tensor (`parts`: it, as stored) as one row of a stacked HF tensor: taken
+    through its rule's `slab` (e.g. transposed, gate and up columns interleaved), which copies."""
+
+    slab: object = None  # ExpertSlab.slab
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    @property
+    def row_numel(self) -> int:
+        return self.parts[0].numel()
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        assert (start, stop) == (0, 1), (start, stop)
+        return self.slab(self.parts[0]).unsqueeze(0)
+
+
 def join_blocks(blocks: list[RowBlock]) -> torch.Tensor:
     return unshard_column([b.whole() for b in blocks])
 
@@ -428,6 +448,84 @@ class FusedGatedColumn(OneToOne):
     def hf_blocks(self, shards, shape, where, global_pieces=False):
         gate, up = gate_up_blocks(self, shards, shape, global_pieces)
         return {self.hf: gate + up}
+
+
+@dataclass(frozen=True)
+class ExpertSlab(Rule):
+    """Many Megatron parameters to one HF tensor: every routed expert's parameter (bound per expert, one rule each)
+    is one row of an HF tensor that stacks them all (gpt-oss: `mlp.experts.gate_up_proj` [E, hidden, 2·ffn]).
+    Expert e's task writes row e; the tasks of one layer's experts come one after another, so the rows arrive in
+    order. `form` is how an expert's Megatron tensor becomes its row, and back:
+      "transposed": [out, in] <-> [in, out] (transformers keeps gpt-oss's experts in -> out);
+      "transposed_interleaved": a gated fc1 [gate; up] of [2F, H] <-> [H, 2F] with gate and up columns
+        interleaved (gate 0::2, up 1::2), as gpt-oss stores gate_up_proj;
+      "interleaved": its bias [gate; up] <-> [2F] interleaved;
+      "as_is": the same tensor (fc2's bias).
+    Experts are not tensor-parallel here (expert TP = 1: each expert whole on one rank)."""
+
+    hf: str = ""
+    hf_dims: tuple[str, ...] = ()  # the stacked HF tensor, in named dimensions (the first: "experts")
+    form: str = "as_is"
+    expert: str = "{expert}"  # the expert number, once bound
+    split: str = "column"  # how expert TP would split it (only TP = 1 is written or read)
+
+    @property
+    def parallel(self) -> str:
+        return self.split
+
+    @property
+    def index(self) -> int:
+        return int(self.expert)
+
+    def hf_names(self):
+        return (self.hf,)
+
+    def hf_shapes(self, shape):
+        dims = named_dims(shape)
+        return {self.hf: tuple(dims[d] for d in self.hf_dims)}
+
+    def whole(self) -> "Replicated":
+        """The stacked HF tensor as one parameter (an HF base holds it so: one task for all its experts)."""
+        return Replicated(self.megatron, self.hf_dims, hf=self.hf, requires=self.requires, layers=self.layers,
+                          keep_dtype=self.keep_dtype)
+
+    def slab(self, t: torch.Tensor) -> torch.Tensor:
+        """The expert's Megatron tensor as its row of the HF tensor."""
+        if self.form == "transposed":
+            return t.t()
+        if self.form == "transposed_interleaved":
+            gate, up = t.chunk(2, dim=0)
+            return torch.stack((gate.t(), up.t()), dim=2).reshape(t.shape[1], t.shape[0])
+        if self.form == "interleaved":
+            return interleave_rows(t)
+        return t
+
+    def unslab(self, row: torch.Tensor) -> torch.Tensor:
+        """The inverse of `slab`: the expert's row of the HF tensor as its Megatron tensor."""
+        if self.form == "transposed":
+            return row.t().contiguous()
+        if self.form == "transposed_interleaved":
+            return torch.cat((row[:, 0::2].t(), row[:, 1::2].t()))
+        if self.form == "interleaved":
+            return torch.cat((row[0::2], row[1::2]))
+        return row
+
+    def lora_factors(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert's LoRA B [out, r] and A [r, in] with B's rows in the order of the row's output columns (the
+        change to the [in, out] row is then scale·Aᵀ·Bᵀ)."""
+        return (interleave_rows(b) if self.form == "transposed_interleaved" else b), a
+
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        if len(shards) > 1 and not global_pieces:
+            raise MergeError(f"{where}: split over expert TP={len(shards)}; {self.hf} stacks whole experts, so "
+                             "only expert TP = 1 (--expert-tensor-parallel-size 1) is read")
+        return {self.hf: [SlabBlock((unshard_column(list(shards)),), slab=self.slab)]}
+
+
+def interleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows (a gated fc1's, or its bias) as gate and up rows taking turns: gate 0, up 0, gate 1, …"""
+    gate, up = t.chunk(2, dim=0)
+    return torch.stack((gate, up), dim=1).reshape(t.shape)
 
 
 @dataclass(frozen=True)

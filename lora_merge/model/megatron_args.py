@@ -15,9 +15,12 @@ from lora_merge.value_checks import finite_number, is_int, positive_int
 from lora_merge.shown import shown
 
 
-def check_against_args(shape: ModelShape, args, where: str) -> None:
-    """Every architecture fact that the Megatron args also record must agree with the HF config."""
+def check_against_args(shape: ModelShape, args, where: str) -> list[str]:
+    """Every architecture fact that the Megatron args also record must agree with the HF config. Returns notes on
+    what differs by design (a family's own mechanics may have some)."""
     check_has_megatron_form(shape, where)  # first: nothing else is worth comparing then
+    own = shape.own_mechanics
+    handled = own.handles if own is not None else frozenset()
     def arg(name, default=None):
         value = getattr(args, name, default)
         return default if value is None else value
@@ -50,7 +53,7 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
         raise MergeError(f"{where}: args.untie_embeddings_and_output_weights={shown(untie)} but the HF config has "
                          f"tie_word_embeddings={shape.tied}{_defaulted(shape, 'tie_word_embeddings')}")
     qkv_bias = arg("add_qkv_bias")
-    if qkv_bias is None and arg("add_bias_linear") is not None:
+    if qkv_bias is None and arg("add_bias_linear") is not None and "add_bias_linear" not in handled:
         qkv_bias = arg("add_bias_linear")
     if qkv_bias is not None and bool(qkv_bias) != shape.qkv_bias:
         raise MergeError(f"{where}: args.add_qkv_bias={shown(qkv_bias)} but the HF config ({shape.model_type}) "
@@ -59,18 +62,20 @@ def check_against_args(shape: ModelShape, args, where: str) -> None:
     if qk_norm is not None and bool(qk_norm) != (shape.qk_norm or shape.mla is not None):
         raise MergeError(f"{where}: args.qk_layernorm={shown(qk_norm)} but the HF config ({shape.model_type}) "
                          f"{'has' if shape.qk_norm else 'has no'} q/k norms")
-    _check_function_args(shape, arg, where)
+    _check_function_args(shape, arg, where, handled)
     check_moe_args(shape.moe, args, shape.num_layers, where)
     check_mla_args(shape.mla, args, where)
-    check_rope_scaling(shape, args, arg, where)
+    if "rope" not in handled:
+        check_rope_scaling(shape, args, arg, where)
     _check_vocab_args(shape, size, arg, where)
     mtp = arg("mtp_num_layers")
     if mtp and (not is_int(mtp) or mtp != shape.mtp_layers):
         raise MergeError(f"{where}: args.mtp_num_layers={shown(mtp)} but the HF config's {shape.mtp_key} is "
                          f"{shape.mtp_layers}{_defaulted(shape, shape.mtp_key)}: the multi-token-prediction "
                          "layers would not map one to one")
-    if arg("swiglu") is False:
+    if arg("swiglu") is False and "swiglu" not in handled:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
+    return own.check_args(shape, arg, where) if own is not None else []
 
 
 def check_has_megatron_form(shape: ModelShape, where: str) -> None:
@@ -81,12 +86,14 @@ def check_has_megatron_form(shape: ModelShape, where: str) -> None:
                                f"{shape.hf_only}, so its Megatron checkpoints are not read or written")
 
 
-def _check_function_args(shape: ModelShape, arg, where: str) -> None:
+def _check_function_args(shape: ModelShape, arg, where: str, handled: frozenset = frozenset()) -> None:
     """Args that change what the trained model computes without changing any tensor shape: the HF config
     must describe the same function, or the merged model is not the trained one."""
     fixed = [("rotary_interleaved", False), ("apply_layernorm_1p", False), ("add_bias_linear", False),
              ("position_embedding_type", "rope"), ("normalization", "RMSNorm")]
     for name, expected in fixed:
+        if name in handled:
+            continue
         value = arg(name)
         if value is not None and value != expected:
             raise MergeError(f"{where}: args.{name}={shown(value)}; only {shown(expected)} maps onto a HF {shape.model_type} model")
@@ -113,7 +120,7 @@ def _check_function_args(shape: ModelShape, arg, where: str) -> None:
                          "trained")
     # MindSpeed --sliding-window, Megatron --window-size: attention limited to a window in training.
     for name in ("sliding_window", "window_size"):
-        if arg(name) is not None:
+        if arg(name) is not None and not (name == "window_size" and "window" in handled):
             raise MergeError(f"{where}: args.{name}={shown(arg(name))}: the model was trained with sliding-window "
                              "attention, which the HF config does not describe; expected none")
 

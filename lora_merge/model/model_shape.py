@@ -79,6 +79,8 @@ class ModelShape:
     linear_attention: GatedDeltaNetShape | None = None  # layers with Gated DeltaNet instead of attention
     config_features: frozenset[str] = frozenset()  # the family's own config flags that are on (HfConfig.flags)
     multimodal: str = ""  # the multimodal model type wrapping this language model (model/multimodal.py), if any
+    # the family's own mechanics as its Megatron run records them (HfConfig.read_mechanics), or None
+    own_mechanics: object | None = None
 
     @property
     def mtp_prefixes(self) -> tuple[str, ...]:
@@ -110,7 +112,8 @@ class ModelShape:
                                        "layers" if self.linear_attention else "", self.linear_attention is not None),
                                       (f"MTP {n} layer{'s' if n != 1 else ''}", n > 0),
                                       (f"the language model of a {self.multimodal} release (its towers carried)",
-                                       bool(self.multimodal))) if on]
+                                       bool(self.multimodal))) if on] + \
+            (self.own_mechanics.mechanics() if self.own_mechanics is not None else [])
 
     @property
     def mtp_label(self) -> str:

@@ -10,12 +10,13 @@ padding, stacked MLA projections) and any TP size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from lora_merge.errors import MergeError
-from lora_merge.model.layout import Rule, stored_split
+from lora_merge.model.layout import ExpertSlab, Rule, stored_split
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ class Segment:
     shard_start: int
     col_start: int | None = None
     col_stop: int | None = None
+    # an expert's row of a stacked HF tensor (layout.ExpertSlab): the row, made its Megatron tensor by `convert`,
+    # fills the whole shard (`shard_rows` rows of it)
+    convert: Callable | None = None
+    shard_rows: int | None = None
+
+    @property
+    def filled_rows(self) -> int:
+        """How many rows of the shard it fills."""
+        return self.rows if self.shard_rows is None else self.shard_rows
 
 
 def index_shards(shard_shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -46,6 +56,11 @@ def index_shards(shard_shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
 
 def hf_segments(rule: Rule, shape, shard_shapes: list[tuple[int, ...]], where: str) -> dict[str, list[Segment]]:
     """For each HF tensor the rule makes: the segments its rows are written to, in HF row order."""
+    if isinstance(rule, ExpertSlab):  # the expert's row, reordered, is its whole tensor
+        if len(shard_shapes) != 1:
+            raise MergeError(f"{where}: expert TP={len(shard_shapes)}; {rule.hf} stacks whole experts, so only "
+                             "expert TP = 1 is written (--etp 1)")
+        return {rule.hf: [Segment(rule.index, 1, 0, 0, convert=rule.unslab, shard_rows=shard_shapes[0][0])]}
     shards = index_shards(shard_shapes)
     owner = {s.untyped_storage().data_ptr(): rank for rank, s in enumerate(shards)}
     global_rows = rule.global_shape(shape, shard_shapes)[0] if shard_shapes[0] else 0

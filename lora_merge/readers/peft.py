@@ -342,7 +342,7 @@ def model_modules(arch, shape) -> tuple[set[str], set[str], set[str]]:
     from lora_merge.model.architectures.base import iter_rules
 
     weights = {}
-    for rule, _, prefix in iter_rules(arch, shape):
+    for rule, _, prefix in iter_rules(arch, shape, stacked=True):
         weights.update({prefix + name: dims for name, dims in rule.hf_shapes(shape).items()})
     modules = {"lm_head"}  # a module of every causal LM, tied or not
     linear, unsure = set(), set()
@@ -462,7 +462,7 @@ def model_parameters(arch, shape) -> dict[str, list[tuple[str, ExpertParam | Mat
                 per_expert |= {prefix + gate, prefix + up, prefix + d.hf}
             found[prefix + fused] = [("gate_up_proj", ExpertParam((count, 2 * ffn, hidden), tuple(ups))),
                                      ("down_proj", ExpertParam((count, hidden, ffn), tuple(downs)))]
-    for rule, _, prefix in iter_rules(arch, shape):
+    for rule, _, prefix in iter_rules(arch, shape, stacked=True):
         for name, dims in rule.hf_shapes(shape).items():
             full = prefix + name
             if len(dims) == 3 and fused and name.startswith(fused + ".") and not name.endswith("_bias"):

@@ -41,9 +41,9 @@ METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
 SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
-GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)$")
+GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias))$")
 # singleton_local_shards saves each expert on its own, numbered globally (fc1 as weight_w/weight_v)
-SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.weight(?:_[wv])?)$")
+SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.(?:weight(?:_[wv])?|bias))$")
 
 
 def is_torch_dist_iteration(path: Path) -> bool:

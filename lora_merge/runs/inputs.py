@@ -98,7 +98,8 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         if lora is None:  # a conversion of the HF weights as they are
             return Inputs(shape, hf_config, arch, read_hf_model(base_dir), None, None)
         base = read_hf_model(base_dir)
-        check_against_args(shape, lora.args, str(lora.path))
+        for note in check_against_args(shape, lora.args, str(lora.path)):
+            opts.warn(note)
         shape = carried_mtp(shape, arch, base)
         if args_mtp_layers(lora.args) and not shape.mtp_in_source:
             raise MergeError(f"{lora.path}: the LoRA trained {args_mtp_layers(lora.args)} multi-token-prediction "
@@ -117,7 +118,8 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
     if base is not None and not base.params:
         base = None
     for ckpt in {id(c): c for c in (base, lora) if c is not None}.values():
-        check_against_args(shape, ckpt.args, str(ckpt.path))
+        for note in check_against_args(shape, ckpt.args, str(ckpt.path)):
+            opts.warn(note)
     shape = carried_mtp(shape, arch, base or lora)
     settings = None
     if lora is not None:

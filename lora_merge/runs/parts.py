@@ -30,6 +30,7 @@ from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL
 from lora_merge.files.parts_dir import PartsDir, manifest_name
 from lora_merge.files.staged_dir import check_free_space
 from lora_merge.merge_pipeline import default_workers
+from lora_merge.merge_plan import planned_outputs
 from lora_merge.options import argument_name
 from lora_merge.report import report_data
 from lora_merge.runs.stream import stream_into
@@ -275,7 +276,7 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
                                       part=run.files(arriving))
     sink = writer if names is None else RenamedSink(writer, names.stored)
     stream_into(sink, run.staging.files, replace(plan, tasks=tasks), opts.progress,
-                sum(t.nbytes for task in tasks for t in task.outputs), opts.workers)
+                sum(t.nbytes for t in planned_outputs(tasks)), opts.workers)
     run.complete()
     return run.written(sum(len(shards[i]) for i in mine), sum(sizes[i] for i in mine))
 
@@ -300,7 +301,7 @@ def run_megatron_part(opts, inp, plan, writer, args) -> PartWritten:
     check_free_space(run.staging.files, sum(sizes[i] for i in run.pending), 0, "the tracker file")
     writer.write_only(run.files(frozenset(t.name for task in tasks for t in task.outputs)))
     stream_into(writer, run.staging.files, replace(plan, tasks=tasks), opts.progress,
-                sum(t.nbytes for task in tasks for t in task.outputs), opts.workers)
+                sum(t.nbytes for t in planned_outputs(tasks)), opts.workers)
     run.complete()
     return run.written(len(mine), sum(sizes[i] for i in mine))
 

@@ -106,9 +106,6 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     if fp8 and inp.shape.multimodal:
         raise MergeError(f"--dtype fp8 with a {inp.shape.multimodal} release: which of its towers' linears a block-FP8 "
                          "release would quantize is not known here; write bfloat16 or float32")
-    if mxfp4 and not inp.base.hf_named:
-        raise MergeError("--dtype mxfp4 writes gpt-oss's MXFP4 release form, merged from an HF base; "
-                         f"{inp.base.path} is a Megatron checkpoint")
     # what the rest keep: bf16, as the releases (an FP8 reference's config is read when it was checked)
     dtype = torch.bfloat16 if fp8 or mxfp4 else output_dtype(opts.dtype, inp.shape, inp.base, inp.lora)
     plan = build_plan(inp.base, inp.lora, inp.shape, inp.arch, inp.settings, dtype)

@@ -130,4 +130,6 @@ def _model_args(shape: ModelShape) -> dict:
         args.update(megatron_moe_args(shape.moe, shape.num_layers))
     if shape.mla is not None:
         args.update(megatron_mla_args(shape.mla))
+    if shape.own_mechanics is not None:
+        args.update(shape.own_mechanics.megatron_args(shape.num_layers))
     return args

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from lora_merge.model.architectures import Architecture, iter_rules
 from lora_merge.model.architectures.base import MEGATRON_LAYER
-from lora_merge.errors import MergeError
-from lora_merge.model.layout import SharedCopy, Skip, VocabParallel
+from lora_merge.errors import MergeError, UnsupportedInput
+from lora_merge.model.layout import ExpertSlab, SharedCopy, Skip, VocabParallel
 from lora_merge.model.mtp import megatron_name as mtp_megatron_name
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.parallel_layout import ParallelLayout, RankFile
@@ -87,6 +87,9 @@ class MegatronLegacyWriter(RowScatter):
             if expert:
                 e = int(name.split(".mlp.experts.")[1].split(".")[0])
                 ep_rank, k = layout.expert_home(e, shape.moe.num_experts)
+                if grouped_experts and isinstance(rule, ExpertSlab):
+                    raise UnsupportedInput(f"--expert-layout grouped: {shape.model_type}'s experts have biases, which "
+                                           "Megatron-Core's local GroupedMLP has not; write --expert-layout sequential")
                 if grouped_experts:  # mlp.experts.{e}.linear_fc1.weight -> mlp.experts.weight1, block k
                     fc = local_name.split(".mlp.experts.")[1].split(".")[1]
                     block = k

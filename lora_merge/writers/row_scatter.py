@@ -127,8 +127,8 @@ class RowScatter:
                             continue
                         if next_row.get(id(t), 0) != seg.shard_start and not t.gather:
                             t.gather = changed = True  # its earlier rows were counted as streamed: again
-                        next_row[id(t)] = seg.shard_start + seg.rows
-                        nbytes = seg.rows * t.row_bytes
+                        next_row[id(t)] = seg.shard_start + seg.filled_rows
+                        nbytes = seg.filled_rows * t.row_bytes
                         if t.gather:
                             held[id(t)] = held.get(id(t), 0) + nbytes
                             if held[id(t)] == t.due:
@@ -182,6 +182,8 @@ class RowScatter:
             piece = rows[lo - start: hi - start]
             if seg.col_start is not None:
                 piece = piece[:, seg.col_start: seg.col_stop]
+            if seg.convert is not None:  # an expert's row of a stacked tensor: its whole Megatron tensor
+                piece = seg.convert(piece[0])
             row = seg.shard_start + lo - seg.hf_start
             data = None
             for targets in dest.targets.values():

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from lora_merge.errors import MergeError
-from lora_merge.model.layout import Rule, SharedCopy
+from lora_merge.model.layout import ExpertSlab, Rule, SharedCopy
 
 if TYPE_CHECKING:
     from lora_merge.model.model_shape import ModelShape
@@ -64,6 +64,9 @@ class HfConfig:
     dense_ffn_key: str = "intermediate_size"  # the key of its dense MLPs' width (Llama-4: intermediate_size_mlp)
     fused_experts: str | None = None  # where transformers 5 keeps the experts as 3-D gate_up_proj/down_proj
     peft: PeftQuirks = PeftQuirks()  # what PEFT (0.21, on transformers 5) does with this type's adapters
+    # (config fields) -> the family's own mechanics that a Megatron run records in its args, checked and written by
+    # that object (gpt_oss.GptOssMechanics: sinks, windows, its activation, YaRN); None where the generic checks do
+    read_mechanics: Callable | None = None
 
 
 
@@ -91,9 +94,11 @@ class Architecture:
         return [r for r in rules if r.requires is None or r.requires in shape.features]
 
 
-def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], bool] | None = None):
+def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], bool] | None = None,
+               stacked: bool = False):
     """(rule, full Megatron names it may have, HF name prefix) for every parameter, in output order; rules
-    with `{expert}` come once per routed expert, bound to its number.
+    with `{expert}` come once per routed expert, bound to its number. With `stacked` (the HF view), the rules of
+    an HF tensor that stacks every expert's parameter (ExpertSlab) come once, as that whole tensor.
 
     A rule with `instead_of` is another naming of some parameters (MindSpeed fusing two projections into
     one): it is used in a layer where `present` says the checkpoint has its name, and then replaces the
@@ -101,7 +106,7 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
     for rule in arch.active(arch.before_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
     for i in range(shape.num_layers):
-        yield from _layer(arch, shape, i, shape.layer_kinds(i), present)
+        yield from _layer(arch, shape, i, shape.layer_kinds(i), present, stacked)
     for rule in arch.active(arch.after_layers, shape):
         yield rule, (rule.megatron, *rule.aliases), ""
     # The multi-token-prediction layers the source holds, as decoder layers L+k (see model/mtp.py): built with
@@ -113,7 +118,7 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
         prefix, hf_prefix = MEGATRON_LAYER.format(i=i), HF_LAYER.format(i=i)
         for rule in arch.active(arch.mtp_rules, shape)[:MTP_OWN_BEFORE]:
             yield rule, (prefix + rule.megatron,), hf_prefix
-        yield from _layer(arch, shape, i, last, present)
+        yield from _layer(arch, shape, i, last, present, stacked)
         for rule in arch.active(arch.mtp_rules, shape)[MTP_OWN_BEFORE:]:
             names = (rule.megatron,) if isinstance(rule, SharedCopy) else (prefix + rule.megatron,)
             yield rule, names, hf_prefix
@@ -122,7 +127,7 @@ def iter_rules(arch: Architecture, shape: ModelShape, present: Callable[[str], b
 MTP_OWN_BEFORE = 3  # an MTP table's rules before its decoder layer (enorm, hnorm, eh_proj; HF's order)
 
 
-def _layer(arch: Architecture, shape: ModelShape, i: int, kinds: frozenset[str], present):
+def _layer(arch: Architecture, shape: ModelShape, i: int, kinds: frozenset[str], present, stacked: bool = False):
     prefix = MEGATRON_LAYER.format(i=i)
     rules = arch.active(arch.layer_rules, shape)
     chosen = [r for r in rules if r.instead_of and present is not None and present(prefix + r.megatron)]
@@ -130,6 +135,10 @@ def _layer(arch: Architecture, shape: ModelShape, i: int, kinds: frozenset[str],
     for rule in rules:
         if (rule.layers != "all" and rule.layers not in kinds) or rule.megatron in replaced \
                 or (rule.instead_of and rule not in chosen):
+            continue
+        if stacked and isinstance(rule, ExpertSlab):
+            whole = rule.bind(expert=0).whole()
+            yield whole, (prefix + whole.megatron,), HF_LAYER.format(i=i)
             continue
         for bound in ([rule.bind(expert=e) for e in range(shape.moe.num_experts)] if rule.per_expert else [rule]):
             yield bound, tuple(prefix + n for n in (bound.megatron, *bound.aliases)), HF_LAYER.format(i=i)
