@@ -223,9 +223,42 @@ class StackedExpertsDelta:
         return out
 
 
-def megatron_deltas(rule: Rule, lora: LoraModule, shape: ModelShape, module: str, scale: float) -> dict[str, Delta]:
+@dataclass(frozen=True)
+class ExpertLoras:
+    """The Megatron LoRA modules of every expert of a stacked HF tensor that an HF base holds whole (None: an expert
+    the LoRA does not adapt), merged as one change (`stacked_delta`)."""
+
+    rules: tuple[ExpertSlab, ...]
+    modules: tuple[LoraModule | None, ...]
+
+    @property
+    def refs(self) -> tuple:
+        return tuple(ref for m in self.modules if m is not None for ref in m.refs)
+
+    def __len__(self) -> int:
+        return sum(m is not None for m in self.modules)
+
+    def stacked_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """PEFT's factors of the stacked tensor (target_parameters): B [out, r·E] as (out, r, E) and A [E·r, in] as
+        (E, r, in), B's rows in the row's output order; an expert without LoRA zero."""
+        pairs = [rule.lora_factors(*reversed(whole_factors(rule, m, rule.megatron.removesuffix(".weight"))))
+                 if m is not None else None for rule, m in zip(self.rules, self.modules)]
+        b0, a0 = next(p for p in pairs if p is not None)
+        pairs = [p if p is not None else (b0.new_zeros(b0.shape), a0.new_zeros(a0.shape)) for p in pairs]
+        a = torch.cat([a for _, a in pairs])
+        b = torch.stack([b for b, _ in pairs], dim=2).reshape(b0.shape[0], -1)
+        return b, a
+
+    def stacked_delta(self, scale: float) -> StackedExpertsDelta:
+        b, a = self.stacked_factors()
+        return StackedExpertsDelta(b, a, scale, experts=len(self.modules), in_out=True)
+
+
+def megatron_deltas(rule: Rule, lora, shape: ModelShape, module: str, scale: float) -> dict[str, Delta]:
     """The deltas of a Megatron LoRA module, by the HF tensor each changes (a routed expert's of a stacked tensor:
-    the change to its row, as PEFT's factors of one expert)."""
+    the change to its row, as PEFT's factors of one expert; every expert's of one an HF base holds whole)."""
+    if isinstance(lora, ExpertLoras):
+        return {rule.hf: lora.stacked_delta(scale)}
     if isinstance(rule, ExpertSlab):
         a, b = whole_factors(rule, lora, module)
         b, a = rule.lora_factors(b, a)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
-from lora_merge.errors import MergeError, UnsupportedInput
+from lora_merge.errors import MergeError
 from lora_merge.fp8 import (DEFAULT_CONFIG, SCALE_SUFFIX, not_converted_modules, partial_block_note,
                             quantized_by_default_unless_excluded, scale_shape, skip_patterns)
-from lora_merge.model.layout import AsStored, ExpertSlab, Rule, SharedCopy, Skip, check_shards, single
-from lora_merge.lora import LoraSettings, check_factor_shapes
+from lora_merge.model.layout import AsStored, ExpertSlab, Rule, SharedCopy, Skip, StackedExperts, check_shards, single
+from lora_merge.lora import ExpertLoras, LoraSettings, check_factor_shapes
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.mtp import args_mtp_layers, in_mtp_layer
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
@@ -88,7 +88,8 @@ class MergePlan:
     @property
     def merged_modules(self) -> int:
         own = [task for task in self.tasks if not isinstance(getattr(task.rule, "rule", task.rule), SharedCopy)]
-        return sum(task.lora is not None for task in own) + sum(len(task.delta or ()) for task in own)
+        return sum(len(task.lora) if isinstance(task.lora, ExpertLoras) else task.lora is not None for task in own) \
+            + sum(len(task.delta or ()) for task in own)
 
 
 def planned_outputs(tasks) -> list[PlannedTensor]:
@@ -137,11 +138,12 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     # on an HF base the Megatron LoRA's
     namer = megatron_lora if base.hf_named else base
     for rule, names, hf_prefix in iter_rules(arch, shape, namer.has if namer is not None else None):
+        expert_loras = None
         if isinstance(rule, ExpertSlab) and base.hf_named:  # the base stores every expert in one tensor: one task
-            _no_expert_lora_on_stacked_base(rule, names, adapters, base, lora)
             if rule.index:
                 continue
             rule = rule.whole()
+            expert_loras = _expert_loras(rule, hf_prefix, names[0], adapters, shape, settings)
         if isinstance(rule, Skip):
             if not base.hf_named:
                 _skip(plan, base, rule, names, unclaimed, shape)
@@ -169,6 +171,7 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
         if megatron.endswith(".weight") and task.lora_module in adapters:
             task.lora = taken[task.lora_module] = adapters.pop(task.lora_module)
             check_factor_shapes(rule, task.lora, shape, settings.r, task.lora_module)
+        task.lora = expert_loras or task.lora
         if isinstance(rule, SharedCopy):  # the shared parameter's merge, made again under the copy's name
             task.lora = taken.get(task.lora_module)
             main = next((t.delta[rule.copy_of] for t in plan.tasks if t.delta and rule.copy_of in t.delta), None)
@@ -202,14 +205,18 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
     return plan
 
 
-def _no_expert_lora_on_stacked_base(rule: ExpertSlab, names, adapters: dict, base: Source, lora: Source | None) -> None:
-    """A Megatron LoRA of a routed expert whose HF base stacks the experts into one tensor (gpt-oss) is refused by
-    name: merge it onto the Megatron base it was trained on instead."""
-    module = names[0].removesuffix(".weight")
-    if module in adapters:
-        raise UnsupportedInput(f"{lora.path}: LoRA of {module}, a routed expert that the HF base {base.path} stores "
-                               f"stacked with the others ({rule.hf}): a Megatron LoRA of stacked experts is merged onto "
-                               "its Megatron base (--base the Megatron checkpoint, --hf-ref the HF directory)")
+def _expert_loras(rule: StackedExperts, hf_prefix: str, name: str, adapters: dict, shape: ModelShape,
+                  settings: LoraSettings | None) -> ExpertLoras | None:
+    """A Megatron LoRA's modules of every expert of a stacked tensor that an HF base holds whole, or None."""
+    layer = name[:len(name) - len(rule.slab.megatron)]  # decoder.layers.{i}.
+    rules = tuple(rule.expert_rules(shape.moe.num_experts))
+    modules = tuple(adapters.pop(layer + r.megatron.removesuffix(".weight"), None) if r.megatron.endswith(".weight")
+                    else None for r in rules)
+    for r, m in zip(rules, modules):
+        if m is not None:
+            check_factor_shapes(r, m, shape, settings.r, layer + r.megatron.removesuffix(".weight"))
+    return ExpertLoras(tuple(replace(r, megatron=layer + r.megatron) for r in rules), modules) \
+        if any(m is not None for m in modules) else None
 
 
 def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch: Architecture,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -44,9 +44,9 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import check_finite, check_records
-from lora_merge.lora import LoraSettings, check_factor_shapes, hf_factors
+from lora_merge.lora import ExpertLoras, LoraSettings, check_factor_shapes, hf_factors
 from lora_merge.model.architectures import Architecture, iter_rules
-from lora_merge.model.layout import GatedColumn, RowParallel, Rule
+from lora_merge.model.layout import ExpertSlab, GatedColumn, RowParallel, Rule
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, LoraModule
 from lora_merge.writers.safetensors_stream import PlannedTensor
@@ -81,6 +81,17 @@ class _FusedExperts:
     experts: tuple[tuple[str, ...], ...]
 
 
+@dataclass(frozen=True)
+class _StackedLora:
+    """One layer's stacked experts parameter (layout.ExpertSlab: gpt-oss's gate_up_proj, down_proj) as PEFT's
+    target_parameters LoRA of it: every expert's Megatron LoRA, lora_A [E·r, in] expert-major and lora_B [out, r·E]
+    rank-major, B's rows in the stacked tensor's column order (gate and up interleaved); an expert without LoRA zero
+    (--allow-partial-lora)."""
+
+    owner: str  # key prefix of its lora_A/lora_B
+    loras: ExpertLoras
+
+
 @dataclass
 class AdapterPlan:
     """The adapter file's tensors, planned from headers (in file order), and how to make them a unit (one
@@ -94,6 +105,7 @@ class AdapterPlan:
     modules: dict[str, list[_Module]]  # unit -> the Megatron modules read for it
     zeros: dict[str, list[PlannedTensor]]  # unit -> zero factors of modules without LoRA (--allow-partial-lora)
     fused: dict[str, list[_FusedExperts]]  # unit -> fused expert parameters
+    stacked: dict[str, list[_StackedLora]]  # unit -> stacked experts parameters (an HF release stacks them)
     shape: ModelShape
     dtype: torch.dtype | None
     where: str
@@ -129,13 +141,25 @@ class AdapterPlan:
             tensors[planned.name] = torch.zeros(planned.shape, dtype=planned.dtype)
         for group in self.fused.get(unit, ()):
             tensors.update(_fuse(group, tensors, self.where))
+        for group in self.stacked.get(unit, ()):
+            check_records(group.loras.refs)
+            a_name, b_name = f"{group.owner}.lora_A.weight", f"{group.owner}.lora_B.weight"
+            if len(group.loras):
+                b, a = group.loras.stacked_factors()
+            else:
+                planned = {t.name: t for t in self.tensors}
+                b, a = (torch.zeros(planned[n].shape, dtype=planned[n].dtype) for n in (b_name, a_name))
+            for name, factor in ((a_name, a), (b_name, b)):
+                dtype = self.dtype or factor.dtype
+                tensors[name] = factor.to(dtype).contiguous()
+                check_finite(tensors[name], name, "non-finite values (NaN or Inf) in the LoRA factor")
         return tensors
 
 
 def plan_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
                  dtype: torch.dtype | None, expert_format: str = "per-expert", allow_partial: bool = False) -> AdapterPlan:
     where = str(lora.path)
-    planned, units, modules = _plan_factors(lora, shape, arch, settings, dtype)
+    planned, units, modules, slabs = _plan_factors(lora, shape, arch, settings, dtype)
     zeros, warnings = complete_targets(planned, units, lora, shape, arch, settings.r, allow_partial)
     experts = expert_keys(planned, arch)
     fused: dict[str, list[_FusedExperts]] = {}
@@ -150,8 +174,10 @@ def plan_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settin
                             "with --expert-format fused for PEFT")
         if peft.remaps_every_mlp_target:
             warnings += unconverted_mlp_warning(planned, experts, arch)
+    stacked, stacked_params = _plan_stacked(slabs, planned, units, arch, shape, settings.r, dtype, where)
     order = sorted(planned.values(), key=lambda t: (_FILE_DTYPE_ORDER.index(t.dtype), t.name))
-    return AdapterPlan(order, modules_targeted, parameters, warnings, units, modules, zeros, fused, shape, dtype, where)
+    return AdapterPlan(order, modules_targeted, parameters + stacked_params, warnings, units, modules, zeros, fused,
+                       stacked, shape, dtype, where)
 
 
 def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
@@ -162,8 +188,15 @@ def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
     units: dict[str, str] = {}
     modules: dict[str, list[_Module]] = {}
     remaining = dict(lora.lora)
+    slabs: dict[tuple[str, str], dict[int, tuple]] = {}  # (layer prefix, stacked HF name) -> expert -> (rule, LoRA)
     for rule, names, prefix in iter_rules(arch, shape, lora.has):
         module = names[0].removesuffix(".weight")
+        if isinstance(rule, ExpertSlab) and names[0].endswith(".weight"):
+            factors = remaining.pop(module, None)
+            if factors is not None:
+                check_factor_shapes(rule, factors, shape, settings.r, module)
+            slabs.setdefault((prefix, rule.hf), {})[rule.index] = (replace(rule, megatron=names[0]), factors)
+            continue
         if not names[0].endswith(".weight") or module not in remaining:
             continue
         factors = remaining.pop(module)
@@ -183,7 +216,36 @@ def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
     if remaining:
         raise MergeError(f"{lora.path}: LoRA weights for modules that have no HF counterpart: "
                          f"{', '.join(sorted(remaining)[:3])}")
-    return planned, units, modules
+    return planned, units, modules, slabs
+
+
+def _plan_stacked(slabs: dict, planned: dict, units: dict, arch: Architecture, shape: ModelShape, r: int,
+                  dtype: torch.dtype | None, where: str) -> tuple[dict[str, list[_StackedLora]], list[str]]:
+    """The stacked experts parameters the LoRA adapts, planned into `planned`: one LoRA each in every MoE layer (an
+    expert or a layer without LoRA zero: PEFT adapts a parameter of every layer's experts); returns them by unit and
+    their target_parameters, in the order the experts module registers them (PEFT nests its wrappers so: all but the
+    last under `base_layer`)."""
+    adapted = [hf for hf in dict.fromkeys(hf for _, hf in slabs)
+               if any(m is not None for (_, h), by in slabs.items() if h == hf for _, m in by.values())]
+    if not adapted:
+        return {}, []
+    groups: dict[str, list[_StackedLora]] = {}
+    for (prefix, hf), by_expert in slabs.items():
+        if hf not in adapted:
+            continue
+        module, param = hf.rsplit(".", 1)
+        owner = f"{PEFT_PREFIX}{prefix}{module}" + ".base_layer" * (len(adapted) - 1 - adapted.index(hf))
+        rules, loras = zip(*(by_expert[e] for e in sorted(by_expert)))
+        experts, inputs, outputs = rules[0].hf_shapes(shape)[hf]
+        known = [m for m in loras if m is not None]  # (none: a layer without it, --allow-partial-lora: zeros)
+        factor_dtype = dtype or (known[0].a[0].dtype if known else
+                                 next(m.a[0].dtype for by in slabs.values() for _, m in by.values() if m is not None))
+        for name, dims in ((f"{owner}.lora_A.weight", (experts * r, inputs)),
+                           (f"{owner}.lora_B.weight", (outputs, r * experts))):
+            planned[name] = PlannedTensor(name, dims, factor_dtype)
+            units[name] = prefix
+        groups.setdefault(prefix, []).append(_StackedLora(owner, ExpertLoras(rules, loras)))
+    return groups, [f"{arch.config.fused_experts}.{hf.rsplit('.', 1)[1]}" for hf in adapted]
 
 
 def expert_keys(tensors, arch: Architecture) -> dict[str, tuple[int, int, str]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,8 +35,8 @@ from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (SCALE_SUFFIX, is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
                             skip_patterns)
-from lora_merge.model.layout import RowBlock, SharedCopy, Skip
-from lora_merge.lora import DoraDelta, LoraSettings, StackedExpertsDelta, hf_factors
+from lora_merge.model.layout import RowBlock, SharedCopy, Skip, SlabBlock, StackedExperts
+from lora_merge.lora import DoraDelta, ExpertLoras, LoraSettings, StackedExpertsDelta, hf_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
@@ -106,10 +106,32 @@ class _BlockRows:
             if lo < hi:
                 pieces.append(block.take(lo - offset, hi - offset).clone())
                 if self.mapped:
-                    for part in block.parts:
-                        release_pages(part[lo - offset: hi - offset])
+                    for part in block.parts:  # (an expert's row of a stacked tensor is all of its tensor)
+                        release_pages(part if isinstance(block, SlabBlock) else part[lo - offset: hi - offset])
             offset += block.rows
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _stacked_experts(rule: StackedExperts, name: str, shape: ModelShape, base: Checkpoint | None,
+                     lora: Checkpoint | None, settings: LoraSettings | None):
+    """A stacked experts tensor's factors (every expert's Megatron LoRA as one change) and its Megatron baseline
+    (every expert's parameter as its row), by HF name; none where the inputs have none (an HF base's is read by
+    name)."""
+    layer = name[:len(name) - len(rule.slab.megatron)]
+    rules = [replace(r, megatron=layer + r.megatron) for r in rule.expert_rules(shape.moe.num_experts)]
+    factors, baseline = {}, None
+    if lora is not None and not getattr(lora, "hf_named", False):
+        modules = tuple(lora.lora.get(r.megatron.removesuffix(".weight")) for r in rules)
+        if any(m is not None for m in modules):
+            factors[rule.hf] = ExpertLoras(tuple(rules), modules).stacked_delta(settings.scale)
+    if base is not None and not base.hf_named and all(r.megatron in base.params for r in rules):
+        blocks, mapped = [], False
+        for r in rules:
+            pieces = fitted_pieces(base, r.megatron, r)
+            blocks += r.hf_blocks([p.load() for p in pieces], shape, r.megatron, pieces.is_global)[r.hf]
+            mapped = pieces.mapped
+        baseline = {rule.hf: _BlockRows(blocks, mapped)}
+    return factors, baseline
 
 
 def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: torch.dtype,
@@ -136,19 +158,24 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
     mxfp4_tensors = []  # stacked experts parameters stored as MXFP4 blocks and scales
     want_dtype = SAFETENSORS_DTYPES[dtype]
     peft = lora is not None and lora.hf_named  # factors by HF name, each with its own scale; trained biases
-    for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c)):
+    for rule, names, prefix in iter_rules(arch, shape, lambda name: any(c.has(name) for c in (base, lora) if c),
+                                          stacked=True):
         if isinstance(rule, Skip):
             continue
-        megatron = (pick_name(names, base.params, base.path) if base is not None else None) or names[0]
-        factors = {}
-        module = megatron.removesuffix(".weight")
-        if lora is not None and not peft and megatron.endswith(".weight") and module in lora.lora:
-            factors = hf_factors(rule, lora.lora[module], shape, module)
-        megatron_blocks = None
-        if not ref and base is not None and megatron in base.params:
-            pieces = fitted_pieces(base, megatron, rule)
-            blocks = rule.hf_blocks([r.load() for r in pieces], shape, megatron, pieces.is_global)
-            megatron_blocks = {n: _BlockRows(b, pieces.mapped) for n, b in blocks.items()}
+        if isinstance(rule, StackedExperts):  # every expert's Megatron parameter is a row of it
+            factors, megatron_blocks = _stacked_experts(rule, names[0], shape, base if not ref else None,
+                                                        lora if not peft else None, settings)
+        else:
+            megatron = (pick_name(names, base.params, base.path) if base is not None else None) or names[0]
+            factors = {}
+            module = megatron.removesuffix(".weight")
+            if lora is not None and not peft and megatron.endswith(".weight") and module in lora.lora:
+                factors = hf_factors(rule, lora.lora[module], shape, module)
+            megatron_blocks = None
+            if not ref and base is not None and megatron in base.params:
+                pieces = fitted_pieces(base, megatron, rule)
+                blocks = rule.hf_blocks([r.load() for r in pieces], shape, megatron, pieces.is_global)
+                megatron_blocks = {n: _BlockRows(b, pieces.mapped) for n, b in blocks.items()}
         for name, dims in rule.hf_shapes(shape).items():
             full = prefix + name
             copied = rule.copy_of if isinstance(rule, SharedCopy) else full  # whose factors it carries

@@ -82,7 +82,7 @@ def test_the_args_record_its_mechanics(hf_base, tmp_path):
     args = torch.load(tmp_path / "mg/release/mp_rank_00/model_optim_rng.pt", weights_only=False)["args"]
     assert (args.quick_geglu, args.swiglu, args.glu_linear_offset, args.activation_func_clamp_value) == (True, False, 1.0, 7.0)
     assert (args.softmax_type, args.window_size, args.window_attn_skip_freq) == ("learnable", (7, 0), 2)
-    assert (args.add_bias_linear, args.position_embedding_type, args.yarn_rotary_scaling_factor,
+    assert (args.add_bias_linear, args.position_embedding_type, args.rotary_scaling_factor,
             args.yarn_correction_range_round_to_int) == (True, "yarn", 32.0, False)
 
 
@@ -147,7 +147,11 @@ def written_args(hf_base, tmp_path) -> Namespace:
     (dict(window_attn_skip_freq=4), "windows layers 0, 1, 2"),
     (dict(window_size=None), "the args record no window_size"),
     (dict(position_embedding_type="rope"), "args.position_embedding_type='rope', but the HF config's RoPE is YaRN"),
-    (dict(yarn_rotary_scaling_factor=8.0), "args.yarn_rotary_scaling_factor=8.0, but the HF config's RoPE has 32"),
+    (dict(rotary_scaling_factor=8.0), "args.rotary_scaling_factor=8.0, but the HF config's YaRN has 32"),
+    (dict(yarn_rotary_scaling_factor=8.0), "args.yarn_rotary_scaling_factor=8.0, but the HF config's YaRN has 32"),
+    (dict(rotary_scaling_factor=None), "the args record no rotary_scaling_factor or yarn_rotary_scaling_factor"),
+    (dict(yarn_beta_fast=16.0), "args.yarn_beta_fast=16.0, but the HF config's YaRN has 32"),
+    (dict(mscale=0.707), "args.mscale=0.707, but the HF config's YaRN has 1 (HF's attention factor"),
     (dict(yarn_correction_range_round_to_int=True), "YaRN truncate is false"),
     (dict(use_rope_scaling=True), "args.use_rope_scaling=True: RoPE scaling on top"),
 ])
@@ -171,3 +175,29 @@ def test_the_recipes_window_one_token_wider_is_merged_with_a_warning(hf_base, tm
     shape, _ = read_hf_config(hf_base, [])
     notes = check_against_args(shape, Namespace(**(vars(args) | dict(window_size=(8, 0)))), "ckpt")
     assert len(notes) == 1 and "attended 9 tokens" in notes[0] and "one token narrower" in notes[0]
+
+
+def test_verify_reads_each_expert_of_a_megatron_base_as_its_row(hf_base, tmp_path):
+    """With a reference that has no weights, the baseline is the Megatron base itself, expert by expert: a merge
+    verifies, and an output whose one expert was swapped does not."""
+    import json
+    import shutil
+
+    lora_merge.to_megatron(base=hf_base, out=tmp_path / "mg", ep=2, warn=quiet)
+    (tmp_path / "ref").mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(hf_base / name, tmp_path / "ref" / name)
+    result = lora_merge.merge(base=tmp_path / "mg", hf_ref=tmp_path / "ref", out=tmp_path / "out", verify=True,
+                              warn=quiet)
+    assert result.verified and result.verify_report.statuses["model.layers.1.mlp.experts.gate_up_proj"] == \
+        "identical to baseline"
+    from safetensors.torch import save_file
+
+    merged = tensors(tmp_path / "out")
+    merged["model.layers.1.mlp.experts.gate_up_proj"] = merged["model.layers.1.mlp.experts.gate_up_proj"][[0, 2, 1, 3]]
+    save_file(merged, tmp_path / "out/model.safetensors", metadata={"format": "pt"})
+    report = lora_merge.verify(tmp_path / "out", base=tmp_path / "mg", hf_ref=tmp_path / "ref", warn=quiet)
+    assert not report.ok
+    assert any(p.startswith("model.layers.1.mlp.experts.gate_up_proj: LoRA does not touch it, but it differs")
+               for p in report.problems), report.problems
+    assert json.loads((tmp_path / "out/config.json").read_text())["model_type"] == "gpt_oss"

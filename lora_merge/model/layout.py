@@ -484,10 +484,15 @@ class ExpertSlab(Rule):
         dims = named_dims(shape)
         return {self.hf: tuple(dims[d] for d in self.hf_dims)}
 
-    def whole(self) -> "Replicated":
+    def whole(self) -> "StackedExperts":
         """The stacked HF tensor as one parameter (an HF base holds it so: one task for all its experts)."""
-        return Replicated(self.megatron, self.hf_dims, hf=self.hf, requires=self.requires, layers=self.layers,
-                          keep_dtype=self.keep_dtype)
+        return StackedExperts(self.megatron, self.hf_dims, hf=self.hf, requires=self.requires, layers=self.layers,
+                              keep_dtype=self.keep_dtype, slab=self)
+
+    def for_expert(self, e: int) -> "ExpertSlab":
+        """This bound rule for another expert of the same layer."""
+        return replace(self, megatron=self.megatron.replace(f".experts.{self.index}.", f".experts.{e}.", 1),
+                       expert=str(e))
 
     def slab(self, t: torch.Tensor) -> torch.Tensor:
         """The expert's Megatron tensor as its row of the HF tensor."""
@@ -520,6 +525,17 @@ class ExpertSlab(Rule):
             raise MergeError(f"{where}: split over expert TP={len(shards)}; {self.hf} stacks whole experts, so "
                              "only expert TP = 1 (--expert-tensor-parallel-size 1) is read")
         return {self.hf: [SlabBlock((unshard_column(list(shards)),), slab=self.slab)]}
+
+
+@dataclass(frozen=True)
+class StackedExperts(Replicated):
+    """The HF tensor of an ExpertSlab as one parameter, as an HF base holds it; `slab`: the rule of one of its
+    experts (`slab.for_expert(e)`: of expert e), for what is read per expert (a Megatron LoRA's factors)."""
+
+    slab: ExpertSlab | None = None
+
+    def expert_rules(self, experts: int) -> list[ExpertSlab]:
+        return [self.slab.for_expert(e) for e in range(experts)]
 
 
 def interleave_rows(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,10 @@ ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_grou
              "num_layer_list", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
              "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm", "rotary_percent",
              "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-             "mtp_num_layers")
+             "mtp_num_layers",
+             # gpt-oss's mechanics (model/architectures/gpt_oss.py), where the run has them
+             "add_bias_linear", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type",
+             "window_size", "window_attn_skip_freq", "rotary_scaling_factor")
 
 
 def _gb(n: int) -> str:

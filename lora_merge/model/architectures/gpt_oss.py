@@ -64,11 +64,11 @@ class GptOssMechanics:
     def megatron_args(self, num_layers: int) -> dict:
         """The args a Megatron-LM run of this model records."""
         yarn = dict(self.yarn)
-        rope = dict(
-            position_embedding_type="yarn", rotary_base=self.rope_theta, yarn_rotary_scaling_factor=yarn["factor"],
+        rope = dict(  # Megatron-LM's argument names (--rotary-scaling-factor, --mscale: shared with MLA's YaRN)
+            position_embedding_type="yarn", rotary_base=self.rope_theta, rotary_scaling_factor=yarn["factor"],
             yarn_original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
-            yarn_beta_fast=yarn["beta_fast"], yarn_beta_slow=yarn["beta_slow"], yarn_mscale=1.0,
-            yarn_mscale_all_dim=0.0, yarn_correction_range_round_to_int=self.truncate,
+            yarn_beta_fast=yarn["beta_fast"], yarn_beta_slow=yarn["beta_slow"], mscale=1.0, mscale_all_dim=0.0,
+            yarn_correction_range_round_to_int=self.truncate,
         ) if self.yarn else dict(position_embedding_type="rope", rotary_base=self.rope_theta)
         return dict(**rope,
             add_bias_linear=True, swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
@@ -173,18 +173,27 @@ class GptOssMechanics:
                 raise MergeError(f"{where}: args.{flag}={shown(arg(flag))}: RoPE scaling on top of the config's "
                                  f"{'YaRN' if self.yarn else 'plain RoPE'}; the merged model would not compute what "
                                  "was trained")
-        for name, theirs in (("rotary_base", self.rope_theta),) + tuple(
-                (f"yarn_{'rotary_scaling_factor' if k == 'factor' else k}", v) for k, v in self.yarn):
-            value = arg(name)
-            if value is None or not is_number(value) or not math.isclose(float(value), theirs, rel_tol=1e-6):
-                recorded = f"args.{name}={shown(value)}" if value is not None else f"the args record no {name}"
-                raise MergeError(f"{where}: {recorded}, but the HF config's RoPE has {theirs:g}: the merged model "
-                                 "would not compute what was trained")
-        for name, neutral in (("yarn_mscale", 1.0), ("yarn_mscale_all_dim", 0.0)):
-            value = arg(name)
-            if value is not None and (not is_number(value) or float(value) != neutral):
-                raise MergeError(f"{where}: args.{name}={shown(value)}; HF's YaRN attention factor is Megatron's with "
-                                 f"{name}={neutral:g}")
+        if not self.yarn:
+            self._check_number(arg, "rotary_base", self.rope_theta, "the HF config's rope_theta", where)
+            return
+        # Megatron-LM records the factor and mscales under the names MLA's YaRN shares (--rotary-scaling-factor,
+        # --mscale, --mscale-all-dim); Megatron-Core's config, and so some tools' args, under yarn_*
+        for names, theirs in ((("rotary_base",), self.rope_theta),
+                              (("rotary_scaling_factor", "yarn_rotary_scaling_factor"), dict(self.yarn)["factor"]),
+                              *(((f"yarn_{k}",), v) for k, v in self.yarn if k != "factor"),
+                              (("mscale", "yarn_mscale"), 1.0), (("mscale_all_dim", "yarn_mscale_all_dim"), 0.0)):
+            recorded = [(name, arg(name)) for name in names if arg(name) is not None]
+            if not recorded and names[0].startswith("mscale"):
+                continue  # Megatron's defaults: 1 and 0
+            if not recorded:
+                raise MergeError(f"{where}: the args record no {' or '.join(names)}, but the HF config's YaRN has "
+                                 f"{theirs:g}: cannot confirm the model was trained with it")
+            for name, value in recorded:
+                if not is_number(value) or not math.isclose(float(value), theirs, rel_tol=1e-6, abs_tol=1e-12):
+                    raise MergeError(f"{where}: args.{name}={shown(value)}, but the HF config's YaRN has {theirs:g}"
+                                     + (" (HF's attention factor is Megatron's with mscale 1 and mscale_all_dim 0)"
+                                        if "mscale" in name else "") + ": the merged model would not compute what "
+                                     "was trained")
         rounded = arg("yarn_correction_range_round_to_int")
         if rounded is not None and bool(rounded) != self.truncate:
             raise MergeError(f"{where}: args.yarn_correction_range_round_to_int={shown(rounded)}, but the HF config's "
