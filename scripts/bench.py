@@ -392,25 +392,30 @@ def bench_adapter_variants(layers: int, work: Path, repeat: int, preset: str = "
         "generate_seconds": time.monotonic() - generate_start}, per_output_gb=True)
 
 
-def bench_gpt_oss(layers: int, work: Path, repeat: int, experts: int = 32) -> dict:
+def bench_gpt_oss(layers: int, work: Path, repeat: int, experts: int = 32, megatron_ep: int | None = None) -> dict:
     """A gpt-oss-shaped MXFP4 HF base (20b's layers, or 120b's with 128 experts) + a PEFT adapter on q_proj and
     every expert (synthetic_gpt_oss_checkpoint.py), merged into bf16 and back into MXFP4 (--dtype mxfp4),
-    alternating with a plain copy of both; CPU per GB of input (the two outputs differ in size)."""
-    root = work / f"L{layers}gpt_oss{experts}"
+    alternating with a plain copy of both; CPU per GB of input (the two outputs differ in size). With `megatron_ep`,
+    its Megatron form instead (bf16, that EP, ETP 1: each expert apart) + a Megatron LoRA on linear_qkv and every
+    expert, each expert's row of the stacked HF tensors made from its own parameter (layout.ExpertSlab)."""
+    root = work / f"L{layers}gpt_oss{experts}" + ("_megatron" if megatron_ep else "")
     drop(root)
     generate_start = time.monotonic()
     subprocess.run([sys.executable, str(HERE / "synthetic_gpt_oss_checkpoint.py"), str(root), "--layers", str(layers),
-                    "--experts", str(experts)], check=True)
-    inputs = [root / "base", root / "adapter"]
+                    "--experts", str(experts)] + (["--megatron", str(megatron_ep)] if megatron_ep else []), check=True)
+    if megatron_ep:
+        drop(root / "adapter")
+    inputs = [root / "mcore", root / "mcore_lora"] if megatron_ep else [root / "base", root / "adapter"]
     in_bytes = sum(dir_bytes(p) for p in inputs)
     check_free(root, in_bytes * 3)
-    cmd = LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "adapter"), "--hf-ref", str(root / "base"),
+    cmd = LORA_MERGE + ["--base", str(inputs[0]), "--lora", str(inputs[1]), "--hf-ref", str(root / "base"),
                         "--out", str(root / "merged"), "--no-progress"]
     variants = [(f"-> {target}, {wlabel}", c) for target in ("bfloat16", "mxfp4")
                 for wlabel, c in merge_variants(cmd + ["--dtype", target])]
+    source = (f"Megatron bf16 EP={megatron_ep} ETP=1 + Megatron LoRA on qkv and every expert" if megatron_ep
+              else "MXFP4 HF base + PEFT adapter")
     return variants_against_copy(root, inputs, variants, repeat, {
-        "layers": layers, "layout": f"gpt-oss-{'120b' if experts == 128 else '20b'} shapes ({experts} experts), "
-                                    "MXFP4 HF base + PEFT adapter",
+        "layers": layers, "layout": f"gpt-oss-{'120b' if experts == 128 else '20b'} shapes ({experts} experts), {source}",
         "generate_seconds": time.monotonic() - generate_start}, per_output_gb=False)
 
 
@@ -613,6 +618,9 @@ def main() -> None:
                    "expert, merged into bf16 and into MXFP4")
     p.add_argument("--gpt-oss-experts", type=int, default=32, metavar="E", help="with --gpt-oss: experts a layer "
                    "(32: gpt-oss-20b, 128: gpt-oss-120b)")
+    p.add_argument("--gpt-oss-megatron", action="store_true", help="with --gpt-oss: the Megatron form instead (bf16, "
+                   "EP 1: a legacy EP file repeats the 2.3 GB embeddings) + a Megatron LoRA on qkv and every expert, merged into "
+                   "bf16 and into MXFP4")
     p.add_argument("--adapter-variants", action="store_true", help="the --peft input merged with one plain adapter, "
                    "a DoRA one, and three weighted ones (32B layer shapes)")
     p.add_argument("--parts", type=int, nargs="+", metavar="N", help="32B layer shapes merged by one process and as "
@@ -654,8 +662,9 @@ def main() -> None:
         return
     if args.gpt_oss:
         for n in args.layers:
-            report_one(f"gpt-oss shapes, {args.gpt_oss_experts} experts, MXFP4, {n} layers",
-                       bench_gpt_oss(n, args.workdir, args.repeat, args.gpt_oss_experts))
+            report_one(f"gpt-oss shapes, {args.gpt_oss_experts} experts, "
+                       f"{'Megatron' if args.gpt_oss_megatron else 'MXFP4'}, {n} layers",
+                       bench_gpt_oss(n, args.workdir, args.repeat, args.gpt_oss_experts, 1 if args.gpt_oss_megatron else None))
         return
     if args.to_megatron:
         runs = [bench_to_megatron(2, args.workdir, args.repeat, True, args.deepseek_shape,

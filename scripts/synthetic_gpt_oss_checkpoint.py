@@ -6,6 +6,11 @@ correctness is proven on tiny models in tests/test_gpt_oss.py.
 
     python scripts/synthetic_gpt_oss_checkpoint.py OUT --layers 2      # OUT/base, OUT/adapter
     python scripts/synthetic_gpt_oss_checkpoint.py OUT --layers 1 --experts 128   # gpt-oss-120b's layer shapes
+    python scripts/synthetic_gpt_oss_checkpoint.py OUT --megatron 4   # also OUT/mcore (that base as Megatron, bf16,
+                                                                      # EP 4) and OUT/mcore_lora (its Megatron LoRA)
+
+With --megatron EP the HF base is converted by lora-merge itself (`--to megatron`, ETP 1) and a Megatron LoRA (r=16,
+alpha 32, legacy, MindSpeed's names) is written beside it on linear_qkv and every expert's linear_fc1/linear_fc2.
 """
 
 from __future__ import annotations
@@ -29,8 +34,46 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=E, help="experts a layer (gpt-oss-20b: 32, gpt-oss-120b: 128)")
+    ap.add_argument("--megatron", type=int, metavar="EP", help="also the base as a Megatron checkpoint at this EP, "
+                    "with a Megatron LoRA")
     opts = ap.parse_args()
     make(opts.out, opts.layers, opts.experts)
+    if opts.megatron:
+        make_megatron(opts.out, opts.layers, opts.experts, opts.megatron)
+
+
+def make_megatron(out: Path, layers: int, E: int, ep: int) -> None:  # noqa: N803
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import lora_merge
+
+    lora_merge.to_megatron(base=out / "base", out=out / "mcore", ep=ep, etp=1, dtype="bfloat16", warn=lambda m: None)
+    g = torch.Generator().manual_seed(1)
+
+    def small(*shape):
+        return (torch.randn(*shape, generator=g) * 0.01).to(torch.bfloat16)
+
+    local = E // ep
+    for rank_file in sorted((out / "mcore/release").glob("mp_rank_*/model_optim_rng.pt")):
+        state = torch.load(rank_file, weights_only=False, mmap=True)
+        args = state["args"]
+        vars(args).update(lora_r=R, lora_alpha=2 * R, lora_target_modules=["linear_qkv", "linear_fc1", "linear_fc2"])
+        model = {}
+        for i in range(layers):
+            p = f"decoder.layers.{i}."
+            model[p + "self_attention.linear_qkv.lora_A.default.weight"] = small(R, H)
+            model[p + "self_attention.linear_qkv.lora_B.default.weight"] = small((NH + 2 * NKV) * D, R)
+            for k in range(local):
+                x = f"{p}mlp.experts.local_experts.{k}."
+                model[x + "linear_fc1.lora_A.default.weight"] = small(R, H)
+                model[x + "linear_fc1.lora_B.default.weight"] = small(2 * F, R)
+                model[x + "linear_fc2.lora_A.default.weight"] = small(R, F)
+                model[x + "linear_fc2.lora_B.default.weight"] = small(H, R)
+        target = out / "mcore_lora/iter_0000010" / rank_file.parent.name / rank_file.name
+        target.parent.mkdir(parents=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10, "model": model}, target)
+    (out / "mcore_lora/latest_checkpointed_iteration.txt").write_text("10")
 
 
 def make(out: Path, layers: int, E: int) -> None:  # noqa: N803  (E: the experts, as the module's shapes are named)

@@ -11,8 +11,10 @@ How a call runs
 ---------------
 * The HF config is translated, in the calling process, into a Megatron model description (the way
   scripts/make_*fixtures.py build their models: local spec, RMSNorm, rope, swiglu; MoE = TopKRouter +
-  SequentialMLP / GroupedMLP with the alltoall dispatcher; MLA for DeepSeek). Anything the translation does
-  not know is refused (NotImplementedError) instead of guessed.
+  SequentialMLP / GroupedMLP with the alltoall dispatcher; MLA for DeepSeek; gpt-oss (_gptoss): biases on
+  every linear, sinks (softmax_type "learnable"), sliding window on its "sliding_attention" layers, clamped
+  quick-GeGLU experts, YaRN RoPE set on the config; its windowed softmax needs a CPU mask, see _patch_cpu).
+  Anything the translation does not know is refused (NotImplementedError) instead of guessed.
 * One start of the world per call (START_METHOD): pp * lcm(tp, etp * ep) gloo ranks on CPU (the attention
   grid is TP x DP, the expert grid ETP x EP x EDP; DP is the smallest that makes both cover the same ranks).
   Every rank builds all its model chunks (one per virtual stage, as megatron.training.get_model does),
@@ -127,7 +129,7 @@ class MegatronOracleTimeout(MegatronOracleError):
 # --------------------------------------------------------------------------------------------------
 
 DENSE = ("qwen2", "llama", "mistral", "qwen3", "phi3")
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 MLA = ("deepseek_v3", "deepseek_v2")
 
 
@@ -152,7 +154,7 @@ def _layer_pattern(hf: dict, num_layers: int) -> list[int]:
         only = set(hf.get("mlp_only_layers") or [])
         step = hf.get("decoder_sparse_step", 1) or 1
         return [int(i not in only and (i + 1) % step == 0) for i in range(num_layers)]
-    if mt == "mixtral":
+    if mt in ("mixtral", "gpt_oss"):
         return [1] * num_layers
     k, freq = hf.get("first_k_dense_replace", 0) or 0, hf.get("moe_layer_freq", 1) or 1
     return [int(i >= k and i % freq == 0) for i in range(num_layers)]
@@ -164,7 +166,7 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
     mt = hf.get("model_type")
     if mt not in DENSE + MOE + MLA:
         raise NotImplementedError(f"model_type {mt!r}: the oracle knows {DENSE + MOE + MLA}")
-    if hf.get("hidden_act", "silu") != "silu":
+    if mt != "gpt_oss" and hf.get("hidden_act", "silu") != "silu":  # (gpt-oss's experts ignore hidden_act)
         raise NotImplementedError(f"hidden_act {hf.get('hidden_act')!r}: only silu (swiglu) is translated")
     L, H, NH = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
     theta, scaling = _rope(hf)
@@ -173,7 +175,7 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
         ffn_hidden_size=hf["intermediate_size"], norm_epsilon=hf["rms_norm_eps"],
         vocab_size=hf["vocab_size"], max_position_embeddings=hf["max_position_embeddings"],
         rotary_base=theta, tied=bool(hf.get("tie_word_embeddings", False)) if tied is None else bool(tied),
-        mla=mt in MLA, moe=None, yarn=None,
+        mla=mt in MLA, moe=None, yarn=None, gptoss=None, yarn_rope=None,
         # multi-token-prediction layers (Megatron-Core's mtp block, on the last stage)
         mtp=int(hf.get("num_nextn_predict_layers") or 0) if mt in ("deepseek_v3", "glm4_moe") else 0,
         # partial RoPE: GPTModel(rotary_percent) rotates the first int(kv_channels * percent) dims of each head
@@ -200,7 +202,9 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
         if hf.get("attention_bias"):
             raise NotImplementedError("MLA with attention_bias")
     else:
-        if scaling:
+        if mt == "gpt_oss":
+            s.update(_gptoss(hf, scaling))
+        elif scaling:
             raise NotImplementedError(f"rope scaling {scaling['rope_type']!r} for {mt}")
         bias = {"qwen2": True, "qwen2_moe": hf.get("qkv_bias", True), "mixtral": False}.get(
             mt, hf.get("attention_bias", False))
@@ -222,6 +226,11 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
             moe.update(num_experts=E, ffn=hf["moe_intermediate_size"], pre_softmax=not hf.get("norm_topk_prob", False))
             if mt == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
                 moe.update(shared=hf["shared_expert_intermediate_size"], shared_gate=True)
+        elif mt == "gpt_oss":
+            # HF: top-k of the router logits (bias included), softmax over the chosen k = Megatron softmax scores,
+            # top-k on the logits, pre_softmax=False; no shared expert
+            moe.update(num_experts=hf.get("num_local_experts", hf.get("num_experts")), ffn=hf["intermediate_size"],
+                       pre_softmax=False)
         else:
             E, F = hf["n_routed_experts"], hf["moe_intermediate_size"]
             moe.update(num_experts=E, ffn=F, scaling=float(hf.get("routed_scaling_factor", 1.0)))
@@ -243,6 +252,50 @@ def model_spec(hf_config: dict, tied: bool | None = None) -> dict:
             moe = None
         s["moe"] = moe
     return s
+
+
+def _gptoss(hf: dict, scaling: dict) -> dict:
+    """gpt-oss's model_spec entries. transformers' GptOssForCausalLM -> megatron-core 0.16.1 (docs/formats.md):
+    biases on every linear (add_bias_linear), sinks = softmax_type "learnable" (core_attention.softmax_offset),
+    HF sliding_window W on its "sliding_attention" layers = window_size (W - 1, 0) on those layers
+    (window_attn_skip_freq as a per-layer list, 1 = windowed), experts (gate.clamp(max=limit) * sigmoid(alpha *
+    gate)) * (up.clamp(-limit, limit) + 1) = quick_gelu GLU with activation_func_clamp_value=limit and
+    glu_linear_offset=1 (Megatron's quick_gelu hard-codes alpha 1.702), and YaRN RoPE as attributes of the config
+    (position_embedding_type "yarn", yarn_*: GPTModel reads them with getattr)."""
+    import math
+
+    if not hf.get("attention_bias", True):
+        raise NotImplementedError("gpt_oss without attention_bias (Megatron's add_bias_linear puts biases on every "
+                                  "linear, experts included)")
+    if abs(float(hf.get("swiglu_alpha", 1.702)) - 1.702) > 1e-12:
+        raise NotImplementedError(f"gpt_oss swiglu_alpha {hf.get('swiglu_alpha')}: megatron-core's quick_gelu is "
+                                  "x * sigmoid(1.702 x)")
+    L, W = hf["num_hidden_layers"], hf.get("sliding_window")
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    if len(types) != L or set(types) - {"sliding_attention", "full_attention"}:
+        raise NotImplementedError(f"gpt_oss layer_types {types!r}")
+    windowed = [int(t == "sliding_attention") for t in types] if W else [0] * L
+    out = dict(gptoss=dict(window=int(W) if any(windowed) else None, window_layers=windowed,
+                           clamp=float(hf.get("swiglu_limit", 7.0)), glu_linear_offset=1.0))
+    if scaling:
+        if scaling["rope_type"] != "yarn":
+            raise NotImplementedError(f"gpt_oss rope scaling {scaling['rope_type']!r}")
+        orig = int(scaling["original_max_position_embeddings"])
+        factor = scaling.get("factor") or hf["max_position_embeddings"] / orig
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        get_mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+        if not (mscale and mscale_all_dim):  # HF's attention factor is then get_mscale(factor) = Megatron's with
+            mscale, mscale_all_dim = 1.0, 0.0  # yarn_mscale 1, yarn_mscale_all_dim 0 (Megatron-LM's defaults)
+        inferred = get_mscale(mscale) / get_mscale(mscale_all_dim)
+        if scaling.get("attention_factor") is not None and abs(scaling["attention_factor"] - inferred) > 1e-9:
+            raise NotImplementedError(f"gpt_oss YaRN attention_factor {scaling['attention_factor']} (Megatron derives "
+                                      f"{inferred} from factor, mscale, mscale_all_dim)")
+        out["yarn_rope"] = dict(
+            rotary_scaling_factor=float(factor), original_max_position_embeddings=orig,
+            beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
+            mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),
+            correction_range_round_to_int=bool(scaling.get("truncate", True)))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -524,6 +577,19 @@ def _patch_cpu(torch, grouped: bool):
 
     token_dispatcher.all_to_all = all_to_all
 
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        """megatron-core 0.16.1's transformer.utils.get_sliding_window_causal_mask without its device="cuda" (True =
+        masked: query i sees keys i - window_size[0] .. i + window_size[1]); the local softmax imported it by name."""
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+    transformer_utils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
     if grouped:
         from types import SimpleNamespace
 
@@ -589,11 +655,21 @@ def _make_config(torch, spec: dict, lay: dict, grouped: bool, moe_layer_freq=Non
             kw.update(moe_router_num_groups=moe["groups"][0], moe_router_group_topk=moe["groups"][1])
         if moe["shared"]:
             kw.update(moe_shared_expert_intermediate_size=moe["shared"], moe_shared_expert_gate=moe["shared_gate"])
+    if spec.get("gptoss"):  # (see _gptoss); bias_activation_fusion stays off: the fused kernel clamps before the bias
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu  # the one Megatron-LM's --quick-geglu sets
+
+        g = spec["gptoss"]
+        kw.update(add_bias_linear=True, activation_func=quick_gelu, glu_linear_offset=g["glu_linear_offset"],
+                  activation_func_clamp_value=g["clamp"], softmax_type="learnable")
+        if g["window"]:
+            kw.update(window_size=(g["window"] - 1, 0), window_attn_skip_freq=list(g["window_layers"]))
+    kw.setdefault("add_bias_linear", False)
+    kw.setdefault("activation_func", F.silu)
     common = dict(
         num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
         num_attention_heads=spec["num_attention_heads"], kv_channels=spec["kv_channels"],
-        ffn_hidden_size=spec["ffn_hidden_size"], add_bias_linear=False, gated_linear_unit=True,
-        activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=spec["norm_epsilon"],
+        ffn_hidden_size=spec["ffn_hidden_size"], gated_linear_unit=True,
+        normalization="RMSNorm", layernorm_epsilon=spec["norm_epsilon"],
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"],
         use_cpu_initialization=True, perform_initialization=False,  # every value comes from the checkpoint
@@ -610,7 +686,12 @@ def _make_config(torch, spec: dict, lay: dict, grouped: bool, moe_layer_freq=Non
             q_lora_rank=spec["q_lora_rank"], kv_lora_rank=spec["kv_lora_rank"], qk_head_dim=spec["qk_head_dim"],
             qk_pos_emb_head_dim=spec["qk_pos_emb_head_dim"], v_head_dim=spec["v_head_dim"],
             rotary_base=spec["rotary_base"], **rope, **common)
-    return TransformerConfig(num_query_groups=spec["num_query_groups"], add_qkv_bias=spec["add_qkv_bias"], **common)
+    config = TransformerConfig(num_query_groups=spec["num_query_groups"], add_qkv_bias=spec["add_qkv_bias"], **common)
+    if spec.get("yarn_rope"):  # YaRN RoPE (non-MLA): GPTModel prefers config.position_embedding_type to its argument
+        config.position_embedding_type = "yarn"
+        for k, v in spec["yarn_rope"].items():
+            setattr(config, "yarn_" + k, v)
+    return config
 
 
 def _mla_core_attention():
@@ -661,8 +742,34 @@ def _check_args(state: dict, spec: dict, lay: dict, grouped: bool, vpad: int, wh
             got = getattr(a, k, v)
             if got != v and not (got is None and unset.get(k, object()) == v):
                 problems.append(f"args.{k} = {got!r}, expected {v!r}")
+        if spec.get("gptoss"):
+            problems += _gptoss_args_problems(a, spec)
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
+
+
+def _gptoss_args_problems(a, spec: dict) -> list[str]:
+    """gpt-oss: the Megatron-LM arguments (megatron/training/arguments.py names) that build a different model when
+    they disagree with the HF config, compared where the checkpoint's args have them."""
+    g, L, problems = spec["gptoss"], spec["num_layers"], []
+    want = dict(add_bias_linear=True, quick_geglu=True, swiglu=False, softmax_type="learnable",
+                glu_linear_offset=g["glu_linear_offset"], activation_func_clamp_value=g["clamp"])
+    for k, v in want.items():
+        if hasattr(a, k) and getattr(a, k) != v:
+            problems.append(f"args.{k} = {getattr(a, k)!r}, expected {v!r} (gpt_oss)")
+    if hasattr(a, "window_size"):
+        ws = getattr(a, "window_size")
+        expect = (g["window"] - 1, 0) if g["window"] else None
+        if (tuple(ws) if ws is not None else None) != expect:
+            problems.append(f"args.window_size = {ws!r}, expected {expect!r} (HF sliding_window {g['window']})")
+    if g["window"] and hasattr(a, "window_attn_skip_freq") and getattr(a, "window_size", None) is not None:
+        freq = a.window_attn_skip_freq  # (Megatron's is_layer_window_attention; None: every layer windowed)
+        got = ([1] * L if freq is None else [int(i % freq != 0) for i in range(1, L + 1)] if isinstance(freq, int)
+               else [int(bool(x)) for x in freq])
+        if got != list(g["window_layers"]):
+            problems.append(f"args.window_attn_skip_freq = {freq!r} windows layers {got}, HF layer_types "
+                            f"{g['window_layers']}")
+    return problems
 
 
 def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):

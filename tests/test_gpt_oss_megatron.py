@@ -201,3 +201,35 @@ def test_verify_reads_each_expert_of_a_megatron_base_as_its_row(hf_base, tmp_pat
     assert any(p.startswith("model.layers.1.mlp.experts.gate_up_proj: LoRA does not touch it, but it differs")
                for p in report.problems), report.problems
     assert json.loads((tmp_path / "out/config.json").read_text())["model_type"] == "gpt_oss"
+
+
+GPT_OSS = Path(__file__).parent / "fixtures_moe/gptoss_tp2etp1_ep2"  # the real Megatron run (tests/fixtures_moe)
+
+
+def test_a_megatron_lora_merges_onto_the_hf_form_of_its_base_as_onto_the_base(tmp_path):
+    """Every expert's Megatron LoRA as one change to the stacked tensor an HF base holds (ExpertLoras): the same
+    bytes as merging each expert into its row from the Megatron base."""
+    lora_merge.merge(base=GPT_OSS / "base", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "base_hf", warn=quiet)
+    from_hf = lora_merge.merge(base=tmp_path / "base_hf", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref",
+                               out=tmp_path / "from_hf", warn=quiet)
+    from_mg = lora_merge.merge(base=GPT_OSS / "base", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref",
+                               out=tmp_path / "from_mg", warn=quiet)
+    assert from_hf.lora_modules == from_mg.lora_modules == 4 * (2 + 2 * 4)  # qkv, proj; fc1, fc2 of 4 experts
+    assert_same_tensors(tensors(tmp_path / "from_hf"), tensors(tmp_path / "from_mg"))
+
+
+def test_the_dry_run_names_its_mechanics_and_the_report_every_experts_source(tmp_path, capsys):
+    import json
+
+    from lora_merge.cli import main
+
+    assert main(["--base", str(GPT_OSS / "base"), "--lora", str(GPT_OSS / "lora"), "--hf-ref", str(GPT_OSS / "hf_ref"),
+                 "--out", str(tmp_path / "out"), "--report", str(tmp_path / "report.json"), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())["tensors"]["model.layers.2.mlp.experts.gate_up_proj"]
+    assert report["source"] == "decoder.layers.2.mlp.experts.{0..3}.linear_fc1.weight"
+    assert report["status"] == "merged with LoRA" and report["shape"] == [4, 64, 64]
+    capsys.readouterr()
+    assert main(["--base", str(GPT_OSS / "base"), "--lora", str(GPT_OSS / "lora"), "--hf-ref", str(GPT_OSS / "hf_ref"),
+                 "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "attention sinks, a 4-token window in 2 layers, clamped quick-GeGLU (limit 7), YaRN RoPE (factor 32)" in out

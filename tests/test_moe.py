@@ -279,7 +279,8 @@ def test_inspect_and_dry_run_show_the_experts(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen2moe_tp2ep2", "qwen3moe_dist_singleton_ep2", "mixtral_ep2", "glm4moe_tp2etp1_ep2"])
+@pytest.mark.parametrize("name", ["qwen2moe_tp2ep2", "qwen3moe_dist_singleton_ep2", "mixtral_ep2", "glm4moe_tp2etp1_ep2",
+                                  "gptoss_tp2etp1_ep2"])
 def test_verify_checks_every_expert_against_the_megatron_base(name, merged, tmp_path, capsys):
     import shutil
     from safetensors.torch import load_file, save_file
@@ -295,9 +296,12 @@ def test_verify_checks_every_expert_against_the_megatron_base(name, merged, tmp_
     shutil.copytree(merged(name), out)
     (shard,) = out.glob("*.safetensors")
     tensors = load_file(shard)
-    victim = next(k for k in sorted(tensors) if ".layers.1." in k and ".experts.2." in k)
+    victim = next((k for k in sorted(tensors) if ".layers.1." in k and ".experts.2." in k), None)
+    where = (0, 0)
+    if victim is None:  # gpt-oss stacks its experts: expert 2's row of the stacked tensor
+        victim, where = "model.layers.1.mlp.experts.gate_up_proj", (2, 0, 0)
     tensors[victim] = tensors[victim].clone()
-    tensors[victim][0, 0] += 1e-3
+    tensors[victim][where] += 1e-3
     save_file(tensors, shard, metadata={"format": "pt"})
     check[1] = str(out)
     assert main(check) == 1

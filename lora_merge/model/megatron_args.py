@@ -97,8 +97,10 @@ def _check_function_args(shape: ModelShape, arg, where: str, handled: frozenset 
         value = arg(name)
         if value is not None and value != expected:
             raise MergeError(f"{where}: args.{name}={shown(value)}; only {shown(expected)} maps onto a HF {shape.model_type} model")
+    # (Megatron-LM 0.16 records --norm-epsilon as layernorm_epsilon, earlier releases as norm_epsilon)
     for name, theirs, ours, hf_name in (("rotary_base", arg("rotary_base"), shape.rope_theta, "rope_theta"),
-                                        ("norm_epsilon", arg("norm_epsilon"), shape.norm_eps, "rms_norm_eps")):
+                                        ("norm_epsilon", arg("norm_epsilon"), shape.norm_eps, "rms_norm_eps"),
+                                        ("layernorm_epsilon", arg("layernorm_epsilon"), shape.norm_eps, "rms_norm_eps")):
         if theirs is not None and ours is not None and not math.isclose(
                 finite_number(theirs, f"args.{name}", where, 0, low_open=True), ours, rel_tol=1e-6):
             raise MergeError(f"{where}: args.{name}={theirs} but the HF config's {hf_name} is {ours}"

@@ -249,8 +249,8 @@ def shard(torch, name: str, x, tp_rank: int, tp: int):
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return col0()  # vocab parallel
     is_fc1 = ".linear_fc1." in name
-    if is_fc1 and (name.endswith("linear_fc1.weight") or name.endswith("lora_B.weight")):
-        # swiglu: every rank holds [gate shard ; up shard]
+    if is_fc1 and name.endswith(("linear_fc1.weight", "linear_fc1.bias", "lora_B.weight")):
+        # swiglu: every rank holds [gate shard ; up shard] (its bias too)
         gate, up = x.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]]).clone()
     # MLA: Megatron-Core's local spec builds the down-projections as ColumnParallelLinear too (their output
@@ -259,6 +259,10 @@ def shard(torch, name: str, x, tp_rank: int, tp: int):
                   ".linear_q_proj.")
     column = ".linear_qkv." in name or ".eh_proj." in name or is_fc1 or any(m in name for m in mla_column)
     row = ".linear_proj." in name or ".linear_fc2." in name
+    if name.endswith(".core_attention.softmax_offset"):
+        return col0()  # attention sinks (softmax_type="learnable"): one per head, split over TP by heads
+    if row and name.endswith(".bias"):
+        return x.clone()  # a row-parallel linear's bias is replicated (added after the all-reduce)
     if name.endswith("lora_A.weight"):
         return col1() if row else x.clone()  # row: sharded on dim 1; column: replicated
     if name.endswith("lora_B.weight"):
@@ -555,6 +559,26 @@ def patch_moe_cpu(torch):
     token_dispatcher.all_to_all = all_to_all
 
 
+def patch_sliding_window_cpu():
+    """Sliding-window attention (TransformerConfig.window_size) on CPU: megatron-core 0.16.1's
+    transformer.utils.get_sliding_window_causal_mask builds its mask with device="cuda"; the local
+    FusedScaleMaskSoftmax (fusions.fused_softmax, which imported it by name) gets the same mask on the CPU."""
+    import torch
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        # megatron-core 0.16.1's own body, device="cuda" dropped: True = masked; query i sees keys j with
+        # i - window_size[0] <= j <= i + window_size[1] (sq == skv)
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
+        return ~ml
+
+    utils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
 def make_lora_parallel_linear_moe():
     """MindSpeed-LLM's LoraParallelLinearMoE (mindspeed_llm/tasks/posttrain/lora/lora_moe.py) for
     PEFT 0.7.1: identical to PEFT's LoraParallelLinear except that lora_A / lora_B are built with
@@ -825,7 +849,8 @@ class Rank:
                         continue
                     lk = ".".join(parts[:at] + ["local_experts", str(int(parts[at]) % e_loc)] + parts[at + 1:])
                     x = shard(torch, lk, x, self.etp_rank, self.spec["etp"])
-                elif k.endswith(("mlp.router.weight", "mlp.router.expert_bias", "shared_experts.gate_weight")):
+                elif k.endswith(("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias",
+                                 "shared_experts.gate_weight")):
                     x = x.clone()  # replicated
                 else:
                     x = shard(torch, k, x, self.tp_rank, self.TP)
@@ -947,6 +972,8 @@ class Rank:
                 if v is None or ".experts." in k:
                     continue
                 rep = k.endswith("layernorm.weight") or k.endswith("layernorm.bias")
+                # (add_bias_linear: row-parallel biases and the router's are replicated over TP)
+                rep = rep or k.endswith(("linear_proj.bias", "linear_fc2.bias", "mlp.router.bias"))
                 if lora:
                     rep = (("linear_qkv" in k or "linear_fc1" in k) and ".lora_A." in k) or (
                         ("linear_proj" in k or "linear_fc2" in k) and ".lora_B." in k

@@ -65,7 +65,9 @@ class GptOssMechanics:
         """The args a Megatron-LM run of this model records."""
         yarn = dict(self.yarn)
         rope = dict(  # Megatron-LM's argument names (--rotary-scaling-factor, --mscale: shared with MLA's YaRN)
-            position_embedding_type="yarn", rotary_base=self.rope_theta, rotary_scaling_factor=yarn["factor"],
+            # (use_rotary_position_embeddings would turn Megatron-LM's position_embedding_type back to "rope")
+            position_embedding_type="yarn", use_rotary_position_embeddings=False,
+            rotary_base=self.rope_theta, rotary_scaling_factor=yarn["factor"],
             yarn_original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
             yarn_beta_fast=yarn["beta_fast"], yarn_beta_slow=yarn["beta_slow"], mscale=1.0, mscale_all_dim=0.0,
             yarn_correction_range_round_to_int=self.truncate,
@@ -163,6 +165,8 @@ class GptOssMechanics:
             raise UnsupportedInput(f"{where}: the HF config's RoPE is {shown(self.rope_type)}; a gpt-oss Megatron run's "
                                    "is YaRN (or plain RoPE)")
         kind, expected = arg("position_embedding_type") or "rope", "yarn" if self.yarn else "rope"
+        if arg("use_rotary_position_embeddings") and kind != "rope":  # Megatron-LM then builds "rope"
+            kind = "rope"
         if kind != expected:
             raise MergeError(f"{where}: args.position_embedding_type={shown(kind)}, but the HF config's RoPE is "
                              f"{'YaRN' if self.yarn else 'plain'} (expected {expected!r}"
