@@ -366,11 +366,12 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
     out(f"  skipped on purpose: {skipped}")
     if console.verbose:
         console.detail("  tensors:")
+        merged = {t.name for task in plan.tasks for t in task.outputs  # (a stacked tensor: any of its experts)
+                  if task.lora is not None or t.name[len(task.hf_prefix):] in (task.delta or {})}
         for task in plan.tasks:
             for t in task.outputs if task.opens_outputs else ():
-                merged = task.lora is not None or t.name[len(task.hf_prefix):] in (task.delta or {})
                 console.detail(f"    {t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} <- {task.source}"
-                               + (" + LoRA" if merged else ""))
+                               + (" + LoRA" if t.name in merged else ""))
 
 
 def _print_inputs(out, s, merged: str | bool) -> None:

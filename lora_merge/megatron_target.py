@@ -53,4 +53,6 @@ class MegatronTarget:
                              "differs from Megatron-Core's and is not written; use --mla-naming megatron-core")
         if self.expert_layout == "grouped" and shape.moe is None:
             raise MergeError("--expert-layout grouped: the model has no routed experts")
+        if shape.own_mechanics is not None:  # what the family's Megatron model can be built at
+            shape.own_mechanics.check_target(self)
         return vocab_padding(shape.vocab, self.layout.tp, self.make_vocab_size_divisible_by, self.padded_vocab_size)

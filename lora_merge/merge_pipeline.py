@@ -366,16 +366,16 @@ def _merged_stored_slabs(block: Mxfp4RowBlock, delta: StackedExpertsDelta | None
 
 def _slab_piece(block: SlabBlock, delta, planned: PlannedTensor, mapped: bool) -> torch.Tensor:
     name, dtype = planned.name, planned.dtype
-    stored = block.parts[0]
-    check_finite(stored, name, "non-finite values (NaN or Inf) in the checkpoint; the checkpoint is damaged or "
-                 "training diverged")
+    for part in block.parts:
+        check_finite(part, name, "non-finite values (NaN or Inf) in the checkpoint; the checkpoint is damaged or "
+                     "training diverged")
     row = block.take(0, 1)
     piece = delta.merge_rows(row, 0, 1, dtype, name) if delta is not None else row.to(dtype)
-    if delta is None and stored.dtype != dtype:
+    if delta is None and row.dtype != dtype:
         check_finite(piece, name, f"values overflow {str(dtype).removeprefix('torch.')}; choose --dtype bfloat16 or "
                      "float32")
     if mapped:
-        _release_all([stored])
+        _release_all(block.parts)  # the checkpoint's own views (never a joined copy: that is ordinary memory)
     return piece.contiguous()  # (a transposed row without a change is still a view)
 
 

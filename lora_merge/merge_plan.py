@@ -61,9 +61,12 @@ class Task:
     @property
     def source(self) -> str:
         """The Megatron parameter(s) it reads, in words (an expert of a stacked tensor: every expert's)."""
-        if self.rows is None:
+        if self.rows is not None:
+            e = self.rows[0]
+        elif isinstance(getattr(self.rule, "rule", self.rule), StackedExperts):  # an HF base's: every expert's LoRA
+            e = 0
+        else:
             return self.megatron
-        e = self.rows[0]
         return self.megatron.replace(f".experts.{e}.", f".experts.{{0..{self.outputs[0].shape[0] - 1}}}.")
 
 
@@ -290,6 +293,9 @@ def _check_own_base(plan: MergePlan, rule: Rule, names, task: Task, shape: Model
                     lora: Source) -> None:
     """An unfiltered Megatron LoRA checkpoint carries the base it was trained on: this base must be it. Split
     alike, every byte is compared while merging (plan.replicas), else sampled rows here."""
+    if isinstance(rule, StackedExperts):
+        _check_own_stacked_base(rule, names[0], task, shape, base, lora)
+        return
     theirs_name = pick_name(names, lora.params, lora.path)
     if theirs_name is None:
         return
@@ -300,6 +306,29 @@ def _check_own_base(plan: MergePlan, rule: Rule, names, task: Task, shape: Model
         plan.replicas += [(mine, copy, f"{lora.path}: its own base weights differ from --base {base.path} "
                            f"({task.megatron}); give the base it was trained on, or omit --base")
                           for mine, copy in zip(task.pieces, theirs)]
+
+
+def _check_own_stacked_base(rule: StackedExperts, name: str, task: Task, shape: ModelShape, base: Source,
+                            lora: Source) -> None:
+    """The same for a stacked experts tensor of an HF base: the first, middle and last experts' own base
+    parameters of the LoRA checkpoint against their rows of it."""
+    layer, experts = name[:len(name) - len(rule.slab.megatron)], shape.moe.num_experts
+    stacked = single(task.pieces[0].load())[0]  # (an MXFP4 release's: dequantized)
+    for e in sorted({0, experts // 2, experts - 1}):
+        expert = rule.slab.for_expert(e)
+        theirs_name = layer + expert.megatron
+        if theirs_name not in lora.params:
+            continue
+        theirs = fitted_pieces(lora, theirs_name, expert)
+        row = expert.hf_blocks([r.load() for r in theirs], shape, theirs_name, theirs.is_global)[expert.hf][0].take(0, 1)
+        mine = stacked.take(e, e + 1)
+        common = mine.dtype if mine.dtype.itemsize <= row.dtype.itemsize else row.dtype
+        if mine.shape != row.shape or not torch.equal(mine.to(common), row.to(common)):
+            raise MergeError(f"{lora.path}: its own base weights differ from --base {base.path} ({theirs_name}): the "
+                             "LoRA was trained on another base; give the base it was trained on, or omit --base to use "
+                             "the LoRA checkpoint's own")
+        for ref in theirs.refs:
+            ref.release()
 
 
 def keep_mtp_layers(plan: MergePlan, base: Source | None, names) -> set[str]:

@@ -398,7 +398,7 @@ def bench_gpt_oss(layers: int, work: Path, repeat: int, experts: int = 32, megat
     alternating with a plain copy of both; CPU per GB of input (the two outputs differ in size). With `megatron_ep`,
     its Megatron form instead (bf16, that EP, ETP 1: each expert apart) + a Megatron LoRA on linear_qkv and every
     expert, each expert's row of the stacked HF tensors made from its own parameter (layout.ExpertSlab)."""
-    root = work / f"L{layers}gpt_oss{experts}" + ("_megatron" if megatron_ep else "")
+    root = work / (f"L{layers}gpt_oss{experts}" + ("_megatron" if megatron_ep else ""))
     drop(root)
     generate_start = time.monotonic()
     subprocess.run([sys.executable, str(HERE / "synthetic_gpt_oss_checkpoint.py"), str(root), "--layers", str(layers),

@@ -124,10 +124,11 @@ def test_mxfp4_output_from_a_megatron_checkpoint_is_the_hf_routes(hf_base, tmp_p
 
 
 @pytest.mark.parametrize("layout,expected", [
-    (dict(tp=2, ep=2), "stacks whole experts, so only expert TP = 1 is written (--etp 1)"),
-    (dict(ep=2, expert_layout="grouped"), "experts have biases, which Megatron-Core's local GroupedMLP has not"),
+    (dict(tp=2, ep=2), "--etp 2: megatron-core builds gpt-oss's experts (biases on every linear) at expert TP 1 only"),
+    (dict(ep=2, expert_layout="grouped"), "gpt-oss's experts have biases, which Megatron-Core's local GroupedMLP has not"),
 ])
-def test_layouts_that_cannot_hold_its_experts_are_refused(hf_base, tmp_path, layout, expected):
+def test_layouts_megatron_cannot_build_it_at_are_refused(hf_base, tmp_path, layout, expected):
+    """megatron-core 0.16.1 asserts "Bias in Moe is only supported when ETP==1" (the oracle ran into it)."""
     with pytest.raises(lora_merge.MergeError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         lora_merge.to_megatron(base=hf_base, out=tmp_path / "mg", warn=quiet, **layout)
     assert not (tmp_path / "mg").exists()
@@ -211,7 +212,12 @@ def test_a_megatron_lora_merges_onto_the_hf_form_of_its_base_as_onto_the_base(tm
     bytes as merging each expert into its row from the Megatron base."""
     lora_merge.merge(base=GPT_OSS / "base", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "base_hf", warn=quiet)
     from_hf = lora_merge.merge(base=tmp_path / "base_hf", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref",
-                               out=tmp_path / "from_hf", warn=quiet)
+                               out=tmp_path / "from_hf", report=tmp_path / "report.json", warn=quiet)
+    import json
+
+    entry = json.loads((tmp_path / "report.json").read_text())["tensors"]["model.layers.1.mlp.experts.down_proj"]
+    assert entry["source"] == "decoder.layers.1.mlp.experts.{0..3}.linear_fc2.weight"  # every expert's LoRA
+    assert entry["status"] == "merged with LoRA"
     from_mg = lora_merge.merge(base=GPT_OSS / "base", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref",
                                out=tmp_path / "from_mg", warn=quiet)
     assert from_hf.lora_modules == from_mg.lora_modules == 4 * (2 + 2 * 4)  # qkv, proj; fc1, fc2 of 4 experts
@@ -233,3 +239,76 @@ def test_the_dry_run_names_its_mechanics_and_the_report_every_experts_source(tmp
                  "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "attention sinks, a 4-token window in 2 layers, clamped quick-GeGLU (limit 7), YaRN RoPE (factor 32)" in out
+
+
+def unfiltered_lora(tmp_path: Path) -> Path:
+    """The fixture's LoRA with its base's weights in every rank file, as a run without --lora-ckpt-filter saves."""
+    import shutil
+
+    out = tmp_path / "unfiltered"
+    shutil.copytree(GPT_OSS / "lora", out)
+    for rank in ("mp_rank_00_000", "mp_rank_01_001"):
+        path = out / "iter_0000010" / rank / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        base = torch.load(GPT_OSS / "base/iter_0000001" / rank / "model_optim_rng.pt", weights_only=False)["model"]
+        state["model"] = {**base, **state["model"]}
+        torch.save(state, path)
+    return out
+
+
+def test_an_unfiltered_lora_checks_each_experts_base_against_its_row_of_an_hf_base(tmp_path):
+    """Its own base parameters, expert by expert, against their rows of the stacked tensor: the right base merges as
+    the Megatron route does, another is refused by name."""
+    lora = unfiltered_lora(tmp_path)
+    lora_merge.merge(base=GPT_OSS / "base", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "base_hf", warn=quiet)
+    lora_merge.merge(base=tmp_path / "base_hf", lora=lora, hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "from_hf",
+                     warn=quiet)
+    lora_merge.merge(base=GPT_OSS / "base", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "from_mg",
+                     warn=quiet)
+    assert_same_tensors(tensors(tmp_path / "from_hf"), tensors(tmp_path / "from_mg"))
+    from safetensors.torch import save_file
+
+    other = tensors(tmp_path / "base_hf")
+    other["model.layers.3.mlp.experts.down_proj"][3, 5, 7] += 0.5  # the last expert, in the last layer
+    save_file(other, tmp_path / "base_hf/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(lora_merge.MergeError, match=r"its own base weights differ from --base .*"
+                                                    r"decoder\.layers\.3\.mlp\.experts\.3\.linear_fc2\.weight"):
+        lora_merge.merge(base=tmp_path / "base_hf", lora=lora, hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "bad",
+                         warn=quiet)
+
+
+def test_singleton_torch_dist_experts_with_their_fc1_bias_in_halves(tmp_path):
+    """megatron-core's MLP applies the swiglu factory to fc1's bias as to its weight, so singleton_local_shards saves
+    `experts.{e}.linear_fc1.bias_w` / `bias_v` (gate / up halves) beside `weight_w` / `weight_v`: read joined."""
+    import pickle
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    lora_merge.merge(base=GPT_OSS / "base", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "hf", warn=quiet)
+    lora_merge.to_megatron(base=tmp_path / "hf", out=tmp_path / "dist", ckpt_format="torch_dist", warn=quiet)
+    src, dst = tmp_path / "dist/release", tmp_path / "singleton/release"
+    meta = pickle.loads((src / ".metadata").read_bytes())
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    out = {}
+    for key, t in state.items():  # (MoE layers keyed per layer: moe_layer_freq is a list)
+        layer, sep, tail = key.removeprefix("decoder.layers.").partition(".mlp.experts.experts.")
+        if not sep:
+            out[key] = t
+            continue
+        for e in range(t.shape[0]):
+            name = f"decoder.layers.{layer}.mlp.experts.experts.{e}.{tail}"
+            if tail.startswith("linear_fc1."):
+                gate, up = t[e].chunk(2)
+                out[name + "_w"], out[name + "_v"] = gate.clone(), up.clone()
+            else:
+                out[name] = t[e].clone()
+    assert "decoder.layers.1.mlp.experts.experts.2.linear_fc1.bias_w" in out
+    dcp.save(out, checkpoint_id=str(dst), no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(src / name, dst / name)
+    (dst.parent / "latest_checkpointed_iteration.txt").write_text("release")
+    lora_merge.merge(base=tmp_path / "singleton", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "back", warn=quiet)
+    assert_same_tensors(tensors(tmp_path / "hf"), tensors(tmp_path / "back"))

@@ -6,7 +6,8 @@ the logits it should:
 - a conversion of an HF model: transformers' logits on that HF model.
 Dense (TP, PP, VPP, tied embeddings), MoE (EP with ETP 1 and TP, a gated shared expert, GroupedMLP),
 DeepSeek MLA (column-parallel down-projections at TP 2, an uneven PP split) and GLM-4.5 (partial RoPE, q/k/v
-biases and norms at TP 4, sigmoid routing with the expert bias), legacy and torch_dist."""
+biases and norms at TP 4, sigmoid routing with the expert bias) and gpt-oss (sinks, windows, clamped quick-GeGLU,
+YaRN, expert biases; its stacked HF experts apart again), legacy and torch_dist."""
 
 import json
 from pathlib import Path
@@ -68,6 +69,9 @@ MERGED = {
                                           dict(pp=2, decoder_first_pipeline_num_layers=1, ep=2), "sequential"),
     # partial RoPE, q/k/v biases and q/k norms split over TP 4 (2 query groups a rank), sigmoid routing
     "glm4_moe_to_tp4_ep2_grouped": ("fixtures_moe/glm4moe_tp2etp1_ep2", dict(tp=4, ep=2, etp=1), "grouped"),
+    # sinks split over TP 2, expert biases, each expert's row of the stacked HF tensor back to its own parameters at
+    # EP 4; the windows, clamped quick-GeGLU and YaRN as the args say
+    "gpt_oss_to_tp2_ep4_etp1": ("fixtures_moe/gptoss_tp2etp1_ep2", dict(tp=2, ep=4, etp=1), "sequential"),
 }
 
 
@@ -91,6 +95,8 @@ CONVERTED = {
     "deepseek_hf_to_torch_dist_at_tp2": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2), "torch_dist"),
     "glm4_moe_hf_to_torch_dist_at_pp2": ("fixtures_moe/glm4moe_tp2etp1_ep2", dict(pp=2), "torch_dist"),
     "tied_llama_hf_to_torch_dist_at_tp2": ("fixtures/tied_pp2_llama_fp32", dict(tp=2), "torch_dist"),
+    "gpt_oss_hf_to_torch_dist_at_tp2_ep2": ("fixtures_moe/gptoss_tp2etp1_ep2", dict(tp=2, ep=2, etp=1), "torch_dist"),
+    "gpt_oss_hf_to_pp2_ep2": ("fixtures_moe/gptoss_tp2etp1_ep2", dict(pp=2, ep=2, etp=1), "torch"),
 }
 
 

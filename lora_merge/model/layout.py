@@ -138,10 +138,12 @@ class Mxfp4RowBlock(RowBlock):
 
 @dataclass(frozen=True)
 class SlabBlock(RowBlock):
-    """One routed expert's Megatron tensor (`parts`: it, as stored) as one row of a stacked HF tensor: taken
-    through its rule's `slab` (e.g. transposed, gate and up columns interleaved), which copies."""
+    """One routed expert's Megatron tensor (`parts`: its expert-TP shards as stored, joined by `join`) as one row of
+    a stacked HF tensor: taken through its rule's `slab` (e.g. transposed, gate and up columns interleaved), which
+    copies."""
 
     slab: object = None  # ExpertSlab.slab
+    join: object = None  # ExpertSlab.joined, with the pieces' kind bound
 
     @property
     def rows(self) -> int:
@@ -149,11 +151,15 @@ class SlabBlock(RowBlock):
 
     @property
     def row_numel(self) -> int:
-        return self.parts[0].numel()
+        return sum(p.numel() for p in self.parts)
+
+    def stored(self) -> torch.Tensor:
+        """The expert's whole Megatron tensor (a view of the checkpoint where it is one shard)."""
+        return self.join(self.parts)
 
     def take(self, start: int, stop: int) -> torch.Tensor:
         assert (start, stop) == (0, 1), (start, stop)
-        return self.slab(self.parts[0]).unsqueeze(0)
+        return self.slab(self.stored()).unsqueeze(0)
 
 
 def join_blocks(blocks: list[RowBlock]) -> torch.Tensor:
@@ -461,13 +467,13 @@ class ExpertSlab(Rule):
         interleaved (gate 0::2, up 1::2), as gpt-oss stores gate_up_proj;
       "interleaved": its bias [gate; up] <-> [2F] interleaved;
       "as_is": the same tensor (fc2's bias).
-    Experts are not tensor-parallel here (expert TP = 1: each expert whole on one rank)."""
+    Experts are not tensor-parallel here: megatron-core builds experts with biases (gpt-oss's) at expert TP 1 only."""
 
     hf: str = ""
     hf_dims: tuple[str, ...] = ()  # the stacked HF tensor, in named dimensions (the first: "experts")
     form: str = "as_is"
     expert: str = "{expert}"  # the expert number, once bound
-    split: str = "column"  # how expert TP would split it (only TP = 1 is written or read)
+    split: str = "column"  # how expert TP would split it: "column", "row" or "replicated" (only TP 1 is read)
 
     @property
     def parallel(self) -> str:
@@ -495,22 +501,31 @@ class ExpertSlab(Rule):
                        expert=str(e))
 
     def slab(self, t: torch.Tensor) -> torch.Tensor:
-        """The expert's Megatron tensor as its row of the HF tensor."""
+        """The expert's Megatron tensor as its row of the HF tensor (a copy)."""
         if self.form == "transposed":
-            return t.t()
+            return transposed(t)
         if self.form == "transposed_interleaved":
-            gate, up = t.chunk(2, dim=0)
-            return torch.stack((gate.t(), up.t()), dim=2).reshape(t.shape[1], t.shape[0])
+            rows, cols = t.shape
+            out = torch.empty((cols, rows), dtype=t.dtype)
+            pairs = out.view(cols, rows // 2, 2)  # [in, ffn, (gate, up)]
+            for half, part in enumerate(t.chunk(2, dim=0)):
+                transposed(part, pairs[:, :, half])
+            return out
         if self.form == "interleaved":
             return interleave_rows(t)
         return t
 
     def unslab(self, row: torch.Tensor) -> torch.Tensor:
-        """The inverse of `slab`: the expert's row of the HF tensor as its Megatron tensor."""
+        """The inverse of `slab`: the expert's row of the HF tensor as its Megatron tensor (a copy)."""
         if self.form == "transposed":
-            return row.t().contiguous()
+            return transposed(row)
         if self.form == "transposed_interleaved":
-            return torch.cat((row[:, 0::2].t(), row[:, 1::2].t()))
+            cols, rows = row.shape
+            out = torch.empty((rows, cols), dtype=row.dtype)
+            pairs = row.reshape(cols, rows // 2, 2)
+            for half, part in enumerate(out.chunk(2, dim=0)):
+                transposed(pairs[:, :, half], part)
+            return out
         if self.form == "interleaved":
             return torch.cat((row[0::2], row[1::2]))
         return row
@@ -520,11 +535,17 @@ class ExpertSlab(Rule):
         change to the [in, out] row is then scale·Aᵀ·Bᵀ)."""
         return (interleave_rows(b) if self.form == "transposed_interleaved" else b), a
 
-    def hf_blocks(self, shards, shape, where, global_pieces=False):
+    def joined(self, shards, global_pieces: bool, where: str) -> torch.Tensor:
+        """The expert's whole Megatron tensor: its one shard, or torch_dist's pieces of it."""
         if len(shards) > 1 and not global_pieces:
-            raise MergeError(f"{where}: split over expert TP={len(shards)}; {self.hf} stacks whole experts, so "
-                             "only expert TP = 1 (--expert-tensor-parallel-size 1) is read")
-        return {self.hf: [SlabBlock((unshard_column(list(shards)),), slab=self.slab)]}
+            raise MergeError(f"{where}: split over expert TP={len(shards)}; megatron-core builds experts with biases "
+                             "at expert TP 1 only ('Bias in Moe is only supported when ETP==1'), as this model's are")
+        return unshard_column(list(shards))
+
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        self.joined(shards, global_pieces, where)  # (refused here, before any data is read)
+        return {self.hf: [SlabBlock(tuple(shards), slab=self.slab,
+                                    join=lambda parts: self.joined(parts, global_pieces, where))]}
 
 
 @dataclass(frozen=True)
@@ -536,6 +557,18 @@ class StackedExperts(Replicated):
 
     def expert_rules(self, experts: int) -> list[ExpertSlab]:
         return [self.slab.for_expert(e) for e in range(experts)]
+
+
+TRANSPOSE_ROWS = 256  # source rows transposed at a time: the tile stays in cache (7x torch's whole-matrix copy here)
+
+
+def transposed(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """tᵀ of a 2-D tensor copied into `out` (new and contiguous if None), a tile of rows at a time."""
+    if out is None:
+        out = torch.empty((t.shape[1], t.shape[0]), dtype=t.dtype)
+    for start in range(0, t.shape[0], TRANSPOSE_ROWS):
+        out[:, start:start + TRANSPOSE_ROWS].copy_(t[start:start + TRANSPOSE_ROWS].t())
+    return out
 
 
 def interleave_rows(t: torch.Tensor) -> torch.Tensor:

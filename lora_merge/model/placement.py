@@ -57,9 +57,8 @@ def index_shards(shard_shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
 def hf_segments(rule: Rule, shape, shard_shapes: list[tuple[int, ...]], where: str) -> dict[str, list[Segment]]:
     """For each HF tensor the rule makes: the segments its rows are written to, in HF row order."""
     if isinstance(rule, ExpertSlab):  # the expert's row, reordered, is its whole tensor
-        if len(shard_shapes) != 1:
-            raise MergeError(f"{where}: expert TP={len(shard_shapes)}; {rule.hf} stacks whole experts, so only "
-                             "expert TP = 1 is written (--etp 1)")
+        if len(shard_shapes) != 1:  # (the target's check refuses such a layout first: own_mechanics.check_target)
+            raise MergeError(f"{where}: expert TP={len(shard_shapes)}; {rule.hf} is written at expert TP 1 only")
         return {rule.hf: [Segment(rule.index, 1, 0, 0, convert=rule.unslab, shard_rows=shard_shapes[0][0])]}
     shards = index_shards(shard_shapes)
     owner = {s.untyped_storage().data_ptr(): rank for rank, s in enumerate(shards)}

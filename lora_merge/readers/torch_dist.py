@@ -42,8 +42,8 @@ SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_sta
 SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
 GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias))$")
-# singleton_local_shards saves each expert on its own, numbered globally (fc1 as weight_w/weight_v)
-SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.(?:weight(?:_[wv])?|bias))$")
+# singleton_local_shards saves each expert on its own, numbered globally (fc1 as weight_w/weight_v, its bias as bias_w/bias_v)
+SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias)(?:_[wv])?)$")
 
 
 def is_torch_dist_iteration(path: Path) -> bool:
@@ -328,14 +328,16 @@ def _check_cover(info, key, where):
 
 
 def _join_singleton_fc1(ckpt: Checkpoint) -> None:
-    """`singleton_local_shards` saves swiglu fc1 as weight_w (all gate rows) and weight_v (all up rows):
-    together, in that order, they are the pieces of the global `[gate; up]` tensor."""
-    for name in [n for n in ckpt.params if n.endswith(".weight_w")]:
+    """`singleton_local_shards` saves swiglu fc1 as weight_w (all gate rows) and weight_v (all up rows), and its bias
+    (gpt-oss's experts) as bias_w / bias_v (megatron-core's MLP applies the swiglu factory to both): together, in that
+    order, they are the pieces of the global `[gate; up]` tensor."""
+    for name in [n for n in ckpt.params if n.endswith((".weight_w", ".bias_w"))]:
         base, other = name[: -len("_w")], name[: -len("_w")] + "_v"
+        kind = base.rsplit(".", 1)[1]
         if other not in ckpt.params:
             raise MergeError(f"{ckpt.params[name][0].where}: {name} without its {other}")
         if base in ckpt.params:
-            raise MergeError(f"{ckpt.params[name][0].where}: {base} stored both whole and as weight_w/weight_v")
+            raise MergeError(f"{ckpt.params[name][0].where}: {base} stored both whole and as {kind}_w/{kind}_v")
         # cut across rows: only whole rows can be stacked as pieces
         w, v = ckpt.params.pop(name).fitted(0), ckpt.params.pop(other).fitted(0)
         ckpt.params[base] = Pieces(w.refs + v.refs, GLOBAL, 0)

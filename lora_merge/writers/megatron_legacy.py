@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lora_merge.model.architectures import Architecture, iter_rules
 from lora_merge.model.architectures.base import MEGATRON_LAYER
-from lora_merge.errors import MergeError, UnsupportedInput
+from lora_merge.errors import MergeError
 from lora_merge.model.layout import ExpertSlab, SharedCopy, Skip, VocabParallel
 from lora_merge.model.mtp import megatron_name as mtp_megatron_name
 from lora_merge.model.model_shape import ModelShape
@@ -87,9 +87,8 @@ class MegatronLegacyWriter(RowScatter):
             if expert:
                 e = int(name.split(".mlp.experts.")[1].split(".")[0])
                 ep_rank, k = layout.expert_home(e, shape.moe.num_experts)
-                if grouped_experts and isinstance(rule, ExpertSlab):
-                    raise UnsupportedInput(f"--expert-layout grouped: {shape.model_type}'s experts have biases, which "
-                                           "Megatron-Core's local GroupedMLP has not; write --expert-layout sequential")
+                if grouped_experts and isinstance(rule, ExpertSlab):  # (refused with its reason by check_target)
+                    raise MergeError(f"{name}: a stacked expert tensor is not written as GroupedMLP (layout error)")
                 if grouped_experts:  # mlp.experts.{e}.linear_fc1.weight -> mlp.experts.weight1, block k
                     fc = local_name.split(".mlp.experts.")[1].split(".")[1]
                     block = k
@@ -139,7 +138,9 @@ class MegatronLegacyWriter(RowScatter):
         shard_shapes = target_shard_shapes(rule, self.shape, tp, padded_vocab, f"{name} at the target layout {self.layout}")
         dtype = tensor_dtype(rule, hf_prefix, dtypes, name)
         if (rule.parallel != "replicated" or rule.instead_of) and not local_name.startswith("embedding.") \
-                and block is None:  # (MindSpeed's fused MLA linear_qkv is a parallel linear, whole on every rank)
+                and block is None and local_name.endswith(".weight"):
+            # (MindSpeed's fused MLA linear_qkv is a parallel linear, whole on every rank; a linear has a weight: a
+            # split parameter without one, gpt-oss's core_attention.softmax_offset, is no linear's)
             self.linears.add(local_name.rsplit(".", 1)[0])
         by_rank: dict[int, list] = {}
         for f in files:

@@ -80,6 +80,17 @@ class GptOssMechanics:
             moe_router_score_function="softmax", moe_router_pre_softmax=False,
         )
 
+    @staticmethod
+    def check_target(target) -> None:
+        """What a `--to megatron` layout of it may be (megatron_target.MegatronTarget)."""
+        if target.layout.etp > 1:
+            raise UnsupportedInput(f"--etp {target.layout.etp}: megatron-core builds gpt-oss's experts (biases on every "
+                                   "linear) at expert TP 1 only ('Bias in Moe is only supported when ETP==1'); give "
+                                   "--etp 1")
+        if target.expert_layout == "grouped":
+            raise UnsupportedInput("--expert-layout grouped: gpt-oss's experts have biases, which Megatron-Core's local "
+                                   "GroupedMLP has not; write --expert-layout sequential")
+
     def _skip_freq(self, num_layers: int):
         """Megatron's window_attn_skip_freq for these windowed layers: 2 when they are 0, 2, 4, … (HF's alternating
         pattern), else the per-layer list (1: windowed)."""
