@@ -271,7 +271,9 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="per-expert",
                    help="routed experts' LoRA: per-expert = one LoRA per expert and projection under the HF checkpoint "
                         "names (vLLM; PEFT for qwen3_moe and mixtral); fused = one LoRA per transformers-5 fused "
-                        "expert parameter (PEFT target_parameters, every MoE model type)")
+                        "expert parameter (PEFT target_parameters, every MoE model type); a model whose HF checkpoint "
+                        "stores its experts stacked (gpt_oss) has no per-expert names: its experts' LoRA is the "
+                        "target_parameters form either way")
     p.add_argument("--allow-partial-lora", action="store_true", help="export even though some layers or experts lack "
                    "LoRA weights for a target: those modules get zero factors, so they stay unchanged (as a merge "
                    "with this option leaves them) and PEFT and vLLM find every module the adapter targets")
