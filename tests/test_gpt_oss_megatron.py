@@ -312,3 +312,16 @@ def test_singleton_torch_dist_experts_with_their_fc1_bias_in_halves(tmp_path):
     (dst.parent / "latest_checkpointed_iteration.txt").write_text("release")
     lora_merge.merge(base=tmp_path / "singleton", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "back", warn=quiet)
     assert_same_tensors(tensors(tmp_path / "hf"), tensors(tmp_path / "back"))
+
+
+def test_a_megatron_lora_on_an_mxfp4_release_gives_the_bytes_of_its_megatron_form(tmp_path):
+    """The fixture's base as an MXFP4 release, merged with the Megatron LoRA (every expert's factors as one change to
+    its blocks' experts), against the same release converted to Megatron and merged there: MXFP4 and bf16 alike."""
+    lora_merge.merge(base=GPT_OSS / "base", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "mx", dtype="mxfp4", warn=quiet)
+    lora_merge.to_megatron(base=tmp_path / "mx", out=tmp_path / "mg", tp=2, ep=2, etp=1, dtype="float32", warn=quiet)
+    for dtype in ("mxfp4", "bfloat16"):
+        lora_merge.merge(base=tmp_path / "mx", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref",
+                         out=tmp_path / f"hf_{dtype}", dtype=dtype, warn=quiet)
+        lora_merge.merge(base=tmp_path / "mg", lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref",
+                         out=tmp_path / f"mg_{dtype}", dtype=dtype, warn=quiet)
+        assert_same_tensors(tensors(tmp_path / f"hf_{dtype}"), tensors(tmp_path / f"mg_{dtype}"))

@@ -501,7 +501,7 @@ class ExpertSlab(Rule):
                        expert=str(e))
 
     def slab(self, t: torch.Tensor) -> torch.Tensor:
-        """The expert's Megatron tensor as its row of the HF tensor (a copy)."""
+        """The expert's Megatron tensor as its row of the HF tensor (a copy, but for the "as_is" form)."""
         if self.form == "transposed":
             return transposed(t)
         if self.form == "transposed_interleaved":
@@ -516,7 +516,7 @@ class ExpertSlab(Rule):
         return t
 
     def unslab(self, row: torch.Tensor) -> torch.Tensor:
-        """The inverse of `slab`: the expert's row of the HF tensor as its Megatron tensor (a copy)."""
+        """The inverse of `slab`: the expert's row of the HF tensor as its Megatron tensor (a copy, but for "as_is")."""
         if self.form == "transposed":
             return transposed(row)
         if self.form == "transposed_interleaved":
