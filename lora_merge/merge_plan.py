@@ -16,7 +16,8 @@ from lora_merge.model.architectures import Architecture, iter_rules, pick_name
 from lora_merge.errors import MergeError
 from lora_merge.fp8 import (DEFAULT_CONFIG, SCALE_SUFFIX, not_converted_modules, partial_block_note,
                             quantized_by_default_unless_excluded, scale_shape, skip_patterns)
-from lora_merge.model.layout import AsStored, ExpertSlab, Rule, SharedCopy, Skip, StackedExperts, check_shards, single
+from lora_merge.model.layout import (AsStored, ExpertSlab, RowBlock, Rule, SharedCopy, Skip, StackedExperts, check_shards,
+                                     single)
 from lora_merge.lora import ExpertLoras, LoraSettings, check_factor_shapes
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.mtp import args_mtp_layers, in_mtp_layer
@@ -110,16 +111,24 @@ HF = "HF"  # the Pieces group of an HF base's tensors: already in HF layout
 
 @dataclass(frozen=True)
 class HfTensors:
-    """A rule whose HF tensors come from an HF base as they are: nothing to un-shard. Everything else (the
-    LoRA factors brought to HF layout, shapes, dtype) is the rule's own."""
+    """A rule whose HF tensors come from an HF base as they are: nothing to un-shard, but a tensor stored in pieces
+    (`split`, as Pieces.split: a DCP's rows per rank) taken piece by piece. Everything else (the LoRA factors
+    brought to HF layout, shapes, dtype) is the rule's own."""
 
     rule: Rule
+    split: tuple = ()
 
     def __getattr__(self, name):
         return getattr(self.rule, name)
 
     def hf_blocks(self, tensors, shape, where, global_pieces=False):
-        return {name: single(t) for name, t in zip(self.rule.hf_shapes(shape), tensors)}
+        out, i = {}, 0
+        for n, name in enumerate(self.rule.hf_shapes(shape)):
+            count, dim = self.split[n] if self.split else (1, None)
+            parts, i = tensors[i:i + count], i + count
+            out[name] = single(parts[0]) if count == 1 else \
+                [RowBlock((p,)) for p in parts] if dim == 0 else [RowBlock(tuple(parts))]
+        return out
 
 
 def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Architecture,
@@ -154,8 +163,8 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
         if isinstance(rule, SharedCopy) and base.hf_named and hf_prefix + rule.hf not in base.tensors:
             continue  # a release whose MTP layer stores no copy of the shared tensor (GLM-4.6): none is written
         if base.hf_named:
-            megatron, task_rule = names[0], HfTensors(rule)
             pieces = _hf_pieces(base, rule, hf_prefix, shape, unclaimed, biases)
+            megatron, task_rule = names[0], HfTensors(rule, pieces.split)
         else:
             megatron, task_rule = pick_name(names, base.params, base.path), rule
             if megatron is None:
@@ -182,6 +191,8 @@ def build_plan(base: Source, lora: Source | None, shape: ModelShape, arch: Archi
         elif peft is not None:
             task.delta = _peft_delta(rule, hf_prefix, shape, factors) or None
         plan.tasks.append(task)
+    if base.hf_named and shape.tied and TIED_HEAD in unclaimed:
+        _skip_tied_head(plan, base, unclaimed)
     unclaimed -= keep_mtp_layers(plan, base if base.hf_named else None, unclaimed)
     unclaimed -= carry_towers(plan, base, unclaimed, factors, biases)
     copies = [t for t in plan.tasks if isinstance(t.rule, SharedCopy) or isinstance(getattr(t.rule, "rule", None), SharedCopy)]
@@ -222,6 +233,27 @@ def _expert_loras(rule: StackedExperts, hf_prefix: str, name: str, adapters: dic
         if any(m is not None for m in modules) else None
 
 
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _skip_tied_head(plan: MergePlan, base: Source, unclaimed: set) -> None:
+    """An HF base of a tied model that saves the output layer too (an FSDP state dict has both names of the one
+    parameter): it must be the embedding's copy, and is not written (the config ties them)."""
+    head, embedding = base.tensors[TIED_HEAD], base.tensors.get(TIED_EMBEDDING)
+    if embedding is None or head.shape != embedding.shape:
+        raise MergeError(f"{head.where}: {TIED_HEAD} in a model whose config ties it to {TIED_EMBEDDING}, which the "
+                         "base " + ("lacks" if embedding is None else f"has in another shape {list(embedding.shape)}"))
+    a, b = single(head.load())[0], single(embedding.load())[0]
+    rows = head.shape[0]
+    for i in sorted({0, rows // 2, rows - 1}):
+        if not torch.equal(_row([a], i), _row([b], i)):
+            raise MergeError(f"{head.where}: {TIED_HEAD} differs from {TIED_EMBEDDING} (row {i}), but the config ties "
+                             "them (tie_word_embeddings): the model trained them apart; give the config it was trained "
+                             "with")
+    unclaimed.discard(TIED_HEAD)
+    plan.skipped["copy of the tied embedding"] += 1
+
+
 def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch: Architecture,
                         shape: ModelShape) -> None:
     """What the inputs skipped on their own, the copies to compare while merging, and a Megatron LoRA
@@ -260,7 +292,7 @@ def _skip(plan: MergePlan, base: Source, rule: Skip, names, unclaimed: set, shap
 
 def _hf_pieces(base: Source, rule: Rule, hf_prefix: str, shape: ModelShape, unclaimed: set, biases: dict) -> Pieces:
     """The rule's HF tensors from an HF base as they are (a PEFT adapter's trained bias in place of the base's)."""
-    refs = []
+    refs, split = [], []
     for name, dims in rule.hf_shapes(shape).items():
         full = hf_prefix + name
         ref = biases.pop(full, None) or base.tensors.get(full)
@@ -269,8 +301,14 @@ def _hf_pieces(base: Source, rule: Rule, hf_prefix: str, shape: ModelShape, uncl
         if tuple(ref.shape) != tuple(dims):
             raise MergeError(f"{ref.where}: shape {list(ref.shape)}, the config implies {list(dims)}")
         unclaimed.discard(full)
-        refs.append(ref)
-    return Pieces(tuple(refs), HF)
+        pieces = getattr(ref, "pieces", ())
+        if pieces and ref.dim in (0, 1):  # stored in pieces (a DCP's rows per rank): taken as they are
+            refs += pieces
+            split.append((len(pieces), ref.dim))
+        else:
+            refs.append(ref)
+            split.append((1, None))
+    return Pieces(tuple(refs), HF, split=tuple(split) if any(n > 1 for n, _ in split) else ())
 
 
 def _peft_delta(rule: Rule, hf_prefix: str, shape: ModelShape, factors: dict) -> dict:
@@ -313,7 +351,7 @@ def _check_own_stacked_base(rule: StackedExperts, name: str, task: Task, shape: 
     """The same for a stacked experts tensor of an HF base: the first, middle and last experts' own base
     parameters of the LoRA checkpoint against their rows of it."""
     layer, experts = name[:len(name) - len(rule.slab.megatron)], shape.moe.num_experts
-    stacked = single(task.pieces[0].load())[0]  # (an MXFP4 release's: dequantized)
+    stacked = task.rule.hf_blocks([r.load() for r in task.pieces], shape, name)[rule.hf]  # (MXFP4: dequantized)
     for e in sorted({0, experts // 2, experts - 1}):
         expert = rule.slab.for_expert(e)
         theirs_name = layer + expert.megatron
@@ -321,7 +359,7 @@ def _check_own_stacked_base(rule: StackedExperts, name: str, task: Task, shape: 
             continue
         theirs = fitted_pieces(lora, theirs_name, expert)
         row = expert.hf_blocks([r.load() for r in theirs], shape, theirs_name, theirs.is_global)[expert.hf][0].take(0, 1)
-        mine = stacked.take(e, e + 1)
+        mine = _row(stacked, e)
         common = mine.dtype if mine.dtype.itemsize <= row.dtype.itemsize else row.dtype
         if mine.shape != row.shape or not torch.equal(mine.to(common), row.to(common)):
             raise MergeError(f"{lora.path}: its own base weights differ from --base {base.path} ({theirs_name}): the "
@@ -401,8 +439,8 @@ def check_same_base(rule: Rule, name: str, base_refs: Pieces, lora_refs: Pieces,
                      f"{name} ({lora_refs[0].where})")
     except MergeError as exc:
         raise differ from exc
-    mine = (HfTensors(rule) if base_refs.group == HF else rule).hf_blocks([r.load() for r in base_refs], shape, name,
-                                                                         base_refs.is_global)
+    mine = (HfTensors(rule, base_refs.split) if base_refs.group == HF else rule).hf_blocks(
+        [r.load() for r in base_refs], shape, name, base_refs.is_global)
     theirs = rule.hf_blocks([r.load() for r in lora_refs], shape, name, lora_refs.is_global)
     for hf_name, blocks in mine.items():
         rows = sum(b.rows for b in blocks)

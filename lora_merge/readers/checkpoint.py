@@ -104,6 +104,9 @@ class Pieces:
     refs: tuple[TensorRef, ...]
     group: str = TP
     dim: int | None = None  # GLOBAL only: the dimension the slices are cut along (None: a single piece)
+    # an HF base's (group HF): for each HF tensor in turn, how many of `refs` are its pieces and the dimension they
+    # are cut along (a DCP's rows per rank); () where each is one ref
+    split: tuple[tuple[int, int | None], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "refs", tuple(self.refs))

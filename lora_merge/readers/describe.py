@@ -44,7 +44,8 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def describe_dir(path: Path, verbose: bool = False) -> list[str]:
     """Whichever input `path` is: a PEFT adapter (adapter_config.json), an HF model dir (config.json +
     safetensors) or a Megatron checkpoint; each described by what its own files say."""
-    from lora_merge.readers.detect import HF_DIR, PEFT_DIR, check_input_dir, input_kind, open_checkpoint
+    from lora_merge.readers.dcp_hf import read_dcp_hf
+    from lora_merge.readers.detect import HF_DCP, HF_DIR, PEFT_DIR, check_input_dir, input_kind, open_checkpoint
     from lora_merge.readers.hf_model import read_hf_model
     from lora_merge.readers.peft import read_peft_adapter
 
@@ -57,6 +58,8 @@ def describe_dir(path: Path, verbose: bool = False) -> list[str]:
         return describe_peft_adapter(read_peft_adapter(path), verbose)
     if input_kind(path) == HF_DIR:
         return describe_hf_model(read_hf_model(path), verbose)
+    if input_kind(path) == HF_DCP:
+        return describe_dcp_hf(read_dcp_hf(path), verbose)
     if (path / "config.json").is_file():
         raise MergeError(f"{path}: has a config.json but no *.safetensors or model.safetensors.index.json; an HF "
                          "model dir needs its safetensors weights (other weight formats are not read)")
@@ -116,6 +119,25 @@ def describe_hf_model(model, verbose: bool = False) -> list[str]:
     if skipped:
         lines.append(f"  not weights (skipped by a merge): {skipped}")
     lines += _per_file(model.tensors, verbose)
+    return lines
+
+
+def describe_dcp_hf(model, verbose: bool = False) -> list[str]:
+    """An HF-named torch distributed checkpoint: its tensors, how they are split, what is not weights."""
+    pieced = [ref for ref in model.tensors.values() if getattr(ref, "pieces", ())]
+    ranks = max((len(ref.pieces) for ref in pieced), default=1)
+    lines = [f"{model.path}: torch distributed checkpoint of HF-named tensors (FSDP), {len(model.sources) - 1} "
+             f".distcp file(s); give --hf-ref for its config.json",
+             f"  tensors: {len(model.tensors)} ({_dtypes(model.tensors.values())}), in layers {_layers(model.tensors)}; "
+             f"{len(pieced)} stored in pieces" + (f" (up to {ranks}, along dim "
+                                                   f"{'/'.join(sorted({str(r.dim) for r in pieced}))})" if pieced else "")]
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(model.skipped.items()))
+    if skipped:
+        lines.append(f"  not weights (skipped by a merge): {skipped}")
+    if verbose:
+        lines += [f"    {name} {list(ref.shape)} {str(ref.dtype).removeprefix('torch.')}"
+                  + (f" in {len(ref.pieces)} pieces" if getattr(ref, "pieces", ()) else "")
+                  for name, ref in sorted(model.tensors.items())]
     return lines
 
 

@@ -10,11 +10,23 @@ from pathlib import Path
 from lora_merge.errors import MergeError
 
 HF_DIR, PEFT_DIR, MEGATRON_DIR = "HF model", "PEFT adapter", "Megatron checkpoint"
+HF_DCP = "HF-named torch distributed checkpoint"  # an FSDP run's DCP of a transformers model (readers/dcp_hf.py)
+HF_BASES = (HF_DIR, HF_DCP)  # what is merged as HF weights
+
+
+def read_hf_base(path: Path):
+    """An HF base: a model dir's safetensors, or an HF-named DCP."""
+    from lora_merge.readers.dcp_hf import read_dcp_hf
+    from lora_merge.readers.hf_model import read_hf_model
+
+    return read_dcp_hf(path) if input_kind(path) == HF_DCP else read_hf_model(path)
 
 
 def input_kind(path: Path | None) -> str | None:
     """What an input dir is, decided here only: a PEFT adapter (adapter_config.json), an HF model (config.json
-    and safetensors weights), or else a Megatron checkpoint (whose reader says so if it is not one)."""
+    and safetensors weights), a torch distributed checkpoint of HF-named tensors, or else a Megatron checkpoint
+    (whose reader says so if it is not one)."""
+    from lora_merge.readers.dcp_hf import is_hf_dcp_dir
     from lora_merge.readers.hf_model import is_hf_model_dir  # the readers import this module
     from lora_merge.readers.peft import is_peft_adapter_dir
 
@@ -24,6 +36,8 @@ def input_kind(path: Path | None) -> str | None:
         return PEFT_DIR
     if is_hf_model_dir(path):
         return HF_DIR
+    if is_hf_dcp_dir(path):
+        return HF_DCP
     return MEGATRON_DIR
 
 
@@ -83,6 +97,9 @@ def open_checkpoint(path: Path):
         raise MergeError(f"{path}: does not exist")
     it_dir = find_iteration_dir(path)
     if is_torch_dist_iteration(it_dir):
+        from lora_merge.readers.dcp_hf import refuse_foreign_dcp
+
+        refuse_foreign_dcp(it_dir)
         return _floats_only(read_torch_dist(path))
     if is_legacy_iteration(it_dir):
         return _floats_only(read_legacy(path))

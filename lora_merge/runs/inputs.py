@@ -18,9 +18,8 @@ from lora_merge.merge_plan import check_lora_targets
 from lora_merge.model.model_shape import DTYPES, ModelShape
 from lora_merge.model.mtp import args_mtp_layers
 from lora_merge.options import argument_name
-from lora_merge.readers.detect import (HF_DIR, PEFT_DIR, check_input_dir, input_kind, is_megatron_checkpoint,
-                                      open_checkpoint)
-from lora_merge.readers.hf_model import read_hf_model
+from lora_merge.readers.detect import (HF_BASES, HF_DIR, PEFT_DIR, check_input_dir, input_kind, is_megatron_checkpoint,
+                                       open_checkpoint, read_hf_base)
 from lora_merge.readers.peft import combine, read_peft_adapter
 from lora_merge.readers.source import Source
 from lora_merge.files.targets import InputPaths
@@ -91,13 +90,14 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         raise MergeError(f"{lora_dir}: several adapters, or a weight on one, are merged from PEFT adapter dirs; a "
                          "Megatron LoRA checkpoint is merged alone, at weight 1")
     lora = open_checkpoint(lora_dir) if lora_dir else None
-    if base_dir is not None and input_kind(base_dir) == HF_DIR:
-        if lora is None and not lora_optional:
+    if base_dir is not None and input_kind(base_dir) in HF_BASES:
+        if lora is None and not lora_optional and input_kind(base_dir) == HF_DIR:  # (a DCP: converted to safetensors)
             raise MergeError(f"{base_dir}: an HF model as --base needs a Megatron --lora to merge")
-        check_same_model(shape, hf_dir, base_dir)
+        if input_kind(base_dir) == HF_DIR:  # (a DCP has no config of its own: --hf-ref's describes it)
+            check_same_model(shape, hf_dir, base_dir)
         if lora is None:  # a conversion of the HF weights as they are
-            return Inputs(shape, hf_config, arch, read_hf_model(base_dir), None, None)
-        base = read_hf_model(base_dir)
+            return Inputs(shape, hf_config, arch, read_hf_base(base_dir), None, None)
+        base = read_hf_base(base_dir)
         for note in check_against_args(shape, lora.args, str(lora.path)):
             opts.warn(note)
         shape = carried_mtp(shape, arch, base)
@@ -136,10 +136,11 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
         raise MergeError(f"{lora_dir}: --lora-r/--lora-alpha set a Megatron LoRA's settings; a PEFT adapter's r and "
                          "lora_alpha (and rank/alpha patterns) come from its adapter_config.json")
     base_dir = base_dir or hf_dir
-    if input_kind(base_dir) != HF_DIR:
+    if input_kind(base_dir) not in HF_BASES:
         raise MergeError(f"{base_dir}: a PEFT adapter is merged onto an HF model: --base (or --hf-ref) must be an HF "
-                         "model dir with safetensors weights")
-    check_same_model(shape, hf_dir, base_dir)
+                         "model dir with safetensors weights, or a torch distributed checkpoint of HF-named tensors")
+    if input_kind(base_dir) == HF_DIR:
+        check_same_model(shape, hf_dir, base_dir)
     more = tuple(getattr(opts, "more_loras", ()))
     for other in more:
         if input_kind(other) != PEFT_DIR:
@@ -155,7 +156,7 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
                                else "") + ("; DoRA" if config.get("use_dora") else "")
                             + (f"; {len(adapters)} adapters weighted {', '.join(f'{w:g}' for w in weights)}, each with "
                                "its own r and lora_alpha" if adapter is not adapters[0] else ""))
-    return Inputs(shape, hf_config, arch, read_hf_model(base_dir), adapter, settings)
+    return Inputs(shape, hf_config, arch, read_hf_base(base_dir), adapter, settings)
 
 
 def output_dtype(choice: str, shape: ModelShape, base: Source | None, lora: Source | None) -> torch.dtype:

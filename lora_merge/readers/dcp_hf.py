@@ -1,0 +1,143 @@
+"""A torch distributed checkpoint (DCP) of a transformers model, keyed by HF names, as an HF base (`--base DIR`,
+with `--hf-ref` for the config): what FSDP / FSDP2 training saves with `torch.distributed.checkpoint.save` of
+`{"model": model_state_dict}` (accelerate's SHARDED_STATE_DICT, MindSpeed-LLM's FSDP2 backend, a hand-written loop).
+
+    DIR/.metadata              the global shape, dtype and chunks of every key (a pickle, read by allow-list)
+    DIR/__{rank}_{i}.distcp    each rank's chunks, one torch.save archive each
+
+Keys are the model's state-dict names under the app-state prefix `model.` (`model.model.layers.0…`,
+`model.lm_head.weight`), or without it. FSDP2 shards every parameter along dim 0 across the ranks: those pieces are
+consecutive rows, kept as they are stored (each its own mapped view, `Pieces.split`), so memory stays bounded; a
+cut along dim 1 is joined row by row, any other grid assembled once. Everything else in the checkpoint (optimizer
+state, schedulers, dataloaders, RNG) is skipped and counted. Names are taken as the HF checkpoint's: a model whose
+transformers class renames its weights in memory (transformers 5's fused experts of Qwen-MoE, Mixtral, DeepSeek)
+saves names no HF checkpoint has, and the plan refuses them by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+from lora_merge.errors import MergeError
+from lora_merge.readers.checkpoint import TensorRef, require_float
+from lora_merge.readers.hf_model import DERIVED, HfModel
+from lora_merge.readers.torch_dist import METADATA, DistcpFile, _piece_refs, read_metadata
+
+APP_PREFIX = "model."  # {"model": state_dict}: the model's keys under it
+HF_ROOTS = ("model.", "lm_head.")  # where a causal LM's HF names start
+MEGATRON_ROOTS = ("decoder.", "embedding.", "output_layer.", "module.", "mtp.")
+
+
+def is_hf_dcp_dir(path: Path) -> bool:
+    """A directory holding a DCP whose tensors are named as a transformers model's (Megatron's torch_dist is DCP
+    too, under Megatron's names)."""
+    path = Path(path)
+    if not (path / METADATA).is_file():
+        return False
+    try:
+        entries, _ = read_metadata(path / METADATA)
+    except MergeError:
+        return False
+    model = _model_keys(entries)
+    return bool(model) and not any(k.startswith(MEGATRON_ROOTS) for k in entries)
+
+
+def refuse_foreign_dcp(path: Path) -> None:
+    """A DCP whose tensors are named neither as Megatron's nor as an HF model's (torchtitan's own names,
+    `layers.0.attention.wq.weight`) is refused by name, before it is read as a Megatron checkpoint."""
+    entries, _ = read_metadata(Path(path) / METADATA)
+    tensors = sorted(k for k, info in entries.items() if info != "bytes")
+    if tensors and not any(k.startswith(MEGATRON_ROOTS) for k in tensors) and not _model_keys(entries):
+        model = [k for k in tensors if not k.startswith(("optim", "lr_scheduler", "dataloader", "rng", "train_state"))]
+        raise MergeError(f"{path}: a torch distributed checkpoint whose tensors are named neither as Megatron's "
+                         f"(decoder.layers.…) nor as an HF model's (model.layers.…): {', '.join((model or tensors)[:3])}"
+                         " …; convert it to HF safetensors first (torchtitan: its HF export, last_save_in_hf)")
+
+
+def _model_keys(entries: dict) -> dict[str, str]:
+    """HF name -> key, for the tensors of the model (under the app-state prefix where the keys have one)."""
+    tensors = [k for k, info in entries.items() if info != "bytes"]
+    prefixed = any(k.startswith((APP_PREFIX + "model.", APP_PREFIX + "lm_head.")) for k in tensors)
+    names = {}
+    for key in tensors:
+        name = key[len(APP_PREFIX):] if prefixed and key.startswith(APP_PREFIX) else None if prefixed else key
+        if name is not None and name.startswith(HF_ROOTS):
+            names[name] = key
+    # every HF decoder names its token embedding so (torchtitan's own names: tok_embeddings, layers.0.attention.wq)
+    return names if any(n.endswith("embed_tokens.weight") for n in names) else {}
+
+
+def read_dcp_hf(path: Path) -> HfModel:
+    path = Path(path)
+    entries, storage = read_metadata(path / METADATA)
+    names = _model_keys(entries)
+    if not names:
+        raise MergeError(f"{path}: a torch distributed checkpoint without HF-named model tensors (expected keys such "
+                         "as model.model.layers.0.self_attn.q_proj.weight)")
+    model = HfModel(path=path, sources=[path / METADATA], format="DCP")
+    files: dict[str, DistcpFile] = {}
+    skipped = Counter()
+    for key, info in entries.items():
+        if key in names.values():
+            continue
+        skipped[f"{re.split(r'[./]', key)[0]} (not model weights)"] += 1
+    for name, key in sorted(names.items()):
+        info = entries[key]
+        where = f"{path.name}/{METADATA}[{key}]"
+        require_float(where, info["dtype"])
+        if name.endswith(DERIVED):
+            skipped["rotary tables (recomputed from the config)"] += 1
+            continue
+        pieces = []
+        for offsets, sizes in info["chunks"]:
+            loc = storage.get((key, offsets)) or storage.get((key, None))
+            if loc is None:
+                raise MergeError(f"{path / METADATA}: no storage recorded for {key} chunk at {list(offsets)}")
+            pieces.append((*_chunk(path, files, key, loc, offsets, sizes, info["dtype"]),
+                           [slice(o, o + s) for o, s in zip(offsets, sizes)]))
+        refs, dim = _piece_refs(where, info["shape"], info["dtype"],
+                                [(get, region, records) for get, records, region in pieces])
+        model.tensors[name] = refs[0] if len(refs) == 1 else PiecedRef.of(refs, dim)
+    model.sources += [path / rel for rel in sorted(files)]
+    model.skipped = dict(skipped)
+    return model
+
+
+def _chunk(path: Path, files: dict, key: str, loc, offsets, sizes, dtype):
+    rel, off, length = loc
+    file = files.setdefault(rel, DistcpFile(path / rel))
+    if not file.path.is_file():
+        raise MergeError(f"{path}: missing {rel}, which holds {key}")
+    if off + length > file.size:
+        raise MergeError(f"{file.path}: {key} lies past the end of the file (truncated checkpoint?)")
+    cache = {}
+
+    def opened():
+        if "t" not in cache:
+            tensor, record = file.chunk(off, length, f"{key}{list(offsets)}")
+            if tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
+                raise MergeError(f"{file.path}: {key} chunk at {list(offsets)} holds {list(tensor.shape)} "
+                                 f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
+            cache["t"] = tensor, record
+        return cache["t"]
+    return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None))
+
+
+class PiecedRef(TensorRef):
+    """A tensor stored as pieces cut along one dimension (`dim`: 0, FSDP2's rows; or 1): each piece a mapped view;
+    `load()` joins them (a copy), the HF plan takes the pieces themselves (merge_plan._hf_pieces)."""
+
+    pieces: tuple = ()
+    dim: int = 0
+
+    @classmethod
+    def of(cls, refs: list[TensorRef], dim: int) -> "PiecedRef":
+        from lora_merge.readers.checkpoint import joined_ref
+
+        joined = joined_ref(refs, dim)
+        ref = cls(joined.where, joined.shape, joined.dtype, joined.loader, False, joined.records)
+        object.__setattr__(ref, "pieces", tuple(refs))
+        object.__setattr__(ref, "dim", dim)
+        return ref

@@ -1,0 +1,124 @@
+"""A torch distributed checkpoint (DCP) of HF-named tensors as an HF base: what FSDP2 training saves
+(tests/fsdp2_save.py runs torch's own `fully_shard` and `torch.distributed.checkpoint.save` on 2 gloo ranks: every
+parameter in two dim-0 pieces, one per rank file, under the app-state key `model.`). Merged with a PEFT adapter or a
+Megatron LoRA it gives the bytes of the same model's safetensors as the base, each piece read where it is stored; a
+tied model's saved output layer is checked to be the embedding's copy; `--to megatron` reads it; inspect names it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lora_merge
+from helpers import quiet, random_hf_model, trained_peft_adapter
+
+TESTS = Path(__file__).parent
+GPT_OSS = TESTS / "fixtures_moe/gptoss_tp2etp1_ep2"
+
+
+def fsdp2_dcp(model_dir: Path, out: Path, *options: str) -> Path:
+    subprocess.run([sys.executable, str(TESTS / "fsdp2_save.py"), str(model_dir), str(out), *options], check=True,
+                   capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny tied Qwen3 (its safetensors have no lm_head; FSDP2's state dict has both names) and its DCP."""
+    from transformers import Qwen3Config
+
+    root = tmp_path_factory.mktemp("tied")
+    hf = random_hf_model(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                     max_position_embeddings=128, architectures=["Qwen3ForCausalLM"]), root / "hf")
+    return hf, fsdp2_dcp(hf, root / "dcp")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> tuple[Path, Path]:
+    """The real Megatron gpt-oss fixture's base in HF form (stacked experts, sinks, biases) and its DCP."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    lora_merge.merge(base=GPT_OSS / "base", hf_ref=GPT_OSS / "hf_ref", out=root / "hf", dtype="bfloat16", warn=quiet)
+    return root / "hf", fsdp2_dcp(root / "hf", root / "dcp")
+
+
+def same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in b.glob("*.safetensors"))
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_a_peft_adapter_on_an_fsdp2_dcp_merges_as_on_its_safetensors(tied, tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    hf, dcp = tied
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    trained_peft_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), 3, tmp_path / "adapter")
+    for base, out in ((hf, "from_hf"), (dcp, "from_dcp")):
+        result = lora_merge.merge(base=base, lora=tmp_path / "adapter", hf_ref=hf, out=tmp_path / out, warn=quiet)
+    assert result.skipped.get("copy of the tied embedding") == 1
+    same_files(tmp_path / "from_hf", tmp_path / "from_dcp")
+
+
+def test_a_megatron_lora_on_an_fsdp2_dcp_merges_as_on_its_safetensors(gpt_oss, tmp_path):
+    """gpt-oss's stacked experts split by rank along the experts: every expert's Megatron LoRA still lands on its row."""
+    hf, dcp = gpt_oss
+    for base, out in ((hf, "from_hf"), (dcp, "from_dcp")):
+        lora_merge.merge(base=base, lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / out, warn=quiet)
+    same_files(tmp_path / "from_hf", tmp_path / "from_dcp")
+
+
+def test_to_megatron_from_an_fsdp2_dcp(gpt_oss, tmp_path):
+    hf, dcp = gpt_oss
+    lora_merge.to_megatron(base=dcp, hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "mg", tp=2, ep=2, etp=1, warn=quiet)
+    lora_merge.merge(base=tmp_path / "mg", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "back", warn=quiet)
+    ours, theirs = load_file(tmp_path / "back/model.safetensors"), load_file(hf / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_inspect_names_it_and_its_pieces(tied, capsys):
+    from lora_merge.cli import main
+
+    assert main(["inspect", str(tied[1])]) == 0
+    out = capsys.readouterr().out
+    assert "torch distributed checkpoint of HF-named tensors (FSDP), 2 .distcp file(s)" in out
+    assert "25 stored in pieces (up to 2, along dim 0)" in out
+
+
+def test_a_saved_output_layer_that_is_not_the_embeddings_copy_is_refused(tied, tmp_path):
+    """The config ties them, the checkpoint's output layer says the run trained it apart: refused by name."""
+    import json
+
+    from transformers import Qwen3Config
+
+    hf, _ = tied
+    config = json.loads((hf / "config.json").read_text()) | {"tie_word_embeddings": False}
+    untied = random_hf_model(Qwen3Config(**{k: v for k, v in config.items() if k not in ("model_type",
+                                                                                          "transformers_version")}),
+                             tmp_path / "untied")
+    dcp = fsdp2_dcp(untied, tmp_path / "dcp")
+    with pytest.raises(lora_merge.MergeError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight \(row 0\)"):
+        lora_merge.to_megatron(base=dcp, hf_ref=hf, out=tmp_path / "mg", warn=quiet)
+    assert not (tmp_path / "mg").exists()
+
+
+def test_converted_without_a_lora_it_is_its_safetensors(gpt_oss, tmp_path):
+    hf, dcp = gpt_oss
+    lora_merge.merge(base=dcp, hf_ref=GPT_OSS / "hf_ref", out=tmp_path / "out", dtype="bfloat16", warn=quiet)
+    same_files(hf, tmp_path / "out")
+
+
+def test_a_dcp_named_neither_as_megatron_nor_as_hf_is_refused_by_name(tied, tmp_path):
+    """torchtitan's own names (tok_embeddings, layers.0.attention.wq): not read as a Megatron checkpoint either."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"layers.0.attention.wq.weight": torch.ones(4, 4), "tok_embeddings.weight": torch.ones(8, 4)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "titan"), no_dist=True)
+    with pytest.raises(lora_merge.MergeError, match=r"named neither as Megatron's \(decoder\.layers\.…\) nor as an HF "
+                                                    r"model's .*: model\.layers\.0\.attention\.wq\.weight"):
+        lora_merge.merge(base=tmp_path / "titan", hf_ref=tied[0], out=tmp_path / "out", warn=quiet)
