@@ -243,15 +243,19 @@ def _skip_tied_head(plan: MergePlan, base: Source, unclaimed: set) -> None:
     if embedding is None or head.shape != embedding.shape:
         raise MergeError(f"{head.where}: {TIED_HEAD} in a model whose config ties it to {TIED_EMBEDDING}, which the "
                          "base " + ("lacks" if embedding is None else f"has in another shape {list(embedding.shape)}"))
-    a, b = single(head.load())[0], single(embedding.load())[0]
     rows = head.shape[0]
-    for i in sorted({0, rows // 2, rows - 1}):
-        if not torch.equal(_row([a], i), _row([b], i)):
+    for i in sorted({0, rows // 2, rows - 1}):  # (a DCP's pieces: only these rows are read, never the whole)
+        if not torch.equal(_ref_row(head, i), _ref_row(embedding, i)):
             raise MergeError(f"{head.where}: {TIED_HEAD} differs from {TIED_EMBEDDING} (row {i}), but the config ties "
                              "them (tie_word_embeddings): the model trained them apart; give the config it was trained "
                              "with")
     unclaimed.discard(TIED_HEAD)
     plan.skipped["copy of the tied embedding"] += 1
+
+
+def _ref_row(ref, i: int) -> torch.Tensor:
+    rows = getattr(ref, "rows", None)  # a tensor stored in pieces (readers/dcp_hf.PiecedRef)
+    return rows(i, i + 1) if rows is not None else single(ref.load())[0].take(i, i + 1)
 
 
 def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch: Architecture,

@@ -65,7 +65,12 @@ class VerifyReport:
 
 
 def _reference_weights(reference: Path, multimodal=None) -> SafetensorsDir:
-    """The baseline: damage in it is an error in the user's input, not a finding about the output."""
+    """The baseline: damage in it is an error in the user's input, not a finding about the output. (An HF-named
+    DCP base's own tensors, where the merge went onto one.)"""
+    from lora_merge.readers.dcp_hf import DcpBaseline, is_hf_dcp_dir, read_dcp_hf
+
+    if is_hf_dcp_dir(reference):
+        return DcpBaseline(read_dcp_hf(reference))
     ref = SafetensorsDir(reference, multimodal=multimodal)
     if ref.problems:
         more = f" (and {len(ref.problems) - 1} more problem(s))" if len(ref.problems) > 1 else ""

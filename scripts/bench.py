@@ -338,6 +338,25 @@ def bench_peft_input(layers: int, work: Path, repeat: int, preset: str = "qwen32
     return result
 
 
+def bench_dcp(layers: int, work: Path, repeat: int, preset: str = "qwen32b") -> dict:
+    """The --peft input with its HF base saved as FSDP2 training saves it (fsdp2_save.py: 2 gloo ranks, every
+    parameter in two dim-0 pieces, torch.distributed.checkpoint), merged with the PEFT adapter from the DCP and, for
+    comparison, from the safetensors, alternating with a plain copy of the DCP and the adapter."""
+    root = work / f"L{layers}dcp"
+    generate_start = time.monotonic()
+    make_peft_input(root, layers, preset)
+    subprocess.run([sys.executable, str(HERE / "fsdp2_save.py"), str(root / "hf_base"), str(root / "dcp")], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    inputs = [root / "dcp", root / "adapter"]
+    variants = [(f"{label}, {wlabel}", c) for label, base in (("from the DCP", "dcp"), ("from the safetensors", "hf_base"))
+                for wlabel, c in merge_variants(LORA_MERGE + ["--base", str(root / base), "--lora", str(root / "adapter"),
+                                                              "--hf-ref", str(root / "hf_ref"), "--out",
+                                                              str(root / "merged"), "--no-progress"])]
+    return variants_against_copy(root, inputs, variants, repeat, {
+        "layers": layers, "layout": "HF-named DCP (FSDP2, 2 ranks) + PEFT adapter",
+        "generate_seconds": time.monotonic() - generate_start}, per_output_gb=True)
+
+
 # A DoRA adapter and two more plain ones made from a PEFT adapter dir (argv: base dir, adapter dir, out root): the
 # DoRA magnitudes are the base's row norms, perturbed; the extra adapters are the first with B scaled.
 ADAPTER_VARIANTS = r"""
@@ -621,6 +640,8 @@ def main() -> None:
     p.add_argument("--gpt-oss-megatron", action="store_true", help="with --gpt-oss: the Megatron form instead (bf16, "
                    "EP 1: a legacy EP file repeats the 2.3 GB embeddings) + a Megatron LoRA on qkv and every expert, merged into "
                    "bf16 and into MXFP4")
+    p.add_argument("--dcp", action="store_true", help="the --peft input's base saved as FSDP2 saves it (an HF-named "
+                   "torch distributed checkpoint, 2 ranks) + the PEFT adapter")
     p.add_argument("--adapter-variants", action="store_true", help="the --peft input merged with one plain adapter, "
                    "a DoRA one, and three weighted ones (32B layer shapes)")
     p.add_argument("--parts", type=int, nargs="+", metavar="N", help="32B layer shapes merged by one process and as "
@@ -659,6 +680,11 @@ def main() -> None:
         for n in args.layers:
             report_one(f"32B layer shapes, {n} layers, in parts", bench_parts(n, args.workdir, args.repeat, args.parts,
                                                                             args.preset))
+        return
+    if args.dcp:
+        for n in args.layers:
+            report_one(f"32B layer shapes, {n} layers, FSDP2 DCP base + PEFT adapter",
+                       bench_dcp(n, args.workdir, args.repeat, args.preset))
         return
     if args.gpt_oss:
         for n in args.layers:

@@ -1,9 +1,10 @@
 """A torch distributed checkpoint (DCP) of HF-named tensors as an HF base: what FSDP2 training saves
-(tests/fsdp2_save.py runs torch's own `fully_shard` and `torch.distributed.checkpoint.save` on 2 gloo ranks: every
+(scripts/fsdp2_save.py runs torch's own `fully_shard` and `torch.distributed.checkpoint.save` on 2 gloo ranks: every
 parameter in two dim-0 pieces, one per rank file, under the app-state key `model.`). Merged with a PEFT adapter or a
 Megatron LoRA it gives the bytes of the same model's safetensors as the base, each piece read where it is stored; a
 tied model's saved output layer is checked to be the embedding's copy; `--to megatron` reads it; inspect names it."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ GPT_OSS = TESTS / "fixtures_moe/gptoss_tp2etp1_ep2"
 
 
 def fsdp2_dcp(model_dir: Path, out: Path, *options: str) -> Path:
-    subprocess.run([sys.executable, str(TESTS / "fsdp2_save.py"), str(model_dir), str(out), *options], check=True,
+    subprocess.run([sys.executable, str(TESTS.parent / "scripts/fsdp2_save.py"), str(model_dir), str(out), *options], check=True,
                    capture_output=True, timeout=300)
     return out
 
@@ -113,12 +114,53 @@ def test_converted_without_a_lora_it_is_its_safetensors(gpt_oss, tmp_path):
     same_files(hf, tmp_path / "out")
 
 
-def test_a_dcp_named_neither_as_megatron_nor_as_hf_is_refused_by_name(tied, tmp_path):
-    """torchtitan's own names (tok_embeddings, layers.0.attention.wq): not read as a Megatron checkpoint either."""
+@pytest.mark.parametrize("state,first", [
+    # torchtitan's own names
+    ({"model": {"layers.0.attention.wq.weight": torch.ones(4, 4), "tok_embeddings.weight": torch.ones(8, 4)}},
+     "model.layers.0.attention.wq.weight"),
+    # a wrapped model's (DDP's module., torch.compile's _orig_mod.): not unwrapped
+    ({"model": {"module.model.embed_tokens.weight": torch.ones(8, 4), "module.lm_head.weight": torch.ones(8, 4)}},
+     "model.module.lm_head.weight"),
+])
+def test_a_dcp_named_neither_as_megatron_nor_as_hf_is_refused_by_name(tied, tmp_path, state, first):
+    """Not read as a Megatron checkpoint either."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": {"layers.0.attention.wq.weight": torch.ones(4, 4), "tok_embeddings.weight": torch.ones(8, 4)}}
-    dcp.save(state, checkpoint_id=str(tmp_path / "titan"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "other"), no_dist=True)
     with pytest.raises(lora_merge.MergeError, match=r"named neither as Megatron's \(decoder\.layers\.…\) nor as an HF "
-                                                    r"model's .*: model\.layers\.0\.attention\.wq\.weight"):
-        lora_merge.merge(base=tmp_path / "titan", hf_ref=tied[0], out=tmp_path / "out", warn=quiet)
+                                                    rf"model's .*: {re.escape(first)}"):
+        lora_merge.merge(base=tmp_path / "other", hf_ref=tied[0], out=tmp_path / "out", warn=quiet)
+
+
+def test_verify_takes_the_dcp_itself_as_the_baseline(tied, tmp_path):
+    """Not a downgrade to structure only: every tensor against the DCP's own, and a changed one found."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    hf, dcp = tied
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    trained_peft_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]), 4,
+                         tmp_path / "adapter")
+    result = lora_merge.merge(base=dcp, lora=tmp_path / "adapter", hf_ref=hf, out=tmp_path / "out", verify=True,
+                              warn=quiet)
+    assert result.verify_report.baseline == f"reference weights in {dcp}"
+    assert result.verify_report.statuses["model.norm.weight"] == "identical to baseline"
+    weights = load_file(tmp_path / "out/model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"] * 3
+    save_file(weights, tmp_path / "out/model.safetensors", metadata={"format": "pt"})
+    report = lora_merge.verify(tmp_path / "out", base=dcp, lora=tmp_path / "adapter", hf_ref=hf, warn=quiet)
+    assert any(p.startswith("model.layers.1.mlp.down_proj.weight") for p in report.problems), report.problems
+
+
+def test_more_ranks_than_rows_leaves_empty_pieces_that_are_passed_over(gpt_oss, tmp_path):
+    """5 ranks, 4 experts: FSDP2 gives the last rank an empty piece of every stacked experts tensor."""
+    import pickle
+
+    hf, _ = gpt_oss
+    dcp = fsdp2_dcp(hf, tmp_path / "dcp", "--ranks", "5")
+    meta = pickle.loads((dcp / ".metadata").read_bytes()).state_dict_metadata
+    assert any(c.sizes[0] == 0 for c in meta["model.model.layers.0.mlp.experts.gate_up_proj"].chunks)
+    for base, out in ((hf, "from_hf"), (dcp, "from_dcp")):
+        lora_merge.merge(base=base, lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / out, warn=quiet)
+    same_files(tmp_path / "from_hf", tmp_path / "from_dcp")

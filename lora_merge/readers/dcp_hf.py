@@ -20,6 +20,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.readers.hf_model import DERIVED, HfModel
@@ -36,10 +38,7 @@ def is_hf_dcp_dir(path: Path) -> bool:
     path = Path(path)
     if not (path / METADATA).is_file():
         return False
-    try:
-        entries, _ = read_metadata(path / METADATA)
-    except MergeError:
-        return False
+    entries, _ = read_metadata(path / METADATA)  # (damaged: said here, whatever the checkpoint is)
     model = _model_keys(entries)
     return bool(model) and not any(k.startswith(MEGATRON_ROOTS) for k in entries)
 
@@ -53,7 +52,8 @@ def refuse_foreign_dcp(path: Path) -> None:
         model = [k for k in tensors if not k.startswith(("optim", "lr_scheduler", "dataloader", "rng", "train_state"))]
         raise MergeError(f"{path}: a torch distributed checkpoint whose tensors are named neither as Megatron's "
                          f"(decoder.layers.…) nor as an HF model's (model.layers.…): {', '.join((model or tensors)[:3])}"
-                         " …; convert it to HF safetensors first (torchtitan: its HF export, last_save_in_hf)")
+                         " …; convert it to HF safetensors first (torchtitan: its HF export, last_save_in_hf; a "
+                         "wrapped model's keys, model.module.… or _orig_mod.…, are not unwrapped)")
 
 
 def _model_keys(entries: dict) -> dict[str, str]:
@@ -65,8 +65,9 @@ def _model_keys(entries: dict) -> dict[str, str]:
         name = key[len(APP_PREFIX):] if prefixed and key.startswith(APP_PREFIX) else None if prefixed else key
         if name is not None and name.startswith(HF_ROOTS):
             names[name] = key
-    # every HF decoder names its token embedding so (torchtitan's own names: tok_embeddings, layers.0.attention.wq)
-    return names if any(n.endswith("embed_tokens.weight") for n in names) else {}
+    # an HF causal LM's state dict names its token embedding so (not torchtitan's tok_embeddings, nor the keys of a
+    # wrapped model: model.module.…, _orig_mod.…, a PEFT model's base_model.model.…)
+    return names if "model.embed_tokens.weight" in names else {}
 
 
 def read_dcp_hf(path: Path) -> HfModel:
@@ -99,6 +100,8 @@ def read_dcp_hf(path: Path) -> HfModel:
                            [slice(o, o + s) for o, s in zip(offsets, sizes)]))
         refs, dim = _piece_refs(where, info["shape"], info["dtype"],
                                 [(get, region, records) for get, records, region in pieces])
+        if dim is not None:  # (FSDP2 gives a rank past a tensor's last row an empty piece)
+            refs = [r for r in refs if r.shape[dim]] or refs[:1]
         model.tensors[name] = refs[0] if len(refs) == 1 else PiecedRef.of(refs, dim)
     model.sources += [path / rel for rel in sorted(files)]
     model.skipped = dict(skipped)
@@ -132,6 +135,22 @@ class PiecedRef(TensorRef):
     pieces: tuple = ()
     dim: int = 0
 
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) from the pieces holding them (a copy; the pages read are released)."""
+        if self.dim == 1:
+            parts = [p.load()[start:stop].clone() for p in self.pieces]
+            for p in self.pieces:
+                p.release()
+            return torch.cat(parts, dim=1)
+        out, offset = [], 0
+        for p in self.pieces:
+            lo, hi = max(start, offset), min(stop, offset + p.shape[0])
+            if lo < hi:
+                out.append(p.load()[lo - offset:hi - offset].clone())
+                p.release()
+            offset += p.shape[0]
+        return torch.cat(out)
+
     @classmethod
     def of(cls, refs: list[TensorRef], dim: int) -> "PiecedRef":
         from lora_merge.readers.checkpoint import joined_ref
@@ -141,3 +160,35 @@ class PiecedRef(TensorRef):
         object.__setattr__(ref, "pieces", tuple(refs))
         object.__setattr__(ref, "dim", dim)
         return ref
+
+
+class DcpBaseline:
+    """An HF-named DCP as verify's baseline, read as verification reads a reference's safetensors (by name, rows
+    at a time from the pieces that hold them)."""
+
+    problems: list = []
+    carried: frozenset = frozenset()
+
+    def __init__(self, model: HfModel):
+        self.model = model
+        self.file_of = {name: model.path.name for name in model.tensors}
+
+    def __bool__(self) -> bool:
+        return bool(self.model.tensors)
+
+    def readable(self, name: str) -> bool:
+        return name in self.model.tensors
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        from lora_merge.writers.safetensors_stream import SAFETENSORS_DTYPES
+
+        ref = self.model.tensors[name]
+        return tuple(ref.shape), SAFETENSORS_DTYPES[ref.dtype]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        ref = self.model.tensors[name]
+        if isinstance(ref, PiecedRef):
+            return ref.rows(start, stop)
+        rows = ref.load()[start:stop].clone()
+        ref.release()
+        return rows

@@ -14,12 +14,19 @@ HF_DCP = "HF-named torch distributed checkpoint"  # an FSDP run's DCP of a trans
 HF_BASES = (HF_DIR, HF_DCP)  # what is merged as HF weights
 
 
-def read_hf_base(path: Path):
-    """An HF base: a model dir's safetensors, or an HF-named DCP."""
+def read_hf_base(path: Path, multimodal: str = ""):
+    """An HF base: a model dir's safetensors, or an HF-named DCP (`multimodal`: the release type the config names,
+    whose in-memory names a DCP would hold: not read)."""
+    from lora_merge.errors import UnsupportedInput
     from lora_merge.readers.dcp_hf import read_dcp_hf
     from lora_merge.readers.hf_model import read_hf_model
 
-    return read_dcp_hf(path) if input_kind(path) == HF_DCP else read_hf_model(path)
+    if input_kind(path) != HF_DCP:
+        return read_hf_model(path)
+    if multimodal:
+        raise UnsupportedInput(f"{path}: a torch distributed checkpoint of a {multimodal} model (its state dict's "
+                               "in-memory names) is not read; give its safetensors")
+    return read_dcp_hf(path)
 
 
 def input_kind(path: Path | None) -> str | None:

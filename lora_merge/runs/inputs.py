@@ -96,8 +96,8 @@ def open_inputs(hf_dir: Path, base_dir: Path | None, lora_dir: Path | None, opts
         if input_kind(base_dir) == HF_DIR:  # (a DCP has no config of its own: --hf-ref's describes it)
             check_same_model(shape, hf_dir, base_dir)
         if lora is None:  # a conversion of the HF weights as they are
-            return Inputs(shape, hf_config, arch, read_hf_base(base_dir), None, None)
-        base = read_hf_base(base_dir)
+            return Inputs(shape, hf_config, arch, read_hf_base(base_dir, shape.multimodal), None, None)
+        base = read_hf_base(base_dir, shape.multimodal)
         for note in check_against_args(shape, lora.args, str(lora.path)):
             opts.warn(note)
         shape = carried_mtp(shape, arch, base)
@@ -156,7 +156,7 @@ def _open_peft(shape, hf_config, arch, hf_dir: Path, base_dir: Path | None, lora
                                else "") + ("; DoRA" if config.get("use_dora") else "")
                             + (f"; {len(adapters)} adapters weighted {', '.join(f'{w:g}' for w in weights)}, each with "
                                "its own r and lora_alpha" if adapter is not adapters[0] else ""))
-    return Inputs(shape, hf_config, arch, read_hf_base(base_dir), adapter, settings)
+    return Inputs(shape, hf_config, arch, read_hf_base(base_dir, shape.multimodal), adapter, settings)
 
 
 def output_dtype(choice: str, shape: ModelShape, base: Source | None, lora: Source | None) -> torch.dtype:

@@ -1,9 +1,9 @@
-"""Save a transformers model as FSDP2 training does (a test helper, run as a script): 2 gloo ranks on CPU, each layer
+"""Save a transformers model as FSDP2 training does (for tests/test_dcp_hf_base.py and bench.py --dcp): gloo ranks on CPU, each layer
 and the model wrapped by torch's own `fully_shard` (every parameter sharded along dim 0), the sharded state dict
 written with torch.distributed.checkpoint as `{"model": state_dict}` (accelerate's and MindSpeed-LLM's app-state
 key).
 
-    python tests/fsdp2_save.py HF_MODEL_DIR OUT_DIR [--no-prefix]
+    python scripts/fsdp2_save.py HF_MODEL_DIR OUT_DIR [--no-prefix] [--ranks N]   (N: 2 by default)
 """
 
 import os
@@ -37,7 +37,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, model_dir, out, "--no-prefix" not in sys.argv), nprocs=2)
+    ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 2
+    mp.spawn(worker, args=(ranks, port, model_dir, out, "--no-prefix" not in sys.argv), nprocs=ranks)
 
 
 if __name__ == "__main__":
