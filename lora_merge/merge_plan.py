@@ -21,7 +21,7 @@ from lora_merge.model.layout import (AsStored, ExpertSlab, RowBlock, Rule, Share
 from lora_merge.lora import ExpertLoras, LoraSettings, check_factor_shapes
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.mtp import args_mtp_layers, in_mtp_layer
-from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces
+from lora_merge.readers.checkpoint import Checkpoint, LoraModule, Pieces, release_pages
 from lora_merge.mxfp4 import BLOCK as MXFP4_BLOCK, BLOCKS_SUFFIX, DEFAULT_CONFIG as MXFP4_CONFIG, SCALES_SUFFIX, is_mxfp4_config
 from lora_merge.readers.hf_model import Fp8Ref, Mxfp4Ref
 from lora_merge.value_checks import shown_value
@@ -244,18 +244,33 @@ def _skip_tied_head(plan: MergePlan, base: Source, unclaimed: set) -> None:
         raise MergeError(f"{head.where}: {TIED_HEAD} in a model whose config ties it to {TIED_EMBEDDING}, which the "
                          "base " + ("lacks" if embedding is None else f"has in another shape {list(embedding.shape)}"))
     rows = head.shape[0]
-    for i in sorted({0, rows // 2, rows - 1}):  # (a DCP's pieces: only these rows are read, never the whole)
-        if not torch.equal(_ref_row(head, i), _ref_row(embedding, i)):
-            raise MergeError(f"{head.where}: {TIED_HEAD} differs from {TIED_EMBEDDING} (row {i}), but the config ties "
-                             "them (tie_word_embeddings): the model trained them apart; give the config it was trained "
-                             "with")
+    step = max(1, COMPARE_BYTES // max(1, head.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):  # every row (one differing row is another model), a block at a time
+        a, b = _ref_rows(head, start, start + step), _ref_rows(embedding, start, start + step)
+        common = a.dtype if a.dtype.itemsize >= b.dtype.itemsize else b.dtype
+        differ = (a.to(common) != b.to(common)).reshape(a.shape[0], -1).any(dim=1)
+        if differ.any():
+            raise MergeError(f"{head.where}: {TIED_HEAD} differs from {TIED_EMBEDDING} (row "
+                             f"{start + int(differ.nonzero()[0])}), but the config ties them (tie_word_embeddings): the "
+                             "model trained them apart; give the config it was trained with")
     unclaimed.discard(TIED_HEAD)
     plan.skipped["copy of the tied embedding"] += 1
 
 
-def _ref_row(ref, i: int) -> torch.Tensor:
-    rows = getattr(ref, "rows", None)  # a tensor stored in pieces (readers/dcp_hf.PiecedRef)
-    return rows(i, i + 1) if rows is not None else single(ref.load())[0].take(i, i + 1)
+COMPARE_BYTES = 8 << 20  # rows of two tensors compared at a time
+
+
+def _ref_rows(ref, start: int, stop: int) -> torch.Tensor:
+    """Rows of a base tensor, a copy; the mapped pages they came from released."""
+    rows = getattr(ref, "rows", None)  # a tensor stored in pieces (readers/dcp_hf.PiecedRef): from the pieces
+    if rows is not None:
+        return rows(start, stop)
+    block = single(ref.load())[0]
+    out = block.take(start, stop).clone()
+    if ref.mapped:
+        for part in block.parts:
+            release_pages(part[start:stop])
+    return out
 
 
 def _account_for_inputs(plan: MergePlan, base: Source, lora: Source | None, arch: Architecture,

@@ -164,3 +164,27 @@ def test_more_ranks_than_rows_leaves_empty_pieces_that_are_passed_over(gpt_oss, 
     for base, out in ((hf, "from_hf"), (dcp, "from_dcp")):
         lora_merge.merge(base=base, lora=GPT_OSS / "lora", hf_ref=GPT_OSS / "hf_ref", out=tmp_path / out, warn=quiet)
     same_files(tmp_path / "from_hf", tmp_path / "from_dcp")
+
+
+def test_a_safetensors_base_that_stores_its_tied_output_layer_is_checked_row_by_row(tied, tmp_path):
+    """Any HF base: a stored copy of the tied embedding is skipped (the bytes of the base without it); one whose
+    middle rows alone differ is another model, refused, however few rows differ."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf, _ = tied
+    weights = load_file(hf / "model.safetensors")
+    for name, change in (("same", None), ("rows", slice(100, 120))):
+        base = tmp_path / name
+        shutil.copytree(hf, base)
+        head = weights["model.embed_tokens.weight"].clone()
+        if change is not None:
+            head[change] *= 2
+        save_file(weights | {"lm_head.weight": head}, base / "model.safetensors", metadata={"format": "pt"})
+    lora_merge.to_megatron(base=hf, out=tmp_path / "mg_plain", warn=quiet)
+    lora_merge.to_megatron(base=tmp_path / "same", out=tmp_path / "mg_same", warn=quiet)
+    assert (tmp_path / "mg_plain/release/mp_rank_00/model_optim_rng.pt").read_bytes() == \
+        (tmp_path / "mg_same/release/mp_rank_00/model_optim_rng.pt").read_bytes()
+    with pytest.raises(lora_merge.MergeError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight \(row 100\)"):
+        lora_merge.to_megatron(base=tmp_path / "rows", out=tmp_path / "mg_rows", warn=quiet)

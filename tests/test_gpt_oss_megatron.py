@@ -124,7 +124,9 @@ def test_mxfp4_output_from_a_megatron_checkpoint_is_the_hf_routes(hf_base, tmp_p
 
 
 @pytest.mark.parametrize("layout,expected", [
-    (dict(tp=2, ep=2), "--etp 2: megatron-core builds gpt-oss's experts (biases on every linear) at expert TP 1 only"),
+    (dict(tp=2, ep=2), "--etp 2 (as --tp 2: expert TP is TP unless --etp says otherwise): megatron-core builds "
+                       "gpt-oss's experts (biases on every linear) at expert TP 1 only"),
+    (dict(tp=2, ep=2, etp=2), "--etp 2 (as --tp 2"),
     (dict(ep=2, expert_layout="grouped"), "gpt-oss's experts have biases, which Megatron-Core's local GroupedMLP has not"),
 ])
 def test_layouts_megatron_cannot_build_it_at_are_refused(hf_base, tmp_path, layout, expected):

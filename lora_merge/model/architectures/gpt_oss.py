@@ -83,10 +83,12 @@ class GptOssMechanics:
     @staticmethod
     def check_target(target) -> None:
         """What a `--to megatron` layout of it may be (megatron_target.MegatronTarget)."""
-        if target.layout.etp > 1:
-            raise UnsupportedInput(f"--etp {target.layout.etp}: megatron-core builds gpt-oss's experts (biases on every "
-                                   "linear) at expert TP 1 only ('Bias in Moe is only supported when ETP==1'); give "
-                                   "--etp 1")
+        layout = target.layout
+        if layout.etp > 1:
+            given = f"--etp {layout.etp}" + (f" (as --tp {layout.tp}: expert TP is TP unless --etp says otherwise)"
+                                              if layout.etp == layout.tp else "")
+            raise UnsupportedInput(f"{given}: megatron-core builds gpt-oss's experts (biases on every linear) at expert "
+                                   "TP 1 only ('Bias in Moe is only supported when ETP==1'); give --etp 1")
         if target.expert_layout == "grouped":
             raise UnsupportedInput("--expert-layout grouped: gpt-oss's experts have biases, which Megatron-Core's local "
                                    "GroupedMLP has not; write --expert-layout sequential")
