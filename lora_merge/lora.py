@@ -100,23 +100,25 @@ def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int,
 
 def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(B, A) for each HF tensor the rule produces, with B's rows in that tensor's HF order."""
+    a, b_shards = _factor_shards(rule, lora, module)
+    return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
+
+
+def whole_factors(rule: Rule, lora: LoraModule, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] of a linear, un-sharded as they are (Megatron's row order)."""
+    a, b_shards = _factor_shards(rule, lora, module)
+    return a, torch.cat(b_shards) if len(b_shards) > 1 else b_shards[0]
+
+
+def _factor_shards(rule: Rule, lora: LoraModule, module: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A un-sharded (row-split or replicated), and B's shards: one, where every rank holds it whole (checked)."""
     a_shards = [ref.load() for ref in lora.a]
     b_shards = [ref.load() for ref in lora.b]
     a_split, b_split = rule.lora_split
     a = unshard_row(a_shards) if a_split == "row" else unshard_replicated(a_shards, f"{module}.lora_A")
     if b_split == "replicated":  # whole on every rank: the rule sees it as one rank's shard
         b_shards = [unshard_replicated(b_shards, f"{module}.lora_B")]
-    return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
-
-
-def whole_factors(rule: Rule, lora: LoraModule, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [r, in] and B [out, r] of a linear, un-sharded as they are (Megatron's row order)."""
-    a_shards = [ref.load() for ref in lora.a]
-    b_shards = [ref.load() for ref in lora.b]
-    a_split, b_split = rule.lora_split
-    a = unshard_row(a_shards) if a_split == "row" else unshard_replicated(a_shards, f"{module}.lora_A")
-    b = unshard_replicated(b_shards, f"{module}.lora_B") if b_split == "replicated" else torch.cat(b_shards)
-    return a, b
+    return a, b_shards
 
 
 # W + s·B·A is computed this many float32 bytes of rows at a time: the block stays in the CPU cache from

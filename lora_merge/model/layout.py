@@ -535,17 +535,12 @@ class ExpertSlab(Rule):
         change to the [in, out] row is then scale·Aᵀ·Bᵀ)."""
         return (interleave_rows(b) if self.form == "transposed_interleaved" else b), a
 
-    def joined(self, shards, global_pieces: bool, where: str) -> torch.Tensor:
-        """The expert's whole Megatron tensor: its one shard, or torch_dist's pieces of it."""
-        if len(shards) > 1 and not global_pieces:
+    def hf_blocks(self, shards, shape, where, global_pieces=False):
+        if len(shards) > 1 and not global_pieces:  # (refused here, before any data is read)
             raise MergeError(f"{where}: split over expert TP={len(shards)}; megatron-core builds experts with biases "
                              "at expert TP 1 only ('Bias in Moe is only supported when ETP==1'), as this model's are")
-        return unshard_column(list(shards))
-
-    def hf_blocks(self, shards, shape, where, global_pieces=False):
-        self.joined(shards, global_pieces, where)  # (refused here, before any data is read)
-        return {self.hf: [SlabBlock(tuple(shards), slab=self.slab,
-                                    join=lambda parts: self.joined(parts, global_pieces, where))]}
+        # the expert's whole Megatron tensor: its one shard, or torch_dist's pieces of it joined
+        return {self.hf: [SlabBlock(tuple(shards), slab=self.slab, join=lambda parts: unshard_column(list(parts)))]}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from lora_merge.errors import MergeError
 from lora_merge.readers.checkpoint import TensorRef, require_float
 from lora_merge.readers.hf_model import DERIVED, HfModel
-from lora_merge.readers.torch_dist import METADATA, DistcpFile, _piece_refs, read_metadata
+from lora_merge.readers.torch_dist import METADATA, DistcpFile, _piece_refs, chunk_opener, read_metadata
 
 APP_PREFIX = "model."  # {"model": state_dict}: the model's keys under it
 HF_ROOTS = ("model.", "lm_head.")  # where a causal LM's HF names start
@@ -93,39 +93,15 @@ def read_dcp_hf(path: Path) -> HfModel:
             continue
         pieces = []
         for offsets, sizes in info["chunks"]:
-            loc = storage.get((key, offsets)) or storage.get((key, None))
-            if loc is None:
-                raise MergeError(f"{path / METADATA}: no storage recorded for {key} chunk at {list(offsets)}")
-            pieces.append((*_chunk(path, files, key, loc, offsets, sizes, info["dtype"]),
-                           [slice(o, o + s) for o, s in zip(offsets, sizes)]))
-        refs, dim = _piece_refs(where, info["shape"], info["dtype"],
-                                [(get, region, records) for get, records, region in pieces])
+            get, records, _, _ = chunk_opener(path, storage, files, key, offsets, sizes, info["dtype"])
+            pieces.append((get, [slice(o, o + n) for o, n in zip(offsets, sizes)], records))
+        refs, dim = _piece_refs(where, info["shape"], info["dtype"], pieces)
         if dim is not None:  # (FSDP2 gives a rank past a tensor's last row an empty piece)
             refs = [r for r in refs if r.shape[dim]] or refs[:1]
         model.tensors[name] = refs[0] if len(refs) == 1 else PiecedRef.of(refs, dim)
     model.sources += [path / rel for rel in sorted(files)]
     model.skipped = dict(skipped)
     return model
-
-
-def _chunk(path: Path, files: dict, key: str, loc, offsets, sizes, dtype):
-    rel, off, length = loc
-    file = files.setdefault(rel, DistcpFile(path / rel))
-    if not file.path.is_file():
-        raise MergeError(f"{path}: missing {rel}, which holds {key}")
-    if off + length > file.size:
-        raise MergeError(f"{file.path}: {key} lies past the end of the file (truncated checkpoint?)")
-    cache = {}
-
-    def opened():
-        if "t" not in cache:
-            tensor, record = file.chunk(off, length, f"{key}{list(offsets)}")
-            if tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
-                raise MergeError(f"{file.path}: {key} chunk at {list(offsets)} holds {list(tensor.shape)} "
-                                 f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
-            cache["t"] = tensor, record
-        return cache["t"]
-    return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None))
 
 
 class PiecedRef(TensorRef):

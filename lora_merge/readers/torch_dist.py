@@ -165,6 +165,36 @@ class DistcpFile:
 
 # --- the reader ---------------------------------------------------------------------------------------
 
+def chunk_opener(it_dir: Path, storage: dict, files: dict, key: str, offsets, sizes, dtype):
+    """(get, records, file, length) of one chunk of `key`: `get()` opens it once (checked against the metadata's
+    shape and dtype) and returns the tensor viewing the mapped file, `records()` its archive member for the CRC check.
+    `files`: the DistcpFiles opened so far, shared by the chunks."""
+    loc = storage.get((key, offsets)) or storage.get((key, None))
+    if loc is None:
+        raise MergeError(f"{it_dir / METADATA}: no storage recorded for {key} chunk at {list(offsets)}")
+    rel, off, length = loc
+    file = files.setdefault(rel, DistcpFile(it_dir / rel))
+    if not file.path.is_file():
+        raise MergeError(f"{it_dir}: missing {rel}, which holds {key}")
+    if off + length > file.size:
+        raise MergeError(f"{file.path}: {key} lies past the end of the file (truncated checkpoint?)")
+    cache = {}
+    lock = threading.Lock()  # the CRC checker may open a chunk while the merge does
+
+    def opened():
+        with lock:
+            if "t" not in cache:
+                tensor, record = file.chunk(off, length, f"{key}{list(offsets)}")
+                if tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
+                    raise MergeError(f"{file.path}: {key} chunk at {list(offsets)} holds {list(tensor.shape)} "
+                                     f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
+                cache["t"] = tensor, record
+        return cache["t"]
+    return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None)), rel, length
+
+
+
+
 def _slice_loader(pieces, shape, dtype):
     """Assemble a global (sub)tensor from chunk views of any grid (a copy)."""
     def load():
@@ -213,29 +243,9 @@ def read_torch_dist(path: Path) -> Checkpoint:
     per_file = defaultdict(lambda: [0, 0])
 
     def chunk_getter(key, offsets, sizes, dtype):
-        loc = storage.get((key, offsets)) or storage.get((key, None))
-        if loc is None:
-            raise MergeError(f"{it_dir / METADATA}: no storage recorded for {key} chunk at {list(offsets)}")
-        rel, off, length = loc
-        file = files.setdefault(rel, DistcpFile(it_dir / rel))
-        if not file.path.is_file():
-            raise MergeError(f"{it_dir}: missing {rel}, which holds {key}")
-        if off + length > file.size:
-            raise MergeError(f"{file.path}: {key} lies past the end of the file (truncated checkpoint?)")
+        get, records, rel, length = chunk_opener(it_dir, storage, files, key, offsets, sizes, dtype)
         per_file[rel][1] += length
-        cache = {}
-        lock = threading.Lock()  # the CRC checker may open a chunk while the merge does
-
-        def opened():
-            with lock:
-                if "t" not in cache:
-                    tensor, record = file.chunk(off, length, f"{key}{list(offsets)}")
-                    if tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
-                        raise MergeError(f"{file.path}: {key} chunk at {list(offsets)} holds {list(tensor.shape)} "
-                                         f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
-                    cache["t"] = tensor, record
-            return cache["t"]
-        return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None))
+        return get, records
 
     def add(name: str, where: str, shape, dtype, pieces):
         refs, dim = _piece_refs(where, shape, dtype, pieces)
