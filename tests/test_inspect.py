@@ -18,7 +18,10 @@ def test_inspect_every_fixture(name, capsys):
 
     assert main(["inspect", str(FIXTURES / name / "lora")]) == 0
     lora = capsys.readouterr().out
-    assert "legacy Megatron checkpoint, iteration 10" in lora
+    lora_format = "torch_dist" if info.get("lora_format") == "torch_dist" else "legacy"
+    assert f"{lora_format} Megatron checkpoint, iteration 10" in lora
+    if info.get("megatron_bridge"):
+        assert "Megatron-Bridge" in base and "Megatron-Bridge" in lora
     assert "iter_0000005" in lora  # the leftover iteration is named as not used
     assert f"lora_r={info['r']} lora_alpha={info['alpha']}" in lora
     assert f"TP={info['tp']} PP={info['pp']}" in lora

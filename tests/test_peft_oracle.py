@@ -65,6 +65,38 @@ def read_lora_ranks(root: Path, tp: int, pp: int) -> dict:
     return out
 
 
+def read_bridge_lora(root: Path) -> tuple[dict, object]:
+    """A Megatron-Bridge LoRA (torch_dist, global tensors stacked over layers) read with torch's own DCP reader, as
+    the one TP=1 "rank" {(0, 0): {"model": {decoder.layers.{i}.<linear>.lora_A/B.default.weight: …}}}, and the
+    args its run_config.yaml amounts to (read here with yaml: r = peft.dim, alpha = peft.alpha)."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+    from argparse import Namespace
+
+    it = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    d = root / f"iter_{int(it):07d}"
+    reader = dcp.FileSystemReader(str(d))
+    md = reader.read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if ".adapter." in k}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    model = {}
+    for key, stacked in sd.items():
+        module, ab = key.split(".adapter.")
+        rest = module.removeprefix("decoder.layers.")
+        for layer in range(stacked.shape[0]):
+            model[f"decoder.layers.{layer}.{rest}.lora_{'A' if ab == 'linear_in.weight' else 'B'}.default.weight"] = \
+                stacked[layer]
+    config = yaml.safe_load((d / "run_config.yaml").read_text())
+    m, peft = config["model"], config["peft"]
+    args = Namespace(num_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+                     num_query_groups=m["num_query_groups"], kv_channels=m["kv_channels"],
+                     ffn_hidden_size=m["ffn_hidden_size"], lora_r=peft["dim"], lora_alpha=peft["alpha"],
+                     lora_target_modules=peft["target_modules"], tensor_model_parallel_size=1,
+                     pipeline_model_parallel_size=1)
+    return {(0, 0): {"model": model}}, args
+
+
 def replicated(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     for t, x in enumerate(tensors[1:], 1):
         assert torch.equal(x, tensors[0]), f"{what}: TP rank {t} differs from rank 0 (should be replicated)"
@@ -94,8 +126,13 @@ def build_adapter(name: str) -> tuple[dict, object]:
     """{HF module name (model.layers.{i}.self_attn.q_proj ...): (A [r, in], B [out, r]) in float32}, args."""
     info = fixture_info(name)
     tp, pp = info["tp"], info["pp"]
-    ranks = read_lora_ranks(FIXTURES / name / "lora", tp, pp)
-    args = ranks[(0, 0)]["args"]
+    if info.get("megatron_bridge"):  # global tensors: the TP=1 layout
+        tp = pp = 1
+        ranks, args = read_bridge_lora(FIXTURES / name / "lora")
+        info = {**info, "layer_layout": []}
+    else:
+        ranks = read_lora_ranks(FIXTURES / name / "lora", tp, pp)
+        args = ranks[(0, 0)]["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     nl, nh, ng, d, f = args.num_layers, args.num_attention_heads, args.num_query_groups, args.kv_channels, \
         args.ffn_hidden_size

@@ -78,17 +78,3 @@ def test_truncated_distcp_is_a_clear_error(saved):
     with pytest.raises(MergeError, match="past the end of the file"):
         open_checkpoint(root)
 
-
-def test_a_megatron_bridge_checkpoint_is_refused_by_name(tmp_path, capsys):
-    """Megatron-Bridge saves torch_dist with its configuration in iter_N/run_config.yaml, not Megatron args."""
-    import shutil
-
-    from helpers import FIXTURES, run_failing
-
-    root = tmp_path / "bridge"
-    shutil.copytree(FIXTURES / "dist_tp2pp2_fp32", root)
-    tracker = (root / "base" / "latest_checkpointed_iteration.txt").read_text().strip()
-    (root / "base" / f"iter_{int(tracker):07d}" / "run_config.yaml").write_text(
-        "peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 4\n  alpha: 12\n")
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(tmp_path / "out")], capsys, "a Megatron-Bridge checkpoint (run_config.yaml")

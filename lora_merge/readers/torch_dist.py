@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from lora_merge.model.mtp import args_mtp_layers, canonical as mtp_canonical, is_mtp
-from lora_merge.errors import MergeError, UnsupportedInput
+from lora_merge.errors import MergeError
 from lora_merge.model.layer_numbering import numbering_from_args
+from lora_merge.readers import bridge
 from lora_merge.readers.checkpoint import GLOBAL, Checkpoint, LoraCollector, Pieces, TensorRef, joined_ref, release_pages
 from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
@@ -227,7 +228,8 @@ def _piece_refs(where, shape, dtype, pieces) -> tuple[list[TensorRef], int | Non
 def read_torch_dist(path: Path) -> Checkpoint:
     it_dir, iteration = resolve_iteration_dir(path, is_torch_dist_iteration)
     entries, storage = read_metadata(it_dir / METADATA)
-    args, common_where = _common_args(it_dir, entries, storage)
+    from_bridge = bridge.is_bridge_iteration(it_dir)
+    args, common_where = (bridge.bridge_args(it_dir), None) if from_bridge else _common_args(it_dir, entries, storage)
     if getattr(args, "noop_layers", None):
         raise MergeError(f"{it_dir}: noop_layers in a torch_dist checkpoint are not supported (their stacked layer "
                          "numbering is not documented); convert it to the legacy format")
@@ -235,7 +237,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
-    ckpt.note = f"saved from TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global"
+    ckpt.note = (("Megatron-Bridge, " if from_bridge else "") + f"saved from TP={tp} PP={pp}"
+                 + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global")
     ckpt.numbering = numbering_from_args(args, pp, vpp)
     ckpt.experts = expert_layout(args, tp, str(it_dir), torch_dist=True)  # informational: tensors are global (one shard each)
     files: dict[str, DistcpFile] = {}
@@ -265,6 +268,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
         if info["dtype"] is None or not isinstance(info["dtype"], torch.dtype):
             raise MergeError(f"{it_dir}: {key} has no readable dtype")
         name = key[len("module."):] if key.startswith("module.") else key
+        if from_bridge:
+            name = bridge.lora_name(name, f"{it_dir.name}/{METADATA}[{key}]")
         if is_mtp(name):  # per-layer keys of the MTP layers, named as decoder layers L+k from here on
             name = mtp_canonical(name, ckpt.numbering.hf_layers, args_mtp_layers(args), f"{it_dir.name}[{key}]")
         chunks = [(*chunk_getter(key, off, size, info["dtype"]), off, size) for off, size in info["chunks"]]
@@ -294,7 +299,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     _join_singleton_fc1(ckpt)
     lora.finish(ckpt, lambda module: (GLOBAL, 1))
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
-    ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt",
+    ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt", it_dir / bridge.RUN_CONFIG,
                     *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
     if common_where:
         ckpt.files.insert(0, (common_where, 0, 0))
@@ -354,13 +359,7 @@ def _join_singleton_fc1(ckpt: Checkpoint) -> None:
 
 
 def _common_args(it_dir: Path, entries: dict, storage: dict):
-    """args from common.pt (Megatron-Core ≤ 0.18) or the common_state bytes entry (0.19+). A Megatron-Bridge
-    checkpoint keeps its configuration in run_config.yaml instead: refused by name (its layout is recorded in
-    docs/formats.md, not yet read)."""
-    if (it_dir / "run_config.yaml").is_file():
-        raise UnsupportedInput(f"{it_dir}: a Megatron-Bridge checkpoint (run_config.yaml instead of Megatron args) is "
-                               "not read yet; have Megatron-Bridge export it to HF (a LoRA as a PEFT adapter: its "
-                               "hf/ folder when saved with also_save_hf_checkpoint) and merge that")
+    """args from common.pt (Megatron-Core ≤ 0.18) or the common_state bytes entry (0.19+)."""
     common = it_dir / "common.pt"
     if common.is_file():
         state = load_pt(common)

@@ -432,6 +432,40 @@ def save_legacy(torch, root: Path, iteration: int, dirname: str, args, model_sd,
     return path
 
 
+def pinned_dist_save(state: dict, d: Path, ckpt_id: str, metadata: dict) -> None:
+    """megatron.core.dist_checkpointing.save of `state` into `d`, reproducibly: .metadata's storage_meta records
+    the save directory and a random uuid4 save_id; both are pinned (`ckpt_id`: the directory as the training
+    run's save path would name it, so no local path ends up in it). The write threads (2 per rank) also finish
+    in any order, which only permutes the storage_data dict of .metadata: every rank's results are sorted by
+    (file, offset)."""
+    import uuid
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    saved = dcp_fs._generate_uuid, dcp_fs.FileSystemWriter.storage_meta, dcp_fs.FileSystemWriter.finish
+    orig_finish = dcp_fs.FileSystemWriter.finish
+
+    def finish(self, md, results):
+        key = lambda wr: (wr.storage_data.relative_path, wr.storage_data.offset)  # noqa: E731
+        return orig_finish(self, md, [sorted(r, key=key) for r in results])
+
+    dcp_fs._generate_uuid = lambda: str(uuid.uuid5(uuid.NAMESPACE_URL, "lora-merge-fixture:" + ckpt_id))
+    dcp_fs.FileSystemWriter.storage_meta = lambda self: StorageMeta(checkpoint_id=ckpt_id, save_id=self.save_id)
+    dcp_fs.FileSystemWriter.finish = finish
+    try:
+        dist_checkpointing.save(
+            state, str(d), get_default_save_sharded_strategy("torch_dist"),
+            validate_access_integrity=True,
+            content_metadata=_clean_metadata_for_serialization(metadata),
+        )
+    finally:
+        dcp_fs._generate_uuid, dcp_fs.FileSystemWriter.storage_meta, dcp_fs.FileSystemWriter.finish = saved
+
+
 def save_dist_checkpoint(torch, root: Path, iteration: int, args, model, singleton: bool, rng_state):
     """torch_dist checkpoint as megatron.training.checkpointing.save_checkpoint (0.16.1) writes it:
     generate_state_dict(...) with model.sharded_state_dict(metadata=_build_sharded_state_dict_metadata
@@ -440,8 +474,6 @@ def save_dist_checkpoint(torch, root: Path, iteration: int, args, model, singlet
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     d = root / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
@@ -467,35 +499,7 @@ def save_dist_checkpoint(torch, root: Path, iteration: int, args, model, singlet
         ),
         "num_floating_point_operations_so_far": 0,
     }
-    # .metadata's storage_meta records the save directory and a random uuid4 save_id; pin both
-    # (the directory as args.save would name it on the training cluster) so regenerating the
-    # fixture reproduces its bytes and no local path ends up in it.
-    import uuid
-
-    import torch.distributed.checkpoint.filesystem as dcp_fs
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    # The write threads (2 per rank) also finish in any order, which only permutes the
-    # storage_data dict of .metadata: sort every rank's results by (file, offset).
-    ckpt_id = f"{args.save}/iter_{iteration:07d}"
-    saved = dcp_fs._generate_uuid, dcp_fs.FileSystemWriter.storage_meta, dcp_fs.FileSystemWriter.finish
-    orig_finish = dcp_fs.FileSystemWriter.finish
-
-    def finish(self, md, results):
-        key = lambda wr: (wr.storage_data.relative_path, wr.storage_data.offset)  # noqa: E731
-        return orig_finish(self, md, [sorted(r, key=key) for r in results])
-
-    dcp_fs._generate_uuid = lambda: str(uuid.uuid5(uuid.NAMESPACE_URL, "lora-merge-fixture:" + ckpt_id))
-    dcp_fs.FileSystemWriter.storage_meta = lambda self: StorageMeta(checkpoint_id=ckpt_id, save_id=self.save_id)
-    dcp_fs.FileSystemWriter.finish = finish
-    try:
-        dist_checkpointing.save(
-            state, str(d), get_default_save_sharded_strategy("torch_dist"),
-            validate_access_integrity=True,
-            content_metadata=_clean_metadata_for_serialization(metadata),
-        )
-    finally:
-        dcp_fs._generate_uuid, dcp_fs.FileSystemWriter.storage_meta, dcp_fs.FileSystemWriter.finish = saved
+    pinned_dist_save(state, d, f"{args.save}/iter_{iteration:07d}", metadata)
     # read it back through Megatron and compare with the live parameters
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, str(d))
     live = model.state_dict()

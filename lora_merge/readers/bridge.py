@@ -1,0 +1,149 @@
+"""Megatron-Bridge checkpoints: a torch_dist save whose configuration is `iter_N/run_config.yaml` (Bridge's
+ConfigContainer) instead of Megatron-LM args, and whose LoRA is Bridge's own adapter module.
+
+The tensors are Megatron-Core's (the torch_dist reader reads them); this module answers the two things that differ:
+- the args: `model:` holds every TransformerConfig field (a newer builder config nests them under
+  `model.transformer:`) plus the GPT provider's. Megatron-LM fills TransformerConfig from its args by field name,
+  so a field named like an arg means the same; the few Megatron-LM names that differ are derived
+  (`swiglu`, `untie_embeddings_and_output_weights`, `norm_epsilon`, `num_experts`, `group_query_attention`,
+  the uneven pipeline's `decoder_first/last_pipeline_num_layers`). `peft:` gives r (`dim`), `alpha` and the
+  targets. Callables and dtypes are `{_target_: …, _call_: false}` mappings.
+- the LoRA names: `<linear>.adapter.linear_in.weight` is A [r, in] and `<linear>.adapter.linear_out.weight` is
+  B [out, r], global tensors in Megatron's TP=1 layout (fc1's B as [all gate; all up], qkv's interleaved), as the
+  base's; they are read as PEFT's lora_A / lora_B. Bridge scales by alpha / dim (no rsLoRA).
+Refused by name: Bridge's other PEFT methods (CanonicalLoRA's adapter_q/k/v/gate/up, DoRA's weight_magnitude,
+VLMLoRA, multi-LoRA), `normalize_moe_lora` (a rank per module kind), shared-outer expert LoRA and LoRA on experts
+(their saved layout is not confirmed yet). docs/formats.md records the layout and where it was read.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from pathlib import Path
+
+from lora_merge.errors import MergeError, UnsupportedInput
+from lora_merge.files.small_files import read_bytes
+from lora_merge.shown import shown
+
+RUN_CONFIG = "run_config.yaml"
+LORA = "megatron.bridge.peft.lora.LoRA"
+# Bridge's other PEFT methods, by the class path run_config.yaml names them with
+OTHER_PEFT = {"canonical_lora.CanonicalLoRA": "CanonicalLoRA (separate q/k/v and gate/up adapters)",
+              "dora.DoRA": "DoRA", "lora.VLMLoRA": "VLMLoRA", "multi_lora": "multi-LoRA"}
+ADAPTER_A, ADAPTER_B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+# adapter entries of Bridge's other methods, for a checkpoint whose run_config.yaml was lost or edited
+OTHER_ADAPTER_KEYS = {".adapter.weight_magnitude": "DoRA (adapter.weight_magnitude)",
+                      ".adapter.adapter_": "CanonicalLoRA (adapter.adapter_q/_k/_v/_gate/_up)"}
+SILU = "torch.nn.functional.silu"
+DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def is_bridge_iteration(it_dir: Path) -> bool:
+    return (it_dir / RUN_CONFIG).is_file() or (it_dir / RUN_CONFIG).is_symlink()
+
+
+def read_run_config(it_dir: Path) -> dict:
+    import yaml
+
+    path = it_dir / RUN_CONFIG
+    text = read_bytes(path, RUN_CONFIG, expected="Megatron-Bridge's run configuration (YAML)")
+    try:
+        config = yaml.safe_load(text)  # Bridge writes it with yaml.safe_dump: plain mappings, no tags
+    except yaml.YAMLError as exc:
+        raise MergeError(f"{path}: unreadable YAML ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise MergeError(f"{path}: no 'model' mapping; expected Megatron-Bridge's run configuration "
+                         "(ConfigContainer with model:, peft:, checkpoint:)")
+    return config
+
+
+def bridge_args(it_dir: Path) -> Namespace:
+    """The Megatron-LM args a Bridge run's configuration amounts to (see the module's docstring)."""
+    config = read_run_config(it_dir)
+    where = str(it_dir / RUN_CONFIG)
+    model = dict(config["model"])
+    nested = model.pop("transformer", None)
+    if isinstance(nested, dict):  # the builder-backed GPT config keeps TransformerConfig's fields apart
+        model = {**{k: v for k, v in nested.items()}, **model}
+    args = {k: v for k, v in model.items() if _plain(v) and not k.startswith("_")}
+    target = lambda v: v.get("_target_") if isinstance(v, dict) else v  # noqa: E731
+    activation = target(model.get("activation_func"))
+    if model.get("gated_linear_unit") is not None:
+        args["swiglu"] = bool(model["gated_linear_unit"]) and activation == SILU
+    if model.get("share_embeddings_and_output_weights") is not None:
+        args["untie_embeddings_and_output_weights"] = not model["share_embeddings_and_output_weights"]
+    if model.get("layernorm_epsilon") is not None:
+        args["norm_epsilon"] = model["layernorm_epsilon"]
+    if model.get("num_moe_experts") is not None:
+        args["num_experts"] = model["num_moe_experts"]
+    args["group_query_attention"] = model.get("num_query_groups") is not None
+    for ours, theirs in (("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
+                         ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")):
+        if model.get(theirs) is not None:
+            args[ours] = model[theirs]
+    dtype = DTYPES.get(str(target(model.get("params_dtype"))))
+    if dtype is not None:
+        import torch
+
+        args["params_dtype"] = getattr(torch, dtype)
+        if "bf16" not in args and "fp16" not in args:
+            args["bf16"], args["fp16"] = dtype == "bfloat16", dtype == "float16"
+    args.pop("vocab_size", None)  # the provider's may be the padded or the tokenizer's size: the tensors say which
+    args.update(_lora_args(config.get("peft"), where))
+    args["bridge_run_config"] = where
+    args["bridge_hf_model_id"] = model.get("hf_model_id")
+    return Namespace(**args)
+
+
+def _plain(value) -> bool:
+    """A scalar or a list of scalars: a value Megatron-LM's args could hold as it is."""
+    if isinstance(value, (list, tuple)):
+        return all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _lora_args(peft, where: str) -> dict:
+    if peft is None:
+        return {}
+    if not isinstance(peft, dict):
+        raise MergeError(f"{where}: peft={shown(peft)}; expected a mapping (Megatron-Bridge's PEFT config)")
+    target = str(peft.get("_target_", ""))
+    if target != LORA:
+        for suffix, what in OTHER_PEFT.items():
+            if suffix in target:
+                raise UnsupportedInput(f"{where}: peft is Megatron-Bridge's {what}, which is not read yet; only its "
+                                       "plain LoRA (megatron.bridge.peft.lora.LoRA) is")
+        raise UnsupportedInput(f"{where}: peft._target_={shown(target)}: not Megatron-Bridge's LoRA ({LORA})")
+    if peft.get("normalize_moe_lora"):
+        raise UnsupportedInput(f"{where}: peft.normalize_moe_lora: expert linears get rank dim / moe_router_topk, "
+                               "another than the rest; not read yet")
+    if peft.get("experts_shared_outer_loras"):
+        raise UnsupportedInput(f"{where}: peft.experts_shared_outer_loras (A of fc1 and B of fc2 shared by all "
+                               "experts) is not read yet")
+    targets = peft.get("target_modules") or []
+    excluded = peft.get("exclude_modules") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not isinstance(excluded, list):
+        raise MergeError(f"{where}: peft.target_modules={shown(targets)}; expected a list of module names")
+    # a wildcard (`*.layers.0.*.linear_qkv`) adapts some layers only: its last part names the module kind
+    kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    return {"lora_r": peft.get("dim"), "lora_alpha": peft.get("alpha"),
+            "lora_target_modules": [] if excluded or any("*" in t for t in targets) else kinds,
+            "bridge_lora_patterns": targets or None}
+
+
+def lora_name(name: str, where: str) -> str:
+    """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged."""
+    if ".adapter." in name and ".experts." in name and ".shared_experts." not in name:
+        raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on routed experts is not read yet (its saved layout, "
+                               "one adapter shared by the experts or one per expert, is not confirmed)")
+    if name.endswith(ADAPTER_A):
+        return name[: -len(ADAPTER_A)] + ".lora_A.default.weight"
+    if name.endswith(ADAPTER_B):
+        return name[: -len(ADAPTER_B)] + ".lora_B.default.weight"
+    if ".adapter." in name:
+        for marker, what in OTHER_ADAPTER_KEYS.items():
+            if marker in name:
+                raise UnsupportedInput(f"{where}: Megatron-Bridge's {what} is not read yet; only its plain LoRA "
+                                       "(adapter.linear_in / adapter.linear_out) is")
+        raise UnsupportedInput(f"{where}: {shown(name)}: a Megatron-Bridge adapter entry of no kind this tool reads")
+    return name

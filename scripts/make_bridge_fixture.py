@@ -1,0 +1,291 @@
+"""Make tests/fixtures/bridge_tp2_fp32: a Megatron-Bridge-layout base and LoRA checkpoint of the dense Qwen2-like
+fixture model, saved by the REAL megatron-core 0.16.1 on CPU (gloo, TP=2).
+
+Megatron-Bridge itself does not install here (0.6.2 needs Python 3.12 and imports TransformerEngine, which does not
+build without CUDA), so its LoRA module is rebuilt from its documented structure (Megatron-Bridge 067f987d,
+`peft/lora.py`, `peft/utils.py` ParallelLinearAdapter, `peft/adapter_wrapper.py`), with megatron-core's own parallel
+linears inside:
+* every targeted linear becomes a wrapper holding the original module and an adapter; the wrapper's
+  sharded_state_dict is the original module's (same keys) plus the adapter's under `<linear>.adapter.`;
+* the adapter has `linear_in` (A, [r, in]): a ColumnParallelLinear(in, r, gather_output=True) on a column-parallel
+  base (linear_qkv, linear_fc1), a RowParallelLinear(in, r, input_is_parallel=True) on a row-parallel one
+  (linear_proj, linear_fc2); and `linear_out` (B, [out, r]): a ColumnParallelLinear(r, out), gathered on a
+  row-parallel base; linear_fc1's linear_out goes through megatron-core's apply_swiglu_sharded_factory, as Bridge
+  does for a gated MLP;
+* the adapter adds (alpha / dim) · linear_out(linear_in(x)) to the wrapped linear's output.
+The values are the committed fixture's canonical base and LoRA (the same seeds), so the forward pass through this
+structure must give the fixture's own Megatron logits (checked here, on every rank that holds them).
+
+Saved as Bridge's `save_checkpoint` writes (its generate_state_dict and apply_peft_adapter_filter_to_state_dict):
+`{"checkpoint_version": 3.0, "iteration": N, "model": <sharded state dict>, "rng_state": ShardedObject}` through
+megatron-core's dist_checkpointing.save, without Megatron args; run_config.yaml (ConfigContainer: `model:` every
+TransformerConfig field plus the GPT provider's, callables and dtypes as `{_target_, _call_: false}`; `peft:` the
+LoRA config), train_state.pt and the tracker latest_checkpointed_iteration.txt beside it.
+* base/: the whole model (as Bridge's import from HF saves it), iteration 1, run_config.yaml without `peft`;
+* lora/: adapter tensors only, iteration 10 (`_extra_state` dropped), and a stale iteration 5 with other values.
+
+    python scripts/make_bridge_fixture.py [--out tests/fixtures]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fixturegen import dense, library as lib  # noqa: E402
+
+NAME = "bridge_tp2_fp32"
+SPEC = dict(dense.QWEN2, tp=2, gen=2)  # the model and LoRA of tp2_fp32_filtered (same seeds)
+SAME_AS = "tp2_fp32_filtered"
+LORA_ITERS = (5, 10)  # stale, latest
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+def yaml_value(v):
+    """A config value as Bridge's safe YAML representers write it, or None where it has none (process groups)."""
+    import torch
+
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, enum.Enum):
+        return v.value if isinstance(v.value, (int, str)) else v.name
+    if isinstance(v, torch.dtype):
+        return {"_target_": str(v), "_call_": False}
+    if callable(v) and hasattr(v, "__qualname__"):
+        return {"_target_": f"{v.__module__}.{v.__qualname__}", "_call_": False}
+    if isinstance(v, (list, tuple)):
+        items = [yaml_value(x) for x in v]
+        return items if all(x is not None or y is None for x, y in zip(items, v)) else None
+    return None
+
+
+def run_config(config, peft: dict | None, iteration: int) -> dict:
+    model = {"_target_": "megatron.bridge.models.qwen.qwen_provider.Qwen2ModelProvider"}
+    for f in dataclasses.fields(config):
+        if f.name.startswith("_"):
+            continue
+        value = yaml_value(getattr(config, f.name))
+        if value is not None or getattr(config, f.name) is None:
+            model[f.name] = value
+    dm = dense.MODEL
+    model.update(  # GPTModelProvider's own fields
+        share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=dm["make_vocab_size_divisible_by"],
+        position_embedding_type="rope", rotary_base=dm["rotary_base"], rotary_percent=1.0,
+        seq_length=dm["seq_length"], vocab_size=lib.padded_vocab(SPEC["tp"]), should_pad_vocab=False,
+        hf_model_id="Qwen/Qwen2-tiny-fixture", parallel_output=True,
+        transformer_layer_spec={"_target_": "megatron.bridge.models.gpt_provider.local_layer_spec", "_call_": False})
+    out = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": model,
+           "checkpoint": {"_target_": "megatron.bridge.training.config.CheckpointConfig", "ckpt_format": "torch_dist",
+                          "save": "/checkpoints/bridge_run", "save_optim": False, "save_rng": True,
+                          "pretrained_checkpoint": "/checkpoints/qwen2_tiny_imported" if peft else None},
+           "train": {"_target_": "megatron.bridge.training.config.TrainingConfig", "train_iters": iteration}}
+    if peft is not None:
+        out["peft"] = peft
+    return out
+
+
+def worker(rank: int, world: int, out_dir: str, port: int):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    lib.patch_cuda(torch)
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    BridgeRank(lib.family("dense"), rank, world, NAME, SPEC, out_dir).make()
+
+
+class BridgeRank(lib.Rank):
+    def make(self):
+        import torch
+        import yaml
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        fam, spec = self.family, self.spec
+        self.chunks, self.chunk_first, self.chunk_last = self.build(fam.make_config(self))
+        self.model = self.chunks[0]
+        self.base_global = fam.canonical_base(torch, spec, self.vpad)
+        S, B = self.dm["seq_length"], lib.BATCH
+        g = torch.Generator().manual_seed(lib.INPUT_SEED)
+        self.input_ids = torch.randint(0, self.dm["vocab_size"], (B, S), generator=g, dtype=torch.int64)
+        self.position_ids = torch.arange(S).unsqueeze(0).expand(B, S).contiguous()
+        self.mask = torch.triu(torch.ones(S, S), diagonal=1).bool().view(1, 1, S, S)
+        self.fill(self.localize(self.base_global))
+        reference = torch.load(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / SAME_AS / "logits.pt")
+        logits_base = self.forward()
+        torch.testing.assert_close(logits_base, reference["logits_base"], rtol=0, atol=1e-5)
+        rng = lib.make_rng_state(torch, 2)
+
+        def save(root: Path, iteration: int, model_sd: dict, peft):
+            d = root / f"iter_{iteration:07d}"
+            if self.rank == 0:
+                d.mkdir(parents=True, exist_ok=True)
+            self.dist.barrier()
+            metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            state = {"checkpoint_version": 3.0, "iteration": iteration, "model": model_sd(metadata),
+                     "rng_state": ShardedObject("rng_state", rng, (1, self.TP), (0, self.tp_rank), replica_id=0)}
+            lib.pinned_dist_save(state, d, f"/checkpoints/{root.name}/iter_{iteration:07d}", metadata)
+            if self.rank == 0:
+                config = run_config(self.config, peft, iteration)
+                (d / "run_config.yaml").write_text(yaml.safe_dump(config))
+                train_state = {"step": torch.tensor(iteration), "consumed_train_samples": torch.tensor(iteration * 8),
+                               "floating_point_operations_so_far": torch.tensor(0.0)}
+                torch.save(train_state, d / "train_state.pt")
+                torch.save(train_state, root / "latest_train_state.pt")
+                (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+            self.dist.barrier()
+
+        self.config = fam.make_config(self)
+        out = self.out
+        save(out / "base", lib.BASE_ITER, lambda md: self.model.sharded_state_dict(metadata=md), None)
+
+        peft = {"_target_": "megatron.bridge.peft.lora.LoRA", "target_modules": list(spec["targets"]),
+                "exclude_modules": [], "dim": lib.LORA_R, "alpha": lib.LORA_ALPHA, "dropout": 0.0,
+                "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero",
+                "a2a_experimental": False, "lora_dtype": None, "normalize_moe_lora": False,
+                "share_expert_adapters": True, "experts_shared_outer_loras": False,
+                "sequence_parallel_input_regather": False}
+        adapters = wrap_targets(self.model, self.config, spec["targets"], lib.LORA_R, lib.LORA_ALPHA)
+
+        def adapter_sd(md):  # Bridge's PEFT save: adapter tensors only, no _extra_state
+            return {k: v for k, v in self.model.sharded_state_dict(metadata=md).items()
+                    if ".adapter." in k and "_extra_state" not in k}
+
+        for iteration in LORA_ITERS:
+            seed = spec["lora_seed"] + (lib.STALE_SEED_OFFSET if iteration != LORA_ITERS[-1] else 0)
+            fill_adapters(torch, adapters, fam.canonical_lora(torch, spec, seed), self.tp_rank, self.TP)
+            logits = self.forward()
+            save(out / "lora", iteration, adapter_sd, peft)
+        torch.testing.assert_close(logits, reference["logits_lora"], rtol=0, atol=1e-5)
+        if self.writer:
+            torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
+                        "logits_base": logits_base.clone()}, out / "logits.pt")
+        self.dist.barrier()
+        self.dist.destroy_process_group()
+
+
+def make_adapter_classes():
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    class Adapter(torch.nn.Module):
+        def __init__(self, in_features, out_features, dim, alpha, row_parallel_base, swiglu, config):
+            super().__init__()
+            init = torch.nn.init.zeros_
+            if row_parallel_base:
+                self.linear_in = RowParallelLinear(in_features, dim, config=config, input_is_parallel=True,
+                                                   skip_bias_add=True, bias=False, init_method=init)
+            else:
+                self.linear_in = ColumnParallelLinear(in_features, dim, config=config, bias=False, gather_output=True,
+                                                      init_method=init)
+            self.linear_out = ColumnParallelLinear(dim, out_features, config=config, bias=False,
+                                                   gather_output=row_parallel_base, init_method=init)
+            self.scale, self.swiglu = alpha / dim, swiglu
+
+        def forward(self, x):
+            h, _ = self.linear_in(x)
+            y, _ = self.linear_out(h)
+            return y * self.scale
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            sd = self.linear_in.sharded_state_dict(f"{prefix}linear_in.", sharded_offsets, metadata)
+            out = self.linear_out.sharded_state_dict(f"{prefix}linear_out.", sharded_offsets, metadata)
+            if self.swiglu:
+                key = f"{prefix}linear_out.weight"
+                out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets)
+            return {**sd, **out}
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, to_wrap, adapter):
+            super().__init__()
+            self.to_wrap, self.adapter = to_wrap, adapter
+
+        def forward(self, x, *args, **kwargs):
+            out, bias = self.to_wrap(x, *args, **kwargs)
+            return out + self.adapter(x).reshape(out.shape), bias
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return {**self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata),
+                    **self.adapter.sharded_state_dict(f"{prefix}adapter.", sharded_offsets, metadata)}
+
+    return Adapter, Wrapped
+
+
+def wrap_targets(model, config, targets, dim, alpha) -> dict:
+    """Every targeted linear of every layer wrapped; {global module path: adapter}."""
+    Adapter, Wrapped = make_adapter_classes()
+    adapters = {}
+    for layer in model.decoder.layers:
+        i = layer.layer_number - 1
+        for module in targets:
+            parent = layer.self_attention if module in ("linear_qkv", "linear_proj") else layer.mlp
+            fin, fout = dense.lora_io(module)
+            adapter = Adapter(fin, fout, dim, alpha, module in ROW_PARALLEL, module == "linear_fc1", config)
+            setattr(parent, module, Wrapped(getattr(parent, module), adapter))
+            adapters[f"decoder.layers.{i}.{dense.module_path(module)}"] = adapter
+    return adapters
+
+
+def fill_adapters(torch, adapters: dict, factors: dict, tp_rank: int, tp: int):
+    """The canonical global A [r, in] and B [out, r] (B's rows in the TP=1 order: fc1 [all gate; all up]) as
+    this rank's shards of linear_in and linear_out."""
+    with torch.no_grad():
+        for path, adapter in adapters.items():
+            a, b = factors[path + ".lora_A.weight"], factors[path + ".lora_B.weight"]
+            module = path.rsplit(".", 1)[1]
+            if module in ROW_PARALLEL:
+                a_local = a.chunk(tp, dim=1)[tp_rank]
+            else:
+                a_local = a.chunk(tp, dim=0)[tp_rank]
+            if module == "linear_fc1":
+                gate, up = b.chunk(2, dim=0)
+                b_local = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+            else:
+                b_local = b.chunk(tp, dim=0)[tp_rank]
+            adapter.linear_in.weight.copy_(a_local)
+            adapter.linear_out.weight.copy_(b_local)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+    opts = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    out = Path(opts.out)
+    d = out / NAME
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    mp.spawn(worker, args=(SPEC["tp"], str(out), lib.free_port()), nprocs=SPEC["tp"], join=True)
+    shutil.copytree(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / SAME_AS / "hf_ref", d / "hf_ref")
+    (d / "fixture.json").write_text(json.dumps({
+        "tp": SPEC["tp"], "pp": 1, "dtype": "float32", "r": lib.LORA_R, "alpha": lib.LORA_ALPHA,
+        "targets": SPEC["targets"], "model_type": "qwen2", "vocab_size": dense.MODEL["vocab_size"],
+        "padded_vocab_size": lib.padded_vocab(SPEC["tp"]), "base_iteration": lib.BASE_ITER,
+        "lora_iteration": LORA_ITERS[-1], "stale_lora_iteration": LORA_ITERS[0], "same_model_as": SAME_AS,
+        "lora": "filtered", "base_format": "torch_dist", "lora_format": "torch_dist", "megatron_bridge": True,
+        "singleton_local_shards": False, "tied_embeddings": False, "qk_layernorm": False, "qkv_bias": True,
+        "num_layers": dense.MODEL["num_layers"], "kv_channels": dense.MODEL["kv_channels"], "vpp": None,
+        "logits_computed_in": "float32",
+        "description": __doc__.split("\n\n", 1)[1].split("\n\n    python")[0],
+    }, indent=2) + "\n")
+    print(f"wrote {d}")
+
+
+if __name__ == "__main__":
+    main()
