@@ -90,9 +90,11 @@ def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int,
     if len(a_shapes[0]) != 2 or len(b_shapes[0]) != 2:
         raise MergeError(f"{lora.a[0].where}: lora_A/lora_B of {module} must be matrices, "
                          f"found shapes {list(a_shapes[0])} and {list(b_shapes[0])}")
-    if a_shapes[0][0] != r or b_shapes[0][1] != r:
+    blocks = getattr(lora, "blocks", 1)
+    if a_shapes[0][0] != r * blocks or b_shapes[0][1] != r * blocks:
         raise MergeError(f"{lora.a[0].where}: {module} has LoRA rank {a_shapes[0][0]} (lora_A) / {b_shapes[0][1]} "
-                         f"(lora_B), but r={r}")
+                         f"(lora_B), but r={r}" + (f" for each of its {blocks} adapters" if blocks > 1 else ""))
+    r *= blocks
     a_split, b_split = rule.lora_split
     check_shards(a_shapes, a_split, (r, in_dim), f"{module}.lora_A ({lora.a[0].where})")
     check_shards(b_shapes, b_split, (out_dim, r), f"{module}.lora_B ({lora.b[0].where})")
@@ -101,7 +103,28 @@ def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int,
 def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(B, A) for each HF tensor the rule produces, with B's rows in that tensor's HF order."""
     a, b_shards = _factor_shards(rule, lora, module)
-    return {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
+    factors = {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
+    return _own_blocks(rule, lora, shape, factors, module) if getattr(lora, "blocks", 1) > 1 else factors
+
+
+def _own_blocks(rule: Rule, lora: LoraModule, shape: ModelShape, factors: dict, module: str) -> dict:
+    """A fused module of several adapters (`LoraModule.row_block`): each HF tensor keeps the adapters that own its
+    rows (the others' columns of B are zero there by construction), so a projection an adapter of its own trained
+    gets that adapter's factors, of rank r; one no adapter trained gets zero factors (PEFT's model of the same
+    run has no LoRA there: W is written unchanged either way)."""
+    blocks = lora.blocks
+    r = lora.a[0].shape[0] // blocks
+    owner = torch.nn.functional.one_hot((lora.row_block.long() + 1), blocks + 1)[:, 1:].to(torch.float32)
+    owned = rule.to_hf([owner], shape, f"{module} (its adapters' rows)")
+    out = {}
+    for name, (b, a) in factors.items():
+        mine = [i for i in range(blocks) if owned[name][:, i].any()]
+        if not mine:
+            out[name] = (b.new_zeros(b.shape[0], r), a.new_zeros(r, a.shape[1]))
+            continue
+        cols = torch.cat([torch.arange(i * r, (i + 1) * r) for i in mine])
+        out[name] = (b[:, cols], a[cols])
+    return out
 
 
 def whole_factors(rule: Rule, lora: LoraModule, module: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.integrity import check_finite, check_records
 from lora_merge.lora import ExpertLoras, LoraSettings, check_factor_shapes, hf_factors
 from lora_merge.model.architectures import Architecture, iter_rules
@@ -201,6 +201,10 @@ def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
             continue
         factors = remaining.pop(module)
         check_factor_shapes(rule, factors, shape, settings.r, module)
+        if factors.blocks > 1 and len(rule.hf_shapes(shape)) == 1:
+            raise UnsupportedInput(f"{lora.path}: {module}: several adapters (Megatron-Bridge's CanonicalLoRA) on what "
+                                   f"is one HF tensor in {shape.model_type}: a PEFT adapter has one LoRA per tensor; "
+                                   "merge it instead")
         for refs, which in ((factors.a, "lora_A"), (factors.b, "lora_B")):
             if dtype is None and len({ref.dtype for ref in refs}) > 1:  # the file is planned in one dtype each
                 raise MergeError(f"{refs[0].where}: the TP shards of {module}.{which} differ in dtype "

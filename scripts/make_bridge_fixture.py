@@ -22,7 +22,12 @@ megatron-core's dist_checkpointing.save, without Megatron args; run_config.yaml 
 TransformerConfig field plus the GPT provider's, callables and dtypes as `{_target_, _call_: false}`; `peft:` the
 LoRA config), train_state.pt and the tracker latest_checkpointed_iteration.txt beside it.
 * base/: the whole model (as Bridge's import from HF saves it), iteration 1, run_config.yaml without `peft`;
-* lora/: adapter tensors only, iteration 10 (`_extra_state` dropped), and a stale iteration 5 with other values.
+* lora/: adapter tensors only, iteration 10 (`_extra_state` dropped), and a stale iteration 5 with other values;
+* lora_canonical/: Bridge's CanonicalLoRA (LoRALinearSplitQKV / LoRALinearSplitFC1UpGate: one adapter per HF
+  projection, their outputs interleaved per query group, gate and up side by side) on linear_q, linear_v (no k),
+  linear_fc1_gate, linear_fc1_up, linear_proj and linear_fc2, its own seeded values; the gate and up adapters' B go
+  through the swiglu factory as Bridge saves them, so at TP=2 their rows are stored in the factory's order.
+  logits_canonical.pt holds its forward pass.
 
     python scripts/make_bridge_fixture.py [--out tests/fixtures]
 """
@@ -47,6 +52,7 @@ SPEC = dict(dense.QWEN2, tp=2, gen=2)  # the model and LoRA of tp2_fp32_filtered
 SAME_AS = "tp2_fp32_filtered"
 LORA_ITERS = (5, 10)  # stale, latest
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
+CANONICAL_SEED = 9000
 
 
 def yaml_value(v):
@@ -158,6 +164,9 @@ class BridgeRank(lib.Rank):
                 "a2a_experimental": False, "lora_dtype": None, "normalize_moe_lora": False,
                 "share_expert_adapters": True, "experts_shared_outer_loras": False,
                 "sequence_parallel_input_regather": False}
+        originals = {(layer.layer_number, name): getattr(parent, name) for layer in self.model.decoder.layers
+                     for parent, names in ((layer.self_attention, ("linear_qkv", "linear_proj")),
+                                           (layer.mlp, ("linear_fc1", "linear_fc2"))) for name in names}
         adapters = wrap_targets(self.model, self.config, spec["targets"], lib.LORA_R, lib.LORA_ALPHA)
 
         def adapter_sd(md):  # Bridge's PEFT save: adapter tensors only, no _extra_state
@@ -173,6 +182,28 @@ class BridgeRank(lib.Rank):
         if self.writer:
             torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
                         "logits_base": logits_base.clone()}, out / "logits.pt")
+
+        # ---- CanonicalLoRA on the same base: q and v (no k), gate and up, proj and fc2 ----
+        for layer in self.model.decoder.layers:
+            for parent, names in ((layer.self_attention, ("linear_qkv", "linear_proj")),
+                                  (layer.mlp, ("linear_fc1", "linear_fc2"))):
+                for name in names:
+                    setattr(parent, name, originals[(layer.layer_number, name)])
+        logits = self.forward()
+        torch.testing.assert_close(logits, logits_base, rtol=0, atol=0)  # unwrapped: the base again
+        canonical = wrap_canonical(self.model, self.config, CANONICAL_TARGETS, lib.LORA_R, lib.LORA_ALPHA, self.TP)
+        fill_canonical(torch, canonical, canonical_factors(torch, CANONICAL_SEED, CANONICAL_TARGETS), self.tp_rank,
+                       self.TP)
+        logits = self.forward()
+        assert (logits - logits_base).abs().max() > 0.5
+        peft_canonical = dict(peft, _target_="megatron.bridge.peft.canonical_lora.CanonicalLoRA",
+                              target_modules=CANONICAL_TARGETS)
+        for key in ("a2a_experimental", "lora_dtype", "experts_shared_outer_loras", "sequence_parallel_input_regather"):
+            peft_canonical.pop(key)
+        save(out / "lora_canonical", LORA_ITERS[-1], adapter_sd, peft_canonical)
+        if self.writer:
+            torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
+                        "logits_base": logits_base.clone()}, out / "logits_canonical.pt")
         self.dist.barrier()
         self.dist.destroy_process_group()
 
@@ -222,12 +253,117 @@ def make_adapter_classes():
             return {**self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata),
                     **self.adapter.sharded_state_dict(f"{prefix}adapter.", sharded_offsets, metadata)}
 
-    return Adapter, Wrapped
+    class CanonicalQkv(torch.nn.Module):
+        """Bridge's LoRALinearSplitQKV: q, k and v adapters (any may be absent), their outputs interleaved per query
+        group of this rank as Megatron packs linear_qkv's output."""
+
+        def __init__(self, to_wrap, adapters: dict, heads: int, groups: int, head_dim: int):
+            super().__init__()
+            self.to_wrap, self.adapter = to_wrap, torch.nn.ModuleDict(adapters)
+            self.heads, self.groups, self.head_dim = heads, groups, head_dim
+
+        def forward(self, x, *args, **kwargs):
+            out, bias = self.to_wrap(x, *args, **kwargs)
+            lead, d, per = x.shape[:-1], self.head_dim, self.heads // self.groups
+
+            def part(name, n):
+                a = self.adapter[name] if name in self.adapter else None
+                return a(x).reshape(*lead, n, d) if a is not None else x.new_zeros(*lead, n, d)
+            q, k, v = part("adapter_q", self.heads), part("adapter_k", self.groups), part("adapter_v", self.groups)
+            chunks = []
+            for g in range(self.groups):
+                chunks += [q[..., g * per:(g + 1) * per, :], k[..., g:g + 1, :], v[..., g:g + 1, :]]
+            return out + torch.cat(chunks, dim=-2).reshape(out.shape), bias
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            sd = self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata)
+            for name, adapter in self.adapter.items():
+                sd.update(adapter.sharded_state_dict(f"{prefix}adapter.{name}.", sharded_offsets, metadata))
+            return sd
+
+    class CanonicalFc1(CanonicalQkv):
+        """Bridge's LoRALinearSplitFC1UpGate: gate and up adapters, this rank's [gate; up] output."""
+
+        def __init__(self, to_wrap, adapters: dict):
+            torch.nn.Module.__init__(self)
+            self.to_wrap, self.adapter = to_wrap, torch.nn.ModuleDict(adapters)
+
+        def forward(self, x, *args, **kwargs):
+            out, bias = self.to_wrap(x, *args, **kwargs)
+            half = out.shape[-1] // 2
+            parts = [self.adapter[n](x) if n in self.adapter else x.new_zeros(*x.shape[:-1], half)
+                     for n in ("adapter_gate", "adapter_up")]
+            return out + torch.cat(parts, dim=-1), bias
+
+    return Adapter, Wrapped, CanonicalQkv, CanonicalFc1
+
+
+CANONICAL_TARGETS = ["linear_q", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"]
+CANONICAL_PARTS = {"linear_q": ("linear_qkv", "adapter_q"), "linear_k": ("linear_qkv", "adapter_k"),
+                   "linear_v": ("linear_qkv", "adapter_v"), "linear_fc1_gate": ("linear_fc1", "adapter_gate"),
+                   "linear_fc1_up": ("linear_fc1", "adapter_up")}
+
+
+def canonical_factors(torch, seed: int, targets) -> dict:
+    """A [r, in] and B [rows, r] of every canonical adapter, B's rows in HF order (q: heads in order; gate: the
+    ffn rows), by (global layer, target)."""
+    dm = dense.MODEL
+    H, F, NH, NG, D = dm["hidden_size"], dm["ffn_hidden_size"], dm["num_attention_heads"], dm["num_query_groups"], \
+        dm["kv_channels"]
+    rows = {"linear_q": (H, NH * D), "linear_k": (H, NG * D), "linear_v": (H, NG * D), "linear_fc1_gate": (H, F),
+            "linear_fc1_up": (H, F), "linear_proj": (NH * D, H), "linear_fc2": (F, H)}
+    out = {}
+    for i in range(dm["num_layers"]):
+        for t in targets:
+            fin, fout = rows[t]
+            name = f"canonical.layers.{i}.{t}"
+            out[(i, t)] = (lib.randn(torch, seed, name + ".A", (lib.LORA_R, fin), 0.1),
+                           lib.randn(torch, seed, name + ".B", (fout, lib.LORA_R), 0.1))
+    return out
+
+
+def wrap_canonical(model, config, targets, dim, alpha, tp: int) -> dict:
+    """CanonicalLoRA's wrappers on every layer; {(global layer, target): adapter}."""
+    Adapter, Wrapped, CanonicalQkv, CanonicalFc1 = make_adapter_classes()
+    dm, adapters = dense.MODEL, {}
+    H, F, NH, NG, D = dm["hidden_size"], dm["ffn_hidden_size"], dm["num_attention_heads"], dm["num_query_groups"], \
+        dm["kv_channels"]
+    out_of = {"adapter_q": NH * D, "adapter_k": NG * D, "adapter_v": NG * D, "adapter_gate": F, "adapter_up": F}
+    for layer in model.decoder.layers:
+        i = layer.layer_number - 1
+        for fused, parent in (("linear_qkv", layer.self_attention), ("linear_fc1", layer.mlp)):
+            parts = {part: t for t, (f, part) in CANONICAL_PARTS.items() if f == fused and t in targets}
+            if not parts:
+                continue
+            made = {part: Adapter(H, out_of[part], dim, alpha, False, fused == "linear_fc1", config)
+                    for part in parts}
+            original = getattr(parent, fused)
+            wrapper = CanonicalQkv(original, made, NH // tp, NG // tp, D) if fused == "linear_qkv" else \
+                CanonicalFc1(original, made)
+            setattr(parent, fused, wrapper)
+            adapters.update({(i, t): made[part] for part, t in parts.items()})
+        for t in ("linear_proj", "linear_fc2"):
+            if t in targets:
+                parent = layer.self_attention if t == "linear_proj" else layer.mlp
+                fin, fout = dense.lora_io(t)
+                adapter = Adapter(fin, fout, dim, alpha, True, False, config)
+                setattr(parent, t, Wrapped(getattr(parent, t), adapter))
+                adapters[(i, t)] = adapter
+    return adapters
+
+
+def fill_canonical(torch, adapters: dict, factors: dict, tp_rank: int, tp: int):
+    with torch.no_grad():
+        for key, adapter in adapters.items():
+            a, b = factors[key]
+            row_parallel = key[1] in ROW_PARALLEL
+            adapter.linear_in.weight.copy_(a.chunk(tp, dim=1 if row_parallel else 0)[tp_rank])
+            adapter.linear_out.weight.copy_(b.chunk(tp, dim=0)[tp_rank])
 
 
 def wrap_targets(model, config, targets, dim, alpha) -> dict:
     """Every targeted linear of every layer wrapped; {global module path: adapter}."""
-    Adapter, Wrapped = make_adapter_classes()
+    Adapter, Wrapped, _, _ = make_adapter_classes()
     adapters = {}
     for layer in model.decoder.layers:
         i = layer.layer_number - 1

@@ -7,11 +7,14 @@ tp2_fp32_filtered, so on any form of the same base (Bridge's torch_dist, Megatro
 it must give that fixture's bytes; the args in run_config.yaml are checked against the HF config like Megatron-LM's;
 Bridge's other PEFT methods are refused by name."""
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 import lora_merge
 from helpers import FIXTURES, quiet, run_failing
@@ -67,7 +70,6 @@ def args_of(root: Path, out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("target, named", [
-    ("megatron.bridge.peft.canonical_lora.CanonicalLoRA", "CanonicalLoRA"),
     ("megatron.bridge.peft.dora.DoRA", "DoRA"),
     ("megatron.bridge.peft.lora.VLMLoRA", "VLMLoRA"),
     ("mypackage.MyAdapter", "not Megatron-Bridge's LoRA"),
@@ -117,7 +119,7 @@ def test_a_damaged_run_config_is_named(text, named, tmp_path, capsys):
 
 @pytest.mark.parametrize("key, named", [
     ("decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude", "DoRA"),
-    ("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", "CanonicalLoRA"),
+    ("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", "not CanonicalLoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.something.weight", "no kind this tool reads"),
     ("decoder.layers.0.mlp.experts.experts.linear_fc1.adapter.linear_in.weight", "routed experts"),
 ])
@@ -146,3 +148,105 @@ def test_the_builder_config_s_nested_transformer_fields_are_read(tmp_path):
     assert (args.num_layers, args.num_query_groups, args.swiglu, args.group_query_attention) == (4, 4, True, True)
     assert (args.lora_r, args.lora_alpha, args.lora_target_modules) == (
         4, 12, ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"])
+
+
+# ---- CanonicalLoRA: q and v (no k) of linear_qkv, gate and up of linear_fc1, plus proj and fc2, saved at TP=2 ----
+
+CANONICAL = BRIDGE / "lora_canonical"
+
+
+def hf_logits(out: Path, input_ids) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+@pytest.fixture(scope="module")
+def canonical_merge(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("canonical") / "out"
+    lora_merge.merge(base=BRIDGE / "base", lora=CANONICAL, hf_ref=BRIDGE / "hf_ref", out=out, warn=quiet)
+    return out
+
+
+def test_canonical_lora_computes_what_megatron_with_it_computes(canonical_merge):
+    ref = torch.load(BRIDGE / "logits_canonical.pt", weights_only=True)
+    logits = hf_logits(canonical_merge, ref["input_ids"])
+    assert (logits - ref["logits_lora"]).abs().max() <= 1e-4
+    assert (logits - ref["logits_base"]).abs().max() > 0.5
+
+
+def test_canonical_lora_leaves_the_projection_it_did_not_train_as_the_base_has_it(canonical_merge, tmp_path):
+    lora_merge.merge(base=BRIDGE / "base", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "base", warn=quiet)
+    ours, base = load_file(next(canonical_merge.glob("*.safetensors"))), load_file(next((tmp_path / "base").glob(
+        "*.safetensors")))
+    for layer in range(4):
+        p = f"model.layers.{layer}."
+        assert torch.equal(ours[p + "self_attn.k_proj.weight"], base[p + "self_attn.k_proj.weight"])
+        for trained in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert not torch.equal(ours[p + trained + ".weight"], base[p + trained + ".weight"])
+
+
+def test_canonical_lora_exported_is_each_projection_s_own_adapter(canonical_merge, tmp_path):
+    """Each HF projection gets its adapter's factors at rank r (not the fused rank-3r module); PEFT with the exported
+    adapter computes Megatron's logits, and its merge_and_unload gives our merge."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora_merge.merge(base=BRIDGE / "base", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "base", warn=quiet)
+    lora_merge.export_adapter(lora=CANONICAL, hf_ref=BRIDGE / "hf_ref", out=tmp_path / "adapter", warn=quiet)
+    factors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {t.shape[0] for k, t in factors.items() if k.endswith("lora_A.weight")} == {4}
+    k_b = factors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"]
+    assert not k_b.any()  # k was not trained
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 12)
+    ref = torch.load(BRIDGE / "logits_canonical.pt", weights_only=True)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                      tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert (model(ref["input_ids"]).logits - ref["logits_lora"]).abs().max() <= 1e-4
+    merged = model.merge_and_unload().state_dict()
+    ours = load_file(next(canonical_merge.glob("*.safetensors")))
+    for name, tensor in ours.items():
+        assert (tensor - merged[name]).abs().max() <= 1e-6 * max(1.0, merged[name].abs().max().item()), name
+
+
+def test_canonical_lora_on_the_megatron_lm_base_and_to_megatron(canonical_merge, tmp_path):
+    lora_merge.merge(base=MINDSPEED / "base", lora=CANONICAL, hf_ref=BRIDGE / "hf_ref", out=tmp_path / "mlm",
+                     warn=quiet)
+    assert files_of(tmp_path / "mlm") == files_of(canonical_merge)
+    lora_merge.to_megatron(base=BRIDGE / "base", lora=CANONICAL, hf_ref=BRIDGE / "hf_ref", out=tmp_path / "mg",
+                           tp=2, warn=quiet)
+    lora_merge.merge(base=tmp_path / "mg", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "back", warn=quiet)
+    assert files_of(tmp_path / "back") == files_of(canonical_merge)
+
+
+def test_canonical_lora_verify_passes_and_finds_a_changed_weight(canonical_merge, tmp_path):
+    report = lora_merge.verify(canonical_merge, base=BRIDGE / "base", lora=CANONICAL, hf_ref=BRIDGE / "hf_ref")
+    assert report.ok
+    out = tmp_path / "changed"
+    shutil.copytree(canonical_merge, out)
+    path = next(out.glob("*.safetensors"))
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] += 0.01
+    from safetensors.torch import save_file
+    save_file(tensors, path, metadata={"format": "pt"})
+    report = lora_merge.verify(out, base=BRIDGE / "base", lora=CANONICAL, hf_ref=BRIDGE / "hf_ref")
+    assert not report.ok
+
+
+def test_a_canonical_adapter_without_its_other_factor_is_named(tmp_path):
+    from lora_merge.readers.bridge import CanonicalParts
+    from lora_merge.readers.checkpoint import TensorRef
+
+    parts = CanonicalParts(None, "here")
+    ref = TensorRef("x", (4, 64), torch.float32, lambda: torch.zeros(4, 64))
+    assert parts.take("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", ref)
+
+    class Ckpt:
+        lora = {}
+    from lora_merge.errors import MergeError
+    with pytest.raises(MergeError, match="adapter_q has linear_in but not linear_out"):
+        parts.finish(Ckpt())

@@ -18,8 +18,11 @@ VLMLoRA, multi-LoRA), `normalize_moe_lora` (a rank per module kind), shared-oute
 
 from __future__ import annotations
 
+import re
 from argparse import Namespace
 from pathlib import Path
+
+import torch
 
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.files.small_files import read_bytes
@@ -28,12 +31,14 @@ from lora_merge.shown import shown
 RUN_CONFIG = "run_config.yaml"
 LORA = "megatron.bridge.peft.lora.LoRA"
 # Bridge's other PEFT methods, by the class path run_config.yaml names them with
-OTHER_PEFT = {"canonical_lora.CanonicalLoRA": "CanonicalLoRA (separate q/k/v and gate/up adapters)",
-              "dora.DoRA": "DoRA", "lora.VLMLoRA": "VLMLoRA", "multi_lora": "multi-LoRA"}
+CANONICAL_LORA = "megatron.bridge.peft.canonical_lora.CanonicalLoRA"
+OTHER_PEFT = {"dora.DoRA": "DoRA", "lora.VLMLoRA": "VLMLoRA", "multi_lora": "multi-LoRA"}
 ADAPTER_A, ADAPTER_B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 # adapter entries of Bridge's other methods, for a checkpoint whose run_config.yaml was lost or edited
-OTHER_ADAPTER_KEYS = {".adapter.weight_magnitude": "DoRA (adapter.weight_magnitude)",
-                      ".adapter.adapter_": "CanonicalLoRA (adapter.adapter_q/_k/_v/_gate/_up)"}
+OTHER_ADAPTER_KEYS = {".adapter.weight_magnitude": "DoRA (adapter.weight_magnitude)"}
+# CanonicalLoRA: one adapter per HF projection of the fused linear_qkv and linear_fc1
+CANONICAL_KEY = re.compile(r"^(.+\.(linear_qkv|linear_fc1))\.adapter\.adapter_(q|k|v|gate|up)\.linear_(in|out)\.weight$")
+SLOTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 SILU = "torch.nn.functional.silu"
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -108,11 +113,11 @@ def _lora_args(peft, where: str) -> dict:
     if not isinstance(peft, dict):
         raise MergeError(f"{where}: peft={shown(peft)}; expected a mapping (Megatron-Bridge's PEFT config)")
     target = str(peft.get("_target_", ""))
-    if target != LORA:
+    if target not in (LORA, CANONICAL_LORA):
         for suffix, what in OTHER_PEFT.items():
             if suffix in target:
                 raise UnsupportedInput(f"{where}: peft is Megatron-Bridge's {what}, which is not read yet; only its "
-                                       "plain LoRA (megatron.bridge.peft.lora.LoRA) is")
+                                       "LoRA and CanonicalLoRA are")
         raise UnsupportedInput(f"{where}: peft._target_={shown(target)}: not Megatron-Bridge's LoRA ({LORA})")
     if peft.get("normalize_moe_lora"):
         raise UnsupportedInput(f"{where}: peft.normalize_moe_lora: expert linears get rank dim / moe_router_topk, "
@@ -124,18 +129,29 @@ def _lora_args(peft, where: str) -> dict:
     excluded = peft.get("exclude_modules") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not isinstance(excluded, list):
         raise MergeError(f"{where}: peft.target_modules={shown(targets)}; expected a list of module names")
-    # a wildcard (`*.layers.0.*.linear_qkv`) adapts some layers only: its last part names the module kind
-    kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    # a wildcard (`*.layers.0.*.linear_qkv`) adapts some layers only: its last part names the module kind;
+    # CanonicalLoRA's linear_q/_k/_v and linear_fc1_gate/_up are parts of linear_qkv and linear_fc1
+    kinds = sorted({CANONICAL_TARGETS.get(k, k) for k in (t.rsplit(".", 1)[-1] for t in targets)})
     return {"lora_r": peft.get("dim"), "lora_alpha": peft.get("alpha"),
             "lora_target_modules": [] if excluded or any("*" in t for t in targets) else kinds,
-            "bridge_lora_patterns": targets or None}
+            "bridge_lora_patterns": targets or None, "bridge_canonical_lora": target == CANONICAL_LORA}
 
 
-def lora_name(name: str, where: str) -> str:
-    """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged."""
+CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear_v": "linear_qkv",
+                     "linear_fc1_gate": "linear_fc1", "linear_fc1_up": "linear_fc1"}
+
+
+def lora_name(name: str, where: str, canonical: bool = False) -> str:
+    """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged (a
+    CanonicalLoRA's per-projection entries too, for `CanonicalParts`, where the run's config says CanonicalLoRA)."""
     if ".adapter." in name and ".experts." in name and ".shared_experts." not in name:
         raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on routed experts is not read yet (its saved layout, "
                                "one adapter shared by the experts or one per expert, is not confirmed)")
+    if CANONICAL_KEY.match(name):
+        if not canonical:
+            raise UnsupportedInput(f"{where}: a CanonicalLoRA adapter entry, but run_config.yaml's peft is not "
+                                   "CanonicalLoRA: the configuration does not belong to these tensors")
+        return name
     if name.endswith(ADAPTER_A):
         return name[: -len(ADAPTER_A)] + ".lora_A.default.weight"
     if name.endswith(ADAPTER_B):
@@ -147,3 +163,108 @@ def lora_name(name: str, where: str) -> str:
                                        "(adapter.linear_in / adapter.linear_out) is")
         raise UnsupportedInput(f"{where}: {shown(name)}: a Megatron-Bridge adapter entry of no kind this tool reads")
     return name
+
+
+class CanonicalParts:
+    """CanonicalLoRA's adapters of one fused linear (q, k, v of linear_qkv; gate, up of linear_fc1), each of rank r
+    and its own rows, fused into one LoRA module of rank k·r whose B holds each adapter's rows in its own column
+    block (zero elsewhere): B·A is the sum of the adapters' changes, laid out as the fused linear's rows
+    (Megatron's group-interleaved qkv, fc1's [gate; up]). `LoraModule.row_block` says which adapter owns which row,
+    so each HF projection takes back its own adapter's factors (`lora.hf_factors`).
+
+    Saved at TP > 1, a gate or up adapter's B (a column-parallel linear on a gated fc1, which Bridge saves through
+    megatron-core's swiglu factory) is in the factory's order: each rank's rows cut in halves, all ranks' first
+    halves, then all their second halves; it is put back in row order with the TP of the run."""
+
+    def __init__(self, args, where: str):
+        self.args, self.where = args, where
+        self.parts: dict[str, dict[str, dict[str, object]]] = {}  # module -> slot -> "in"/"out" -> TensorRef
+
+    def take(self, name: str, ref) -> bool:
+        m = CANONICAL_KEY.match(name)
+        if not m:
+            return False
+        slot = self.parts.setdefault(m.group(1), {}).setdefault(m.group(3), {})
+        if m.group(4) in slot:
+            raise MergeError(f"{ref.where}: {name} stored twice")
+        slot[m.group(4)] = ref
+        return True
+
+    def finish(self, ckpt) -> None:
+        from lora_merge.readers.checkpoint import GLOBAL, LoraModule, Pieces
+
+        for module, slots in sorted(self.parts.items()):
+            if module in ckpt.lora:
+                raise MergeError(f"{self.where}: {module} has both a LoRA adapter and CanonicalLoRA's per-projection "
+                                 "adapters")
+            kind = module.rsplit(".", 1)[1]
+            present = [s for s in SLOTS[kind] if s in slots]
+            for s in present:
+                if set(slots[s]) != {"in", "out"}:
+                    have = next(iter(slots[s]))
+                    raise MergeError(f"{self.where}: {module}.adapter.adapter_{s} has linear_{have} but not "
+                                     f"linear_{'out' if have == 'in' else 'in'}")
+            a_refs = [slots[s]["in"] for s in present]
+            b_refs = [slots[s]["out"] for s in present]
+            r = a_refs[0].shape[0]
+            for ref in a_refs + b_refs:
+                if len(ref.shape) != 2 or (ref.shape[0] if ref in a_refs else ref.shape[1]) != r:
+                    raise MergeError(f"{ref.where}: shape {list(ref.shape)}; CanonicalLoRA's adapters of {module} "
+                                     f"must share one rank ({r})")
+            rows, row_block, fill = self._layout(kind, present, b_refs, module)
+            a = _ref(f"{a_refs[0].where} (+{len(a_refs) - 1} CanonicalLoRA adapters)", (r * len(present),
+                     a_refs[0].shape[1]), a_refs[0].dtype, lambda a_refs=a_refs: torch.cat([x.load() for x in a_refs]),
+                     a_refs)
+            b = _ref(f"{b_refs[0].where} (+{len(b_refs) - 1} CanonicalLoRA adapters)", (rows, r * len(present)),
+                     b_refs[0].dtype, fill, b_refs)
+            ckpt.lora[module] = LoraModule(a=Pieces((a,), GLOBAL), b=Pieces((b,), GLOBAL), row_block=row_block)
+
+    def _layout(self, kind: str, present: list[str], b_refs: list, module: str):
+        """(rows of the fused linear, the adapter each row belongs to, a loader of the block B)."""
+        args, r = self.args, b_refs[0].shape[1]
+        col = {s: slice(i * r, (i + 1) * r) for i, s in enumerate(present)}
+        if kind == "linear_qkv":
+            heads = int(args.num_attention_heads)
+            groups = int(getattr(args, "num_query_groups", None) or heads)
+            d = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // heads)
+            per = heads // groups
+            size = {"q": per * d, "k": d, "v": d}  # rows of each adapter in one query group
+            offset = {"q": 0, "k": per * d, "v": (per + 1) * d}
+            rows = groups * (per + 2) * d
+            spans = {s: [(g * (per + 2) * d + offset[s], g * size[s], size[s]) for g in range(groups)] for s in present}
+            expected = {s: groups * size[s] for s in present}
+        else:
+            ffn = b_refs[0].shape[0]
+            rows = 2 * ffn
+            tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+            if ffn % (2 * tp):
+                raise MergeError(f"{b_refs[0].where}: {ffn} rows do not split in halves over TP={tp}")
+            half = ffn // (2 * tp)
+            # the swiglu factory's order: rank t's first half at t·half, its second half at ffn/2 + t·half
+            order = [(t * 2 * half + j * half, j * (ffn // 2) + t * half, half) for t in range(tp) for j in (0, 1)]
+            spans = {s: [((0 if s == "gate" else ffn) + dst, src, n) for dst, src, n in order] for s in present}
+            expected = {s: ffn for s in present}
+        for s, ref in zip(present, b_refs):
+            if ref.shape[0] != expected[s]:
+                raise MergeError(f"{ref.where}: {module}.adapter.adapter_{s}'s B has {ref.shape[0]} rows; the model "
+                                 f"(run_config.yaml) gives it {expected[s]}")
+        row_block = torch.full((rows,), -1, dtype=torch.int8)
+        for i, s in enumerate(present):
+            for dst, _, n in spans[s]:
+                row_block[dst:dst + n] = i
+
+        def fill():
+            out = torch.zeros(rows, r * len(present), dtype=b_refs[0].dtype)
+            for s, ref in zip(present, b_refs):
+                b = ref.load()
+                for dst, src, n in spans[s]:
+                    out[dst:dst + n, col[s]] = b[src:src + n]
+            return out
+        return rows, row_block, fill
+
+
+def _ref(where, shape, dtype, loader, parts):
+    from lora_merge.readers.checkpoint import TensorRef
+
+    return TensorRef(where=where, shape=tuple(shape), dtype=dtype, loader=loader,
+                     records=lambda: tuple(rec for p in parts for rec in p.records()))

@@ -144,6 +144,13 @@ class Pieces:
 class LoraModule:
     a: Pieces
     b: Pieces
+    # several rank-r adapters fused into one of rank k·r (Megatron-Bridge's CanonicalLoRA: q, k, v of linear_qkv):
+    # the adapter (column block of B, row block of A) each of the linear's rows belongs to, -1 for none
+    row_block: torch.Tensor | None = None
+
+    @property
+    def blocks(self) -> int:
+        return 1 if self.row_block is None else int(self.row_block.max()) + 1
 
     @property
     def refs(self) -> tuple[TensorRef, ...]:
