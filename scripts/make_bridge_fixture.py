@@ -45,11 +45,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fixturegen import dense, library as lib  # noqa: E402
+from fixturegen import dense, library as lib, moe  # noqa: E402
 
-NAME = "bridge_tp2_fp32"
-SPEC = dict(dense.QWEN2, tp=2, gen=2)  # the model and LoRA of tp2_fp32_filtered (same seeds)
-SAME_AS = "tp2_fp32_filtered"
+ROOT = Path(__file__).resolve().parents[1]
+# name: (family, the spec of the model and LoRA, the committed fixture of the same model (same seeds), its folder,
+#        the provider class run_config.yaml names, whether to add a CanonicalLoRA)
+CASES = {
+    "bridge_tp2_fp32": ("dense", dict(dense.QWEN2, tp=2, gen=2), "tp2_fp32_filtered", "tests/fixtures",
+                        "megatron.bridge.models.qwen.qwen_provider.Qwen2ModelProvider", True),
+    # SequentialMLP experts at EP=2: every routed expert its own adapter, saved with the experts' global axis
+    "bridge_qwen3moe_ep2": ("moe", dict(moe.QWEN3MOE, targets=lib.GQA_TARGETS), "qwen3moe_ep2", "tests/fixtures_moe",
+                            "megatron.bridge.models.qwen.qwen_provider.Qwen3MoEModelProvider", False),
+}
 LORA_ITERS = (5, 10)  # stale, latest
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 CANONICAL_SEED = 9000
@@ -73,8 +80,8 @@ def yaml_value(v):
     return None
 
 
-def run_config(config, peft: dict | None, iteration: int) -> dict:
-    model = {"_target_": "megatron.bridge.models.qwen.qwen_provider.Qwen2ModelProvider"}
+def run_config(config, peft: dict | None, iteration: int, provider: str, tp: int) -> dict:
+    model = {"_target_": provider}
     for f in dataclasses.fields(config):
         if f.name.startswith("_"):
             continue
@@ -85,7 +92,7 @@ def run_config(config, peft: dict | None, iteration: int) -> dict:
     model.update(  # GPTModelProvider's own fields
         share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=dm["make_vocab_size_divisible_by"],
         position_embedding_type="rope", rotary_base=dm["rotary_base"], rotary_percent=1.0,
-        seq_length=dm["seq_length"], vocab_size=lib.padded_vocab(SPEC["tp"]), should_pad_vocab=False,
+        seq_length=dm["seq_length"], vocab_size=lib.padded_vocab(tp), should_pad_vocab=False,
         hf_model_id="Qwen/Qwen2-tiny-fixture", parallel_output=True,
         transformer_layer_spec={"_target_": "megatron.bridge.models.gpt_provider.local_layer_spec", "_call_": False})
     out = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": model,
@@ -98,18 +105,21 @@ def run_config(config, peft: dict | None, iteration: int) -> dict:
     return out
 
 
-def worker(rank: int, world: int, out_dir: str, port: int):
+def worker(rank: int, world: int, name: str, out_dir: str, port: int):
     import warnings
 
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
 
+    family, spec = CASES[name][:2]
+    fam = lib.family(family)
     lib.patch_cuda(torch)
+    fam.patch_cpu(torch)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    BridgeRank(lib.family("dense"), rank, world, NAME, SPEC, out_dir).make()
+    BridgeRank(fam, rank, world, name, spec, out_dir).make()
 
 
 class BridgeRank(lib.Rank):
@@ -120,6 +130,7 @@ class BridgeRank(lib.Rank):
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         fam, spec = self.family, self.spec
+        _, _, same_as, folder, provider, with_canonical = CASES[self.name]
         self.chunks, self.chunk_first, self.chunk_last = self.build(fam.make_config(self))
         self.model = self.chunks[0]
         self.base_global = fam.canonical_base(torch, spec, self.vpad)
@@ -129,7 +140,7 @@ class BridgeRank(lib.Rank):
         self.position_ids = torch.arange(S).unsqueeze(0).expand(B, S).contiguous()
         self.mask = torch.triu(torch.ones(S, S), diagonal=1).bool().view(1, 1, S, S)
         self.fill(self.localize(self.base_global))
-        reference = torch.load(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / SAME_AS / "logits.pt")
+        reference = torch.load(ROOT / folder / same_as / "logits.pt")
         logits_base = self.forward()
         torch.testing.assert_close(logits_base, reference["logits_base"], rtol=0, atol=1e-5)
         rng = lib.make_rng_state(torch, 2)
@@ -142,10 +153,11 @@ class BridgeRank(lib.Rank):
             metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                         "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
             state = {"checkpoint_version": 3.0, "iteration": iteration, "model": model_sd(metadata),
-                     "rng_state": ShardedObject("rng_state", rng, (1, self.TP), (0, self.tp_rank), replica_id=0)}
+                     "rng_state": ShardedObject("rng_state", rng, (1, self.TP), (0, self.tp_rank),
+                                                replica_id=ps.get_data_parallel_rank())}
             lib.pinned_dist_save(state, d, f"/checkpoints/{root.name}/iter_{iteration:07d}", metadata)
             if self.rank == 0:
-                config = run_config(self.config, peft, iteration)
+                config = run_config(self.config, peft, iteration, provider, self.TP)
                 (d / "run_config.yaml").write_text(yaml.safe_dump(config))
                 train_state = {"step": torch.tensor(iteration), "consumed_train_samples": torch.tensor(iteration * 8),
                                "floating_point_operations_so_far": torch.tensor(0.0)}
@@ -166,8 +178,13 @@ class BridgeRank(lib.Rank):
                 "sequence_parallel_input_regather": False}
         originals = {(layer.layer_number, name): getattr(parent, name) for layer in self.model.decoder.layers
                      for parent, names in ((layer.self_attention, ("linear_qkv", "linear_proj")),
-                                           (layer.mlp, ("linear_fc1", "linear_fc2"))) for name in names}
-        adapters = wrap_targets(self.model, self.config, spec["targets"], lib.LORA_R, lib.LORA_ALPHA)
+                                           (layer.mlp, ("linear_fc1", "linear_fc2"))) for name in names
+                     if hasattr(parent, name)}
+        io = moe.lora_modules(spec) if "num_experts" in spec else {
+            f"decoder.layers.{i}.{dense.module_path(m)}": dense.lora_io(m) for i in range(self.dm["num_layers"])
+            for m in spec["targets"]}
+        adapters = wrap_targets(self.model, self.config, spec["targets"], lib.LORA_R, lib.LORA_ALPHA,
+                                self.ep_rank, spec.get("num_experts", 0) // self.EP, io)
 
         def adapter_sd(md):  # Bridge's PEFT save: adapter tensors only, no _extra_state
             return {k: v for k, v in self.model.sharded_state_dict(metadata=md).items()
@@ -175,13 +192,18 @@ class BridgeRank(lib.Rank):
 
         for iteration in LORA_ITERS:
             seed = spec["lora_seed"] + (lib.STALE_SEED_OFFSET if iteration != LORA_ITERS[-1] else 0)
-            fill_adapters(torch, adapters, fam.canonical_lora(torch, spec, seed), self.tp_rank, self.TP)
+            fill_adapters(torch, adapters, fam.canonical_lora(torch, spec, seed), self.tp_rank, self.TP,
+                          self.etp_rank, self.ETP or 1)
             logits = self.forward()
             save(out / "lora", iteration, adapter_sd, peft)
         torch.testing.assert_close(logits, reference["logits_lora"], rtol=0, atol=1e-5)
         if self.writer:
             torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
                         "logits_base": logits_base.clone()}, out / "logits.pt")
+        if not with_canonical:
+            self.dist.barrier()
+            self.dist.destroy_process_group()
+            return
 
         # ---- CanonicalLoRA on the same base: q and v (no k), gate and up, proj and fc2 ----
         for layer in self.model.decoder.layers:
@@ -214,17 +236,19 @@ def make_adapter_classes():
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
     class Adapter(torch.nn.Module):
-        def __init__(self, in_features, out_features, dim, alpha, row_parallel_base, swiglu, config):
+        def __init__(self, in_features, out_features, dim, alpha, row_parallel_base, swiglu, config, is_expert=False):
             super().__init__()
             init = torch.nn.init.zeros_
             if row_parallel_base:
                 self.linear_in = RowParallelLinear(in_features, dim, config=config, input_is_parallel=True,
-                                                   skip_bias_add=True, bias=False, init_method=init)
+                                                   skip_bias_add=True, bias=False, init_method=init,
+                                                   is_expert=is_expert)
             else:
                 self.linear_in = ColumnParallelLinear(in_features, dim, config=config, bias=False, gather_output=True,
-                                                      init_method=init)
+                                                      init_method=init, is_expert=is_expert)
             self.linear_out = ColumnParallelLinear(dim, out_features, config=config, bias=False,
-                                                   gather_output=row_parallel_base, init_method=init)
+                                                   gather_output=row_parallel_base, init_method=init,
+                                                   is_expert=is_expert)
             self.scale, self.swiglu = alpha / dim, swiglu
 
         def forward(self, x):
@@ -361,66 +385,83 @@ def fill_canonical(torch, adapters: dict, factors: dict, tp_rank: int, tp: int):
             adapter.linear_out.weight.copy_(b.chunk(tp, dim=0)[tp_rank])
 
 
-def wrap_targets(model, config, targets, dim, alpha) -> dict:
-    """Every targeted linear of every layer wrapped; {global module path: adapter}."""
+def wrap_targets(model, config, targets, dim, alpha, ep_rank: int, local_experts: int, io: dict) -> dict:
+    """Every targeted linear of every layer wrapped (each routed expert's of a SequentialMLP too, as Bridge adapts
+    `local_experts.{k}.linear_fc1`: an is_expert adapter of its own); {global module path: adapter}."""
     Adapter, Wrapped, _, _ = make_adapter_classes()
     adapters = {}
     for layer in model.decoder.layers:
         i = layer.layer_number - 1
-        for module in targets:
-            parent = layer.self_attention if module in ("linear_qkv", "linear_proj") else layer.mlp
-            fin, fout = dense.lora_io(module)
-            adapter = Adapter(fin, fout, dim, alpha, module in ROW_PARALLEL, module == "linear_fc1", config)
-            setattr(parent, module, Wrapped(getattr(parent, module), adapter))
-            adapters[f"decoder.layers.{i}.{dense.module_path(module)}"] = adapter
+        linears = [(f"decoder.layers.{i}.self_attention.{m}", layer.self_attention, m, False)
+                   for m in ("linear_qkv", "linear_proj")]
+        if hasattr(layer.mlp, "experts"):
+            linears += [(f"decoder.layers.{i}.mlp.experts.{ep_rank * local_experts + k}.{m}", expert, m, True)
+                        for k, expert in enumerate(layer.mlp.experts.local_experts) for m in ("linear_fc1", "linear_fc2")]
+        else:
+            linears += [(f"decoder.layers.{i}.mlp.{m}", layer.mlp, m, False) for m in ("linear_fc1", "linear_fc2")]
+        for path, parent, module, is_expert in linears:
+            if module not in targets:
+                continue
+            linear = getattr(parent, module)
+            fin, fout = io[path]
+            adapter = Adapter(fin, fout, dim, alpha, module in ROW_PARALLEL, module == "linear_fc1", config, is_expert)
+            setattr(parent, module, Wrapped(linear, adapter))
+            adapters[path] = adapter
     return adapters
 
 
-def fill_adapters(torch, adapters: dict, factors: dict, tp_rank: int, tp: int):
+def fill_adapters(torch, adapters: dict, factors: dict, tp_rank: int, tp: int, etp_rank: int, etp: int):
     """The canonical global A [r, in] and B [out, r] (B's rows in the TP=1 order: fc1 [all gate; all up]) as
-    this rank's shards of linear_in and linear_out."""
+    this rank's shards of linear_in and linear_out (a routed expert's over the expert TP group)."""
     with torch.no_grad():
         for path, adapter in adapters.items():
+            rank, size = (etp_rank, etp) if ".mlp.experts." in path else (tp_rank, tp)
             a, b = factors[path + ".lora_A.weight"], factors[path + ".lora_B.weight"]
             module = path.rsplit(".", 1)[1]
             if module in ROW_PARALLEL:
-                a_local = a.chunk(tp, dim=1)[tp_rank]
+                a_local = a.chunk(size, dim=1)[rank]
             else:
-                a_local = a.chunk(tp, dim=0)[tp_rank]
+                a_local = a.chunk(size, dim=0)[rank]
             if module == "linear_fc1":
                 gate, up = b.chunk(2, dim=0)
-                b_local = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+                b_local = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
             else:
-                b_local = b.chunk(tp, dim=0)[tp_rank]
+                b_local = b.chunk(size, dim=0)[rank]
             adapter.linear_in.weight.copy_(a_local)
             adapter.linear_out.weight.copy_(b_local)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+    ap.add_argument("--only", nargs="*", choices=sorted(CASES), help="the fixtures to make (default: all)")
+    ap.add_argument("--out", help="write the fixtures under this folder instead of their tests/ folders")
     opts = ap.parse_args()
     import torch.multiprocessing as mp
 
-    out = Path(opts.out)
-    d = out / NAME
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    mp.spawn(worker, args=(SPEC["tp"], str(out), lib.free_port()), nprocs=SPEC["tp"], join=True)
-    shutil.copytree(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / SAME_AS / "hf_ref", d / "hf_ref")
-    (d / "fixture.json").write_text(json.dumps({
-        "tp": SPEC["tp"], "pp": 1, "dtype": "float32", "r": lib.LORA_R, "alpha": lib.LORA_ALPHA,
-        "targets": SPEC["targets"], "model_type": "qwen2", "vocab_size": dense.MODEL["vocab_size"],
-        "padded_vocab_size": lib.padded_vocab(SPEC["tp"]), "base_iteration": lib.BASE_ITER,
-        "lora_iteration": LORA_ITERS[-1], "stale_lora_iteration": LORA_ITERS[0], "same_model_as": SAME_AS,
-        "lora": "filtered", "base_format": "torch_dist", "lora_format": "torch_dist", "megatron_bridge": True,
-        "singleton_local_shards": False, "tied_embeddings": False, "qk_layernorm": False, "qkv_bias": True,
-        "num_layers": dense.MODEL["num_layers"], "kv_channels": dense.MODEL["kv_channels"], "vpp": None,
-        "logits_computed_in": "float32",
-        "description": __doc__.split("\n\n", 1)[1].split("\n\n    python")[0],
-    }, indent=2) + "\n")
-    print(f"wrote {d}")
+    for name in opts.only or sorted(CASES):
+        family, spec, same_as, folder, _, with_canonical = CASES[name]
+        out = Path(opts.out) if opts.out else ROOT / folder
+        d = out / name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        world = spec["tp"] * spec.get("ep", 1)
+        mp.spawn(worker, args=(world, name, str(out), lib.free_port()), nprocs=world, join=True)
+        shutil.copytree(ROOT / folder / same_as / "hf_ref", d / "hf_ref")
+        same = json.loads((ROOT / folder / same_as / "fixture.json").read_text())
+        info = {k: same[k] for k in same if k in (
+            "model_type", "tp", "pp", "ep", "etp", "dtype", "r", "alpha", "targets", "vocab_size", "padded_vocab_size",
+            "num_layers", "kv_channels", "num_experts", "qkv_bias", "qk_layernorm", "tied_embeddings")}
+        info.update({
+            "base_iteration": lib.BASE_ITER, "lora_iteration": LORA_ITERS[-1], "stale_lora_iteration": LORA_ITERS[0],
+            "same_model_as": same_as, "lora": "filtered", "base_format": "torch_dist", "lora_format": "torch_dist",
+            "megatron_bridge": True, "singleton_local_shards": False, "vpp": None, "logits_computed_in": "float32",
+            "canonical_lora": with_canonical,
+            "description": __doc__.split("\n\n", 1)[1].split("\n\n    python")[0],
+        })
+        info.setdefault("tied_embeddings", False)
+        (d / "fixture.json").write_text(json.dumps(info, indent=2) + "\n")
+        print(f"wrote {d}")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def test_a_damaged_run_config_is_named(text, named, tmp_path, capsys):
     ("decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude", "DoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", "not CanonicalLoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.something.weight", "no kind this tool reads"),
-    ("decoder.layers.0.mlp.experts.experts.linear_fc1.adapter.linear_in.weight", "routed experts"),
+    ("decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight", "grouped experts"),
 ])
 def test_adapter_entries_of_other_kinds_are_refused_by_name(key, named):
     with pytest.raises(UnsupportedInput, match=named):
@@ -250,3 +250,45 @@ def test_a_canonical_adapter_without_its_other_factor_is_named(tmp_path):
     from lora_merge.errors import MergeError
     with pytest.raises(MergeError, match="adapter_q has linear_in but not linear_out"):
         parts.finish(Ckpt())
+
+
+# ---- LoRA on every routed expert (SequentialMLP at EP=2), the same factors as the MindSpeed fixture qwen3moe_ep2 ----
+
+MOE = FIXTURES.parent / "fixtures_moe"
+BRIDGE_MOE, MINDSPEED_MOE = MOE / "bridge_qwen3moe_ep2", MOE / "qwen3moe_ep2"
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("moe_ref") / "out"
+    lora_merge.merge(base=MINDSPEED_MOE / "base", lora=MINDSPEED_MOE / "lora", hf_ref=MINDSPEED_MOE / "hf_ref", out=out,
+                     warn=quiet)
+    return files_of(out)
+
+
+@pytest.mark.parametrize("base", ["bridge", "megatron-lm", "hf"])
+def test_a_bridge_expert_lora_gives_the_mindspeed_lora_s_bytes(base, moe_reference, tmp_path):
+    if base == "hf":
+        lora_merge.merge(base=BRIDGE_MOE / "base", hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "hf", warn=quiet)
+    base_dir = {"bridge": BRIDGE_MOE / "base", "megatron-lm": MINDSPEED_MOE / "base", "hf": tmp_path / "hf"}[base]
+    result = lora_merge.merge(base=base_dir, lora=BRIDGE_MOE / "lora", hf_ref=BRIDGE_MOE / "hf_ref",
+                              out=tmp_path / "out", warn=quiet)
+    assert result.lora_modules == 4 * (2 + 2 * 4)  # qkv, proj and every expert's fc1, fc2 in 4 layers
+    assert files_of(tmp_path / "out") == moe_reference
+
+
+def test_a_bridge_expert_lora_computes_megatron_s_logits_merged_and_exported(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(BRIDGE_MOE / "logits.pt", weights_only=True)
+    lora_merge.merge(base=BRIDGE_MOE / "base", lora=BRIDGE_MOE / "lora", hf_ref=BRIDGE_MOE / "hf_ref",
+                     out=tmp_path / "out", warn=quiet)
+    assert (hf_logits(tmp_path / "out", ref["input_ids"]) - ref["logits_lora"]).abs().max() <= 1e-4
+    lora_merge.merge(base=BRIDGE_MOE / "base", hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "base", warn=quiet)
+    lora_merge.export_adapter(lora=BRIDGE_MOE / "lora", hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "adapter",
+                              warn=quiet)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                      tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert (model(ref["input_ids"]).logits - ref["logits_lora"]).abs().max() <= 1e-4

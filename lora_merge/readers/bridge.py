@@ -39,6 +39,8 @@ OTHER_ADAPTER_KEYS = {".adapter.weight_magnitude": "DoRA (adapter.weight_magnitu
 # CanonicalLoRA: one adapter per HF projection of the fused linear_qkv and linear_fc1
 CANONICAL_KEY = re.compile(r"^(.+\.(linear_qkv|linear_fc1))\.adapter\.adapter_(q|k|v|gate|up)\.linear_(in|out)\.weight$")
 SLOTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
+# SequentialMLP's experts: one adapter each, saved under the experts' global axis like their weights
+SEQUENTIAL_EXPERT_ADAPTER = re.compile(r"\.mlp\.experts\.experts\.linear_fc[12]\.adapter\.linear_(in|out)\.weight$")
 SILU = "torch.nn.functional.silu"
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -144,9 +146,10 @@ CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear
 def lora_name(name: str, where: str, canonical: bool = False) -> str:
     """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged (a
     CanonicalLoRA's per-projection entries too, for `CanonicalParts`, where the run's config says CanonicalLoRA)."""
-    if ".adapter." in name and ".experts." in name and ".shared_experts." not in name:
-        raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on routed experts is not read yet (its saved layout, "
-                               "one adapter shared by the experts or one per expert, is not confirmed)")
+    if ".adapter." in name and ".experts." in name and ".shared_experts." not in name \
+            and not SEQUENTIAL_EXPERT_ADAPTER.search(name):
+        raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on grouped experts (TEGroupedMLP's adapter, shared by an "
+                               "expert-parallel rank's experts) is not read yet; on SequentialMLP experts it is")
     if CANONICAL_KEY.match(name):
         if not canonical:
             raise UnsupportedInput(f"{where}: a CanonicalLoRA adapter entry, but run_config.yaml's peft is not "

@@ -42,7 +42,9 @@ METADATA = ".metadata"
 SKIPPED_PREFIXES = ("optimizer", "rng_state", "rerun_state_machine", "common_state", "opt_param_scheduler")
 SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
-GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias))$")
+# (a Megatron-Bridge LoRA's per-expert factors too, under the names bridge.lora_name gives them)
+GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\."
+                            r"(linear_fc[12]\.(?:weight|bias|lora_[AB]\.default\.weight))$")
 # singleton_local_shards saves each expert on its own, numbered globally (fc1 as weight_w/weight_v, its bias as bias_w/bias_v)
 SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias)(?:_[wv])?)$")
 
@@ -237,8 +239,9 @@ def read_torch_dist(path: Path) -> Checkpoint:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     ckpt.note = (("Megatron-Bridge, " if from_bridge else "") + f"saved from TP={tp} PP={pp}"
-                 + (f" VPP={vpp}" if vpp > 1 else "") + "; tensors are global")
+                 + (f" VPP={vpp}" if vpp > 1 else "") + (f" EP={ep}" if ep > 1 else "") + "; tensors are global")
     ckpt.numbering = numbering_from_args(args, pp, vpp)
     ckpt.experts = expert_layout(args, tp, str(it_dir), torch_dist=True)  # informational: tensors are global (one shard each)
     files: dict[str, DistcpFile] = {}
