@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from lora_merge.errors import MergeError
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.integrity import check_finite
 from lora_merge.model.layout import ExpertSlab, Rule, check_shards, unshard_replicated, unshard_row
 from lora_merge.model.model_shape import ModelShape
@@ -283,12 +283,30 @@ def megatron_deltas(rule: Rule, lora, shape: ModelShape, module: str, scale: flo
     """The deltas of a Megatron LoRA module, by the HF tensor each changes (a routed expert's of a stacked tensor:
     the change to its row, as PEFT's factors of one expert; every expert's of one an HF base holds whole)."""
     if isinstance(lora, ExpertLoras):
+        if any(m is not None and m.magnitude is not None for m in lora.modules):
+            raise UnsupportedInput(f"{module}: DoRA on experts stored stacked (gpt-oss's) is not supported")
         return {rule.hf: lora.stacked_delta(scale)}
     if isinstance(rule, ExpertSlab):
+        if lora.magnitude is not None:
+            raise UnsupportedInput(f"{module}: DoRA on experts stored stacked (gpt-oss's) is not supported")
         a, b = whole_factors(rule, lora, module)
         b, a = rule.lora_factors(b, a)
         return {rule.hf: StackedExpertsDelta(b, a, scale, experts=1, in_out=True)}
-    return {name: LowRankDelta(b, a, scale) for name, (b, a) in hf_factors(rule, lora, shape, module).items()}
+    return {name: f if isinstance(f, DoraDelta) else LowRankDelta(*f, scale)
+            for name, f in megatron_factors(rule, lora, shape, module, scale).items()}
+
+
+def megatron_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str,
+                     scale: float) -> dict[str, "tuple[torch.Tensor, torch.Tensor] | DoraDelta"]:
+    """(B, A) for each HF tensor of a Megatron LoRA module, or its DoraDelta where the module is DoRA (its magnitude
+    cut into each HF tensor's rows as the linear's rows are)."""
+    factors = hf_factors(rule, lora, shape, module)
+    if lora.magnitude is None:
+        return factors
+    m = lora.magnitude.load()
+    pieces = [p.unsqueeze(1) for p in m.chunk(lora.magnitude_tp)]
+    rows = rule.to_hf(pieces, shape, f"{module} (DoRA magnitude)")
+    return {name: DoraDelta(LowRankDelta(b, a, scale), rows[name][:, 0]) for name, (b, a) in factors.items()}
 
 
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,

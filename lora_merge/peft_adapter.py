@@ -44,7 +44,7 @@ import torch
 
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.integrity import check_finite, check_records
-from lora_merge.lora import ExpertLoras, LoraSettings, check_factor_shapes, hf_factors
+from lora_merge.lora import DoraDelta, ExpertLoras, LoraSettings, check_factor_shapes, megatron_factors
 from lora_merge.model.architectures import Architecture, iter_rules
 from lora_merge.model.layout import ExpertSlab, GatedColumn, RowParallel, Rule
 from lora_merge.model.model_shape import ModelShape
@@ -109,6 +109,7 @@ class AdapterPlan:
     shape: ModelShape
     dtype: torch.dtype | None
     where: str
+    dora: bool = False  # the modules carry DoRA magnitudes (lora_magnitude_vector; use_dora in the config)
 
     @property
     def total_bytes(self) -> int:
@@ -129,9 +130,12 @@ class AdapterPlan:
         tensors = {}
         for module in self.modules.get(unit, ()):
             check_records(module.factors.refs)
-            for hf_name, (b, a) in hf_factors(module.rule, module.factors, self.shape, module.name).items():
+            # (the scale only matters to a merge: the adapter keeps the factors and PEFT its own alpha / r)
+            for hf_name, f in megatron_factors(module.rule, module.factors, self.shape, module.name, 1.0).items():
                 key = PEFT_PREFIX + module.hf_prefix + hf_name.removesuffix(".weight")
-                for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b)):
+                (b, a), m = ((f.low_rank.b, f.low_rank.a), f.magnitude) if isinstance(f, DoraDelta) else (f, None)
+                for name, factor in ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b),
+                                     *(((f"{key}.lora_magnitude_vector", m),) if m is not None else ())):
                     # q/k/v share A: one copy each; grouped experts are transposed views, saved row-major
                     dtype = self.dtype or factor.dtype
                     tensors[name] = factor.to(dtype).clone(memory_format=torch.contiguous_format)
@@ -161,6 +165,13 @@ def plan_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settin
     where = str(lora.path)
     planned, units, modules, slabs = _plan_factors(lora, shape, arch, settings, dtype)
     zeros, warnings = complete_targets(planned, units, lora, shape, arch, settings.r, allow_partial)
+    dora = any(m.magnitude is not None for m in lora.lora.values())
+    if dora and (zeros or any(isinstance(r, ExpertSlab) for ms in modules.values() for r in (x.rule for x in ms))
+                 or slabs or expert_keys(planned, arch)):
+        raise UnsupportedInput(f"{where}: exporting a DoRA whose modules are not all adapted, or on routed experts: "
+                               "PEFT's DoRA needs each module's magnitude (a module without LoRA has the norm of its "
+                               "base weight, which an export does not read), and transformers holds experts as fused "
+                               "parameters, on which PEFT has no DoRA; merge it instead")
     experts = expert_keys(planned, arch)
     fused: dict[str, list[_FusedExperts]] = {}
     modules_targeted, parameters = target_modules(planned), []
@@ -177,7 +188,7 @@ def plan_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settin
     stacked, stacked_params = _plan_stacked(slabs, planned, units, arch, shape, settings.r, dtype, where)
     order = sorted(planned.values(), key=lambda t: (_FILE_DTYPE_ORDER.index(t.dtype), t.name))
     return AdapterPlan(order, modules_targeted, parameters + stacked_params, warnings, units, modules, zeros, fused,
-                       stacked, shape, dtype, where)
+                       stacked, shape, dtype, where, dora)
 
 
 def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, settings: LoraSettings,
@@ -216,6 +227,10 @@ def _plan_factors(lora: Checkpoint, shape: ModelShape, arch: Architecture, setti
             for name, dims, ref in ((f"{key}.lora_A.weight", (settings.r, in_dim), factors.a[0]),
                                     (f"{key}.lora_B.weight", (out_dim, settings.r), factors.b[0])):
                 planned[name] = PlannedTensor(name, dims, dtype or ref.dtype)
+                units[name] = prefix
+            if factors.magnitude is not None:  # DoRA: PEFT's magnitude vector of the projection, one per output row
+                name = f"{key}.lora_magnitude_vector"
+                planned[name] = PlannedTensor(name, (out_dim,), dtype or factors.magnitude.dtype)
                 units[name] = prefix
     if remaining:
         raise MergeError(f"{lora.path}: LoRA weights for modules that have no HF counterpart: "
@@ -429,7 +444,7 @@ def adapter_config(settings: LoraSettings, adapter: AdapterPlan, base_model: str
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": settings.rslora,
-        "use_dora": False,
+        "use_dora": adapter.dora,
         "fan_in_fan_out": False,
         "modules_to_save": None,
         "layers_to_transform": None,

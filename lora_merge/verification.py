@@ -36,7 +36,7 @@ from lora_merge.errors import MergeError
 from lora_merge.fp8 import (SCALE_SUFFIX, is_loader_linear, loader_module, not_converted, partial_block_note, read_fp8_config,
                             skip_patterns)
 from lora_merge.model.layout import RowBlock, SharedCopy, Skip, SlabBlock, StackedExperts
-from lora_merge.lora import DoraDelta, ExpertLoras, LoraSettings, StackedExpertsDelta, hf_factors
+from lora_merge.lora import DoraDelta, ExpertLoras, LoraSettings, StackedExpertsDelta, megatron_factors
 from lora_merge.merge_plan import fitted_pieces
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.readers.checkpoint import Checkpoint, release_pages
@@ -175,7 +175,7 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             factors = {}
             module = megatron.removesuffix(".weight")
             if lora is not None and not peft and megatron.endswith(".weight") and module in lora.lora:
-                factors = hf_factors(rule, lora.lora[module], shape, module)
+                factors = megatron_factors(rule, lora.lora[module], shape, module, settings.scale)
             megatron_blocks = None
             if not ref and base is not None and megatron in base.params:
                 pieces = fitted_pieces(base, megatron, rule)

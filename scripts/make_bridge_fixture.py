@@ -49,13 +49,16 @@ from fixturegen import dense, library as lib, moe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # name: (family, the spec of the model and LoRA, the committed fixture of the same model (same seeds), its folder,
-#        the provider class run_config.yaml names, whether to add a CanonicalLoRA)
+#        the provider class run_config.yaml names, whether to add a CanonicalLoRA, the targets of a DoRA)
 CASES = {
     "bridge_tp2_fp32": ("dense", dict(dense.QWEN2, tp=2, gen=2), "tp2_fp32_filtered", "tests/fixtures",
-                        "megatron.bridge.models.qwen.qwen_provider.Qwen2ModelProvider", True),
+                        "megatron.bridge.models.qwen.qwen_provider.Qwen2ModelProvider", True,
+                        # qkv has a bias here (Bridge scales it with the magnitude: not read), proj and fc2 are
+                        # row-parallel at TP=2 (Bridge's norm is over each rank's columns: no one model)
+                        ["linear_fc1"]),
     # SequentialMLP experts at EP=2: every routed expert its own adapter, saved with the experts' global axis
     "bridge_qwen3moe_ep2": ("moe", dict(moe.QWEN3MOE, targets=lib.GQA_TARGETS), "qwen3moe_ep2", "tests/fixtures_moe",
-                            "megatron.bridge.models.qwen.qwen_provider.Qwen3MoEModelProvider", False),
+                            "megatron.bridge.models.qwen.qwen_provider.Qwen3MoEModelProvider", False, lib.GQA_TARGETS),
 }
 LORA_ITERS = (5, 10)  # stale, latest
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
@@ -130,7 +133,7 @@ class BridgeRank(lib.Rank):
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         fam, spec = self.family, self.spec
-        _, _, same_as, folder, provider, with_canonical = CASES[self.name]
+        _, _, same_as, folder, provider, with_canonical, dora_targets = CASES[self.name]
         self.chunks, self.chunk_first, self.chunk_last = self.build(fam.make_config(self))
         self.model = self.chunks[0]
         self.base_global = fam.canonical_base(torch, spec, self.vpad)
@@ -200,19 +203,44 @@ class BridgeRank(lib.Rank):
         if self.writer:
             torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
                         "logits_base": logits_base.clone()}, out / "logits.pt")
+
+        def unwrap():
+            for layer in self.model.decoder.layers:
+                for parent, names in ((layer.self_attention, ("linear_qkv", "linear_proj")),
+                                      (layer.mlp, ("linear_fc1", "linear_fc2"))):
+                    for name in names:
+                        if hasattr(parent, name):
+                            setattr(parent, name, originals[(layer.layer_number, name)])
+                if hasattr(layer.mlp, "experts"):
+                    for expert in layer.mlp.experts.local_experts:
+                        for name in ("linear_fc1", "linear_fc2"):
+                            wrapped = getattr(expert, name)
+                            setattr(expert, name, getattr(wrapped, "to_wrap", wrapped))
+            torch.testing.assert_close(self.forward(), logits_base, rtol=0, atol=0)  # unwrapped: the base again
+
+        # ---- DoRA: the LoRA's factors, and magnitudes of their own ----
+        unwrap()
+        factors = fam.canonical_lora(torch, spec, spec["lora_seed"])
+        dora = wrap_targets(self.model, self.config, dora_targets, lib.LORA_R, lib.LORA_ALPHA, self.ep_rank,
+                            spec.get("num_experts", 0) // self.EP, io, dora=True)
+        fill_adapters(torch, dora, factors, self.tp_rank, self.TP, self.etp_rank, self.ETP or 1)
+        fill_magnitudes(torch, dora, factors, self.base_global, self.tp_rank, self.TP, self.etp_rank, self.ETP or 1)
+        logits = self.forward()
+        assert (logits - logits_base).abs().max() > 0.5
+        peft_dora = {"_target_": "megatron.bridge.peft.dora.DoRA", "target_modules": list(dora_targets),
+                     "dim": lib.LORA_R, "alpha": lib.LORA_ALPHA, "dropout": 0.0, "dropout_position": "pre",
+                     "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+        save(out / "lora_dora", LORA_ITERS[-1], adapter_sd, peft_dora)
+        if self.writer:
+            torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
+                        "logits_base": logits_base.clone()}, out / "logits_dora.pt")
+        unwrap()
         if not with_canonical:
             self.dist.barrier()
             self.dist.destroy_process_group()
             return
 
         # ---- CanonicalLoRA on the same base: q and v (no k), gate and up, proj and fc2 ----
-        for layer in self.model.decoder.layers:
-            for parent, names in ((layer.self_attention, ("linear_qkv", "linear_proj")),
-                                  (layer.mlp, ("linear_fc1", "linear_fc2"))):
-                for name in names:
-                    setattr(parent, name, originals[(layer.layer_number, name)])
-        logits = self.forward()
-        torch.testing.assert_close(logits, logits_base, rtol=0, atol=0)  # unwrapped: the base again
         canonical = wrap_canonical(self.model, self.config, CANONICAL_TARGETS, lib.LORA_R, lib.LORA_ALPHA, self.TP)
         fill_canonical(torch, canonical, canonical_factors(torch, CANONICAL_SEED, CANONICAL_TARGETS), self.tp_rank,
                        self.TP)
@@ -322,6 +350,68 @@ def make_adapter_classes():
     return Adapter, Wrapped, CanonicalQkv, CanonicalFc1
 
 
+def make_dora_classes(Adapter, Wrapped):
+    """Bridge's ParallelLinearDoRAAdapter (the adapter plus `weight_magnitude` [out], saved TP-sharded on a
+    column-parallel base, replicated on a row-parallel one) and DoRALinear: m / ‖W + s·B·A‖ · (W x + s·B·A x), the
+    norm per output row of this rank's weight (on a row-parallel base at TP > 1: its columns only)."""
+    import torch
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    class DoraAdapter(Adapter):
+        def __init__(self, in_features, out_features, *args, **kwargs):
+            super().__init__(in_features, out_features, *args, **kwargs)
+            self.row_parallel = args[2]
+            rows = self.linear_out.weight.shape[0] if not self.row_parallel else out_features
+            self.weight_magnitude = torch.nn.Parameter(torch.zeros(rows))
+            self.register_buffer("a_whole", None, persistent=False)  # A gathered, for the norm
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            key = f"{prefix}weight_magnitude"
+            sd[key] = (make_sharded_tensor_for_checkpoint(self.weight_magnitude, key, prepend_offsets=sharded_offsets)
+                       if self.row_parallel else
+                       make_tp_sharded_tensor_for_checkpoint(self.weight_magnitude, key, 0,
+                                                             prepend_offsets=sharded_offsets))
+            return sd
+
+    class DoraWrapped(Wrapped):
+        def forward(self, x, *args, **kwargs):
+            out, bias = self.to_wrap(x, *args, **kwargs)
+            adapter = self.adapter
+            y = out + adapter(x).reshape(out.shape)
+            b = adapter.linear_out.weight  # [out rows of this rank (all of them on a row-parallel base), r]
+            if adapter.row_parallel:
+                a = adapter.linear_in.weight  # [r, this rank's columns]
+            else:
+                a = adapter.a_whole
+            norm = torch.linalg.norm(self.to_wrap.weight + adapter.scale * b @ a, dim=1)
+            return (adapter.weight_magnitude / norm) * y, bias
+
+    return DoraAdapter, DoraWrapped
+
+
+def fill_magnitudes(torch, adapters: dict, factors: dict, base: dict, tp_rank: int, tp: int, etp_rank: int, etp: int):
+    """Each DoRA adapter's magnitude: the norm of the trained row W + s·B·A (over the global weight) times a seeded
+    factor in [0.8, 1.2], in this rank's rows (fc1's: its gate rows then its up rows); A whole for the norm."""
+    with torch.no_grad():
+        for path, adapter in adapters.items():
+            rank, size = (etp_rank, etp) if ".mlp.experts." in path else (tp_rank, tp)
+            a, b = factors[path + ".lora_A.weight"], factors[path + ".lora_B.weight"]
+            w = base[path + ".weight"]
+            m = torch.linalg.norm(w + adapter.scale * b @ a, dim=1)
+            m = m * (1 + 0.2 * (torch.rand(m.shape, generator=torch.Generator().manual_seed(len(path) * 7919)) - 0.5))
+            module = path.rsplit(".", 1)[1]
+            if module in ROW_PARALLEL:
+                local = m
+            elif module == "linear_fc1":
+                gate, up = m.chunk(2)
+                local = torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+            else:
+                local = m.chunk(size)[rank]
+            adapter.weight_magnitude.copy_(local)
+            adapter.a_whole = a.clone()
+
+
 CANONICAL_TARGETS = ["linear_q", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"]
 CANONICAL_PARTS = {"linear_q": ("linear_qkv", "adapter_q"), "linear_k": ("linear_qkv", "adapter_k"),
                    "linear_v": ("linear_qkv", "adapter_v"), "linear_fc1_gate": ("linear_fc1", "adapter_gate"),
@@ -385,10 +475,14 @@ def fill_canonical(torch, adapters: dict, factors: dict, tp_rank: int, tp: int):
             adapter.linear_out.weight.copy_(b.chunk(tp, dim=0)[tp_rank])
 
 
-def wrap_targets(model, config, targets, dim, alpha, ep_rank: int, local_experts: int, io: dict) -> dict:
+def wrap_targets(model, config, targets, dim, alpha, ep_rank: int, local_experts: int, io: dict,
+                 dora: bool = False) -> dict:
     """Every targeted linear of every layer wrapped (each routed expert's of a SequentialMLP too, as Bridge adapts
     `local_experts.{k}.linear_fc1`: an is_expert adapter of its own); {global module path: adapter}."""
     Adapter, Wrapped, _, _ = make_adapter_classes()
+    DoraAdapter, DoraWrapped = make_dora_classes(Adapter, Wrapped)
+    if dora:
+        Adapter, Wrapped = DoraAdapter, DoraWrapped
     adapters = {}
     for layer in model.decoder.layers:
         i = layer.layer_number - 1
@@ -404,7 +498,9 @@ def wrap_targets(model, config, targets, dim, alpha, ep_rank: int, local_experts
                 continue
             linear = getattr(parent, module)
             fin, fout = io[path]
-            adapter = Adapter(fin, fout, dim, alpha, module in ROW_PARALLEL, module == "linear_fc1", config, is_expert)
+            # Bridge's DoRA adapter is not an is_expert one, even on an expert (its linears use the TP group)
+            adapter = Adapter(fin, fout, dim, alpha, module in ROW_PARALLEL, module == "linear_fc1", config,
+                              is_expert and not dora)
             setattr(parent, module, Wrapped(linear, adapter))
             adapters[path] = adapter
     return adapters
@@ -439,7 +535,7 @@ def main():
     import torch.multiprocessing as mp
 
     for name in opts.only or sorted(CASES):
-        family, spec, same_as, folder, _, with_canonical = CASES[name]
+        family, spec, same_as, folder, _, with_canonical, dora_targets = CASES[name]
         out = Path(opts.out) if opts.out else ROOT / folder
         d = out / name
         if d.exists():
@@ -456,7 +552,7 @@ def main():
             "base_iteration": lib.BASE_ITER, "lora_iteration": LORA_ITERS[-1], "stale_lora_iteration": LORA_ITERS[0],
             "same_model_as": same_as, "lora": "filtered", "base_format": "torch_dist", "lora_format": "torch_dist",
             "megatron_bridge": True, "singleton_local_shards": False, "vpp": None, "logits_computed_in": "float32",
-            "canonical_lora": with_canonical,
+            "canonical_lora": with_canonical, "dora_targets": dora_targets,
             "description": __doc__.split("\n\n", 1)[1].split("\n\n    python")[0],
         })
         info.setdefault("tied_embeddings", False)

@@ -292,3 +292,85 @@ def test_a_bridge_expert_lora_computes_megatron_s_logits_merged_and_exported(tmp
                                       tmp_path / "adapter").eval()
     with torch.no_grad():
         assert (model(ref["input_ids"]).logits - ref["logits_lora"]).abs().max() <= 1e-4
+
+
+# ---- DoRA: the LoRA's factors with magnitudes of their own (fc1 at TP=2; every linear and expert at TP=1 EP=2) ----
+
+@pytest.mark.parametrize("root", [BRIDGE, BRIDGE_MOE], ids=["fc1_tp2", "moe_all_tp1_ep2"])
+def test_bridge_dora_computes_what_megatron_with_it_computes(root, tmp_path):
+    ref = torch.load(root / "logits_dora.pt", weights_only=True)
+    lora_merge.merge(base=root / "base", lora=root / "lora_dora", hf_ref=root / "hf_ref", out=tmp_path / "out",
+                     warn=quiet)
+    logits = hf_logits(tmp_path / "out", ref["input_ids"])
+    assert (logits - ref["logits_lora"]).abs().max() <= 1e-4
+    assert (logits - ref["logits_base"]).abs().max() > 0.5
+    # the magnitudes matter: the same factors as plain LoRA give other logits
+    assert (torch.load(root / "logits.pt", weights_only=True)["logits_lora"] - ref["logits_lora"]).abs().max() > 0.1
+    assert lora_merge.verify(tmp_path / "out", base=root / "base", lora=root / "lora_dora",
+                             hf_ref=root / "hf_ref").ok
+
+
+def test_bridge_dora_exported_is_peft_s_dora(tmp_path):
+    """PEFT (use_dora, lora_magnitude_vector) with the exported adapter computes Megatron's DoRA logits, and its
+    merge_and_unload equals ours."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora_merge.merge(base=BRIDGE / "base", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "base", warn=quiet)
+    lora_merge.merge(base=BRIDGE / "base", lora=BRIDGE / "lora_dora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "ours",
+                     warn=quiet)
+    lora_merge.export_adapter(lora=BRIDGE / "lora_dora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "adapter",
+                              warn=quiet)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True and sorted(config["target_modules"]) == ["gate_proj", "up_proj"]
+    ref = torch.load(BRIDGE / "logits_dora.pt", weights_only=True)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                      tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert (model(ref["input_ids"]).logits - ref["logits_lora"]).abs().max() <= 1e-4
+    merged = model.merge_and_unload().state_dict()
+    for name, tensor in load_file(next((tmp_path / "ours").glob("*.safetensors"))).items():
+        assert (tensor - merged[name]).abs().max() <= 1e-6 * max(1.0, merged[name].abs().max().item()), name
+
+
+def test_bridge_dora_on_experts_is_not_exported(tmp_path, capsys):
+    run_failing(["export-adapter", "--lora", str(BRIDGE_MOE / "lora_dora"), "--hf-ref", str(BRIDGE_MOE / "hf_ref"),
+                 "--out", str(tmp_path / "adapter")], capsys, "DoRA", "routed experts", "merge it instead")
+
+
+def copy_moe_dora(tmp_path: Path, edit) -> Path:
+    root = tmp_path / "moe"
+    shutil.copytree(BRIDGE_MOE, root)
+    path = root / "lora_dora" / "iter_0000010" / "run_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    edit(config)
+    path.write_text(yaml.safe_dump(config))
+    return root
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c["model"].update(tensor_model_parallel_size=2), "saved at TP=2"),
+    (lambda c: c["model"].update(add_qkv_bias=True), "linear_qkv with a qkv bias"),
+    (lambda c: c["peft"].update(_target_="megatron.bridge.peft.lora.LoRA"), "peft is not DoRA"),
+])
+def test_bridge_dora_with_no_single_merged_model_is_refused(edit, named, tmp_path, capsys):
+    root = copy_moe_dora(tmp_path, edit)
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_dora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(tmp_path / "out")], capsys, named)
+
+
+def test_bridge_dora_on_a_row_parallel_linear_at_tp2_is_refused():
+    from argparse import Namespace
+
+    from lora_merge.readers.bridge import DoraMagnitudes
+    from lora_merge.readers.checkpoint import GLOBAL, LoraModule, Pieces, TensorRef
+
+    def ref(*shape):
+        return TensorRef("here", shape, torch.float32, lambda: torch.zeros(shape))
+
+    module = "decoder.layers.0.self_attention.linear_proj"
+    ckpt = type("Ckpt", (), {"lora": {module: LoraModule(Pieces((ref(4, 64),), GLOBAL), Pieces((ref(64, 4),), GLOBAL))}})
+    dora = DoraMagnitudes(Namespace(tensor_model_parallel_size=2), "here")
+    assert dora.take(module + ".dora_magnitude", ref(64))
+    with pytest.raises(UnsupportedInput, match="row-parallel linear_proj saved at TP=2"):
+        dora.finish(ckpt)

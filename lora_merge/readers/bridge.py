@@ -32,15 +32,17 @@ RUN_CONFIG = "run_config.yaml"
 LORA = "megatron.bridge.peft.lora.LoRA"
 # Bridge's other PEFT methods, by the class path run_config.yaml names them with
 CANONICAL_LORA = "megatron.bridge.peft.canonical_lora.CanonicalLoRA"
-OTHER_PEFT = {"dora.DoRA": "DoRA", "lora.VLMLoRA": "VLMLoRA", "multi_lora": "multi-LoRA"}
+DORA = "megatron.bridge.peft.dora.DoRA"
+OTHER_PEFT = {"lora.VLMLoRA": "VLMLoRA", "multi_lora": "multi-LoRA"}
 ADAPTER_A, ADAPTER_B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
-# adapter entries of Bridge's other methods, for a checkpoint whose run_config.yaml was lost or edited
-OTHER_ADAPTER_KEYS = {".adapter.weight_magnitude": "DoRA (adapter.weight_magnitude)"}
+MAGNITUDE = ".adapter.weight_magnitude"  # DoRA's magnitude [out], read under the name DORA_MAGNITUDE
+DORA_MAGNITUDE = ".dora_magnitude"
 # CanonicalLoRA: one adapter per HF projection of the fused linear_qkv and linear_fc1
 CANONICAL_KEY = re.compile(r"^(.+\.(linear_qkv|linear_fc1))\.adapter\.adapter_(q|k|v|gate|up)\.linear_(in|out)\.weight$")
 SLOTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 # SequentialMLP's experts: one adapter each, saved under the experts' global axis like their weights
-SEQUENTIAL_EXPERT_ADAPTER = re.compile(r"\.mlp\.experts\.experts\.linear_fc[12]\.adapter\.linear_(in|out)\.weight$")
+SEQUENTIAL_EXPERT_ADAPTER = re.compile(r"\.mlp\.experts\.experts\.linear_fc[12]\.adapter\."
+                                       r"(linear_(in|out)\.weight|weight_magnitude)$")
 SILU = "torch.nn.functional.silu"
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -115,11 +117,11 @@ def _lora_args(peft, where: str) -> dict:
     if not isinstance(peft, dict):
         raise MergeError(f"{where}: peft={shown(peft)}; expected a mapping (Megatron-Bridge's PEFT config)")
     target = str(peft.get("_target_", ""))
-    if target not in (LORA, CANONICAL_LORA):
+    if target not in (LORA, CANONICAL_LORA, DORA):
         for suffix, what in OTHER_PEFT.items():
             if suffix in target:
                 raise UnsupportedInput(f"{where}: peft is Megatron-Bridge's {what}, which is not read yet; only its "
-                                       "LoRA and CanonicalLoRA are")
+                                       "LoRA, CanonicalLoRA and DoRA are")
         raise UnsupportedInput(f"{where}: peft._target_={shown(target)}: not Megatron-Bridge's LoRA ({LORA})")
     if peft.get("normalize_moe_lora"):
         raise UnsupportedInput(f"{where}: peft.normalize_moe_lora: expert linears get rank dim / moe_router_topk, "
@@ -136,14 +138,15 @@ def _lora_args(peft, where: str) -> dict:
     kinds = sorted({CANONICAL_TARGETS.get(k, k) for k in (t.rsplit(".", 1)[-1] for t in targets)})
     return {"lora_r": peft.get("dim"), "lora_alpha": peft.get("alpha"),
             "lora_target_modules": [] if excluded or any("*" in t for t in targets) else kinds,
-            "bridge_lora_patterns": targets or None, "bridge_canonical_lora": target == CANONICAL_LORA}
+            "bridge_lora_patterns": targets or None, "bridge_canonical_lora": target == CANONICAL_LORA,
+            "bridge_dora": target == DORA}
 
 
 CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear_v": "linear_qkv",
                      "linear_fc1_gate": "linear_fc1", "linear_fc1_up": "linear_fc1"}
 
 
-def lora_name(name: str, where: str, canonical: bool = False) -> str:
+def lora_name(name: str, where: str, canonical: bool = False, dora: bool = False) -> str:
     """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged (a
     CanonicalLoRA's per-projection entries too, for `CanonicalParts`, where the run's config says CanonicalLoRA)."""
     if ".adapter." in name and ".experts." in name and ".shared_experts." not in name \
@@ -155,15 +158,16 @@ def lora_name(name: str, where: str, canonical: bool = False) -> str:
             raise UnsupportedInput(f"{where}: a CanonicalLoRA adapter entry, but run_config.yaml's peft is not "
                                    "CanonicalLoRA: the configuration does not belong to these tensors")
         return name
+    if name.endswith(MAGNITUDE):
+        if not dora:
+            raise UnsupportedInput(f"{where}: a DoRA magnitude (adapter.weight_magnitude), but run_config.yaml's peft "
+                                   "is not DoRA: the configuration does not belong to these tensors")
+        return name[: -len(MAGNITUDE)] + DORA_MAGNITUDE
     if name.endswith(ADAPTER_A):
         return name[: -len(ADAPTER_A)] + ".lora_A.default.weight"
     if name.endswith(ADAPTER_B):
         return name[: -len(ADAPTER_B)] + ".lora_B.default.weight"
     if ".adapter." in name:
-        for marker, what in OTHER_ADAPTER_KEYS.items():
-            if marker in name:
-                raise UnsupportedInput(f"{where}: Megatron-Bridge's {what} is not read yet; only its plain LoRA "
-                                       "(adapter.linear_in / adapter.linear_out) is")
         raise UnsupportedInput(f"{where}: {shown(name)}: a Megatron-Bridge adapter entry of no kind this tool reads")
     return name
 
@@ -271,3 +275,60 @@ def _ref(where, shape, dtype, loader, parts):
 
     return TensorRef(where=where, shape=tuple(shape), dtype=dtype, loader=loader,
                      records=lambda: tuple(rec for p in parts for rec in p.records()))
+
+
+class DoraMagnitudes:
+    """Megatron-Bridge DoRA's `weight_magnitude` [out] of each adapted linear, put beside its factors
+    (`LoraModule.magnitude`): the merge is PEFT's DoRA, m / ‖W + s·B·A‖ · (W + s·B·A), the norm per output row.
+
+    Saved TP-sharded on a column-parallel linear (not through the swiglu factory: fc1's is each rank's gate rows then
+    its up rows, rank after rank) and replicated on a row-parallel one. What has no single merged model is refused:
+    a row-parallel linear at TP > 1 (each rank normalizes its own columns, and keeps a magnitude of its own that
+    only rank 0 saves), an expert's at TP > 1 (Bridge's DoRA adapter on an expert is not an expert-parallel one),
+    and linear_qkv with a bias (Bridge scales the bias with the weight: that bias change is not read yet)."""
+
+    COLUMN, ROW = ("linear_qkv", "linear_fc1"), ("linear_proj", "linear_fc2")
+
+    def __init__(self, args, where: str):
+        self.args, self.where = args, where
+        self.found: dict[str, object] = {}
+
+    def take(self, name: str, ref) -> bool:
+        if not name.endswith(DORA_MAGNITUDE):
+            return False
+        module = name[: -len(DORA_MAGNITUDE)]
+        if module in self.found:
+            raise MergeError(f"{ref.where}: {module}'s DoRA magnitude stored twice")
+        self.found[module] = ref
+        return True
+
+    def finish(self, ckpt) -> None:
+        args = self.args
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        for module in ckpt.lora:
+            if module not in self.found:
+                raise MergeError(f"{self.where}: {module} has LoRA factors but no DoRA magnitude "
+                                 "(adapter.weight_magnitude), and run_config.yaml's peft is DoRA")
+        for module, ref in sorted(self.found.items()):
+            lora = ckpt.lora.get(module)
+            if lora is None:
+                raise MergeError(f"{ref.where}: a DoRA magnitude for {module}, which has no LoRA factors")
+            kind = module.rsplit(".", 1)[1]
+            if kind not in self.COLUMN + self.ROW:
+                raise UnsupportedInput(f"{ref.where}: Megatron-Bridge DoRA on {kind} is not read (only on linear_qkv, "
+                                       "linear_proj, linear_fc1, linear_fc2)")
+            if kind in self.ROW and tp > 1:
+                raise UnsupportedInput(f"{ref.where}: Megatron-Bridge DoRA on the row-parallel {kind} saved at TP={tp}: "
+                                       "each rank normalized its own columns with a magnitude of its own, and only "
+                                       "rank 0's was saved; no single model to merge")
+            if ".mlp.experts." in module and tp > 1:
+                raise UnsupportedInput(f"{ref.where}: Megatron-Bridge DoRA on experts saved at TP={tp} (its adapter on "
+                                       "an expert is split over TP, not expert TP); not read")
+            if kind == "linear_qkv" and (getattr(args, "add_qkv_bias", False) or getattr(args, "add_bias_linear", False)):
+                raise UnsupportedInput(f"{ref.where}: Megatron-Bridge DoRA on linear_qkv with a qkv bias (Bridge scales "
+                                       "the bias with the weight's magnitude) is not read yet")
+            rows = lora.b[0].shape[0] if len(lora.b) == 1 else sum(r.shape[0] for r in lora.b)
+            if tuple(ref.shape) != (rows,):
+                raise MergeError(f"{ref.where}: DoRA magnitude of shape {list(ref.shape)}; {module} has {rows} rows")
+            lora.magnitude = ref
+            lora.magnitude_tp = tp if kind in self.COLUMN else 1

@@ -147,6 +147,10 @@ class LoraModule:
     # several rank-r adapters fused into one of rank k·r (Megatron-Bridge's CanonicalLoRA: q, k, v of linear_qkv):
     # the adapter (column block of B, row block of A) each of the linear's rows belongs to, -1 for none
     row_block: torch.Tensor | None = None
+    # DoRA (Megatron-Bridge's weight_magnitude [out]): the linear's rows, in the order of `magnitude_tp` TP ranks each
+    # holding its own rows (a column-parallel linear's; 1: the global order)
+    magnitude: TensorRef | None = None
+    magnitude_tp: int = 1
 
     @property
     def blocks(self) -> int:
@@ -154,7 +158,7 @@ class LoraModule:
 
     @property
     def refs(self) -> tuple[TensorRef, ...]:
-        return self.a.refs + self.b.refs
+        return self.a.refs + self.b.refs + ((self.magnitude,) if self.magnitude is not None else ())
 
 
 @dataclass

@@ -44,7 +44,7 @@ SINGLETON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_LAYER = "decoder.layers."
 # (a Megatron-Bridge LoRA's per-expert factors too, under the names bridge.lora_name gives them)
 GLOBAL_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\."
-                            r"(linear_fc[12]\.(?:weight|bias|lora_[AB]\.default\.weight))$")
+                            r"(linear_fc[12]\.(?:weight|bias|lora_[AB]\.default\.weight|dora_magnitude))$")
 # singleton_local_shards saves each expert on its own, numbered globally (fc1 as weight_w/weight_v, its bias as bias_w/bias_v)
 SINGLETON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias)(?:_[wv])?)$")
 
@@ -247,6 +247,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     files: dict[str, DistcpFile] = {}
     lora = LoraCollector(str(it_dir))
     canonical = bridge.CanonicalParts(args, str(it_dir)) if getattr(args, "bridge_canonical_lora", False) else None
+    dora = bridge.DoraMagnitudes(args, str(it_dir)) if getattr(args, "bridge_dora", False) else None
     per_file = defaultdict(lambda: [0, 0])
 
     def chunk_getter(key, offsets, sizes, dtype):
@@ -257,6 +258,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
     def add(name: str, where: str, shape, dtype, pieces):
         refs, dim = _piece_refs(where, shape, dtype, pieces)
         if canonical is not None and canonical.take(name, joined_ref(refs, dim)):
+            return
+        if dora is not None and dora.take(name, joined_ref(refs, dim)):
             return
         if lora.add(name, 0, joined_ref(refs, dim)):  # LoRA factors are small: one tensor each
             return
@@ -275,7 +278,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
             raise MergeError(f"{it_dir}: {key} has no readable dtype")
         name = key[len("module."):] if key.startswith("module.") else key
         if from_bridge:
-            name = bridge.lora_name(name, f"{it_dir.name}/{METADATA}[{key}]", canonical is not None)
+            name = bridge.lora_name(name, f"{it_dir.name}/{METADATA}[{key}]", canonical is not None,
+                                   dora is not None)
         if is_mtp(name):  # per-layer keys of the MTP layers, named as decoder layers L+k from here on
             name = mtp_canonical(name, ckpt.numbering.hf_layers, args_mtp_layers(args), f"{it_dir.name}[{key}]")
         chunks = [(*chunk_getter(key, off, size, info["dtype"]), off, size) for off, size in info["chunks"]]
@@ -306,6 +310,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
     lora.finish(ckpt, lambda module: (GLOBAL, 1))
     if canonical is not None:
         canonical.finish(ckpt)
+    if dora is not None:
+        dora.finish(ckpt)
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
     ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt", it_dir / bridge.RUN_CONFIG,
                     *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
