@@ -34,7 +34,8 @@ for DeepSeek, whose lora-merge run writes torch_dist).
 --adapter-variants: 32B layer shapes, HF base + one PEFT adapter, a DoRA one, three weighted ones.
 --gpt-oss: gpt-oss-20b shapes, an MXFP4 HF base + a PEFT adapter on every expert (synthetic_gpt_oss_checkpoint.py).
 --cold (with any of the above): the page cache is dropped before every measured run (copy and merge alike), so
-the inputs come from the disk, as on a user's first run (root only).
+the inputs come from the disk, as on a user's first run (drop_caches where it may be written, else every file
+under the workdir evicted with posix_fadvise DONTNEED).
 
 --parts N [N ...]: 32B layer shapes merged by one process, and as N parts run as N processes side by side
 (--workers 1 each) followed by `lora-merge finish`.
@@ -158,15 +159,28 @@ def merge_variants(cmd: list[str], no_sha256: bool = False) -> list[tuple[str, l
 COLD = []  # [True] with --cold: the page cache is dropped before every measured run
 
 
+COLD_ROOTS: list[Path] = []  # where the inputs live (the workdir), for the per-file eviction
+
+
 def drop_page_cache() -> None:
-    """Write back, then drop the page cache (root only: /proc/sys/vm/drop_caches), so that a run reads its
-    inputs from the disk as a user's first run does."""
+    """Write back, then drop the page cache, so that a run reads its inputs from the disk as a user's first run
+    does: all of it where /proc/sys/vm/drop_caches may be written (root on a host), else each file under the
+    workdir evicted with posix_fadvise(DONTNEED), which drops a file's clean cached pages (a container's root
+    cannot write /proc/sys, but may do this to its own files)."""
     os.sync()
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as exc:
-        raise SystemExit(f"--cold: cannot drop the page cache ({exc.strerror}: it takes root); run without --cold, "
-                         "and say that the inputs were cached")
+        return
+    except OSError:
+        pass
+    for root in COLD_ROOTS:
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 def measure(cmd: list[str], allow_failure: bool = False) -> dict:
@@ -651,7 +665,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     if args.cold:
-        drop_page_cache()  # fails here, before anything is generated, where it cannot
+        COLD_ROOTS.append(args.workdir)
         COLD.append(True)
     WORKER_SETTINGS[:] = args.workers
     args.workdir.mkdir(parents=True, exist_ok=True)
