@@ -374,3 +374,9 @@ def test_bridge_dora_on_a_row_parallel_linear_at_tp2_is_refused():
     assert dora.take(module + ".dora_magnitude", ref(64))
     with pytest.raises(UnsupportedInput, match="row-parallel linear_proj saved at TP=2"):
         dora.finish(ckpt)
+
+
+@pytest.mark.parametrize("value", ["2", 2.5, True, -1, [2]])
+def test_a_size_in_the_run_config_that_is_not_one_is_named(value, tmp_path, capsys):
+    root = copy_with_config(tmp_path, lambda c: c["model"].update(tensor_model_parallel_size=value))
+    run_failing(args_of(root, tmp_path / "out"), capsys, "model.tensor_model_parallel_size=", "positive integer")

@@ -27,6 +27,7 @@ import torch
 from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.files.small_files import read_bytes
 from lora_merge.shown import shown
+from lora_merge.value_checks import positive_int
 
 RUN_CONFIG = "run_config.yaml"
 LORA = "megatron.bridge.peft.lora.LoRA"
@@ -44,6 +45,11 @@ SLOTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 SEQUENTIAL_EXPERT_ADAPTER = re.compile(r"\.mlp\.experts\.experts\.linear_fc[12]\.adapter\."
                                        r"(linear_(in|out)\.weight|weight_magnitude)$")
 SILU = "torch.nn.functional.silu"
+# sizes this tool computes with (layouts, the swiglu factory's order): checked to be sizes before anything uses them
+SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+         "expert_model_parallel_size", "expert_tensor_parallel_size", "num_moe_experts", "moe_ffn_hidden_size",
+         "moe_router_topk")
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
@@ -74,6 +80,9 @@ def bridge_args(it_dir: Path) -> Namespace:
     nested = model.pop("transformer", None)
     if isinstance(nested, dict):  # the builder-backed GPT config keeps TransformerConfig's fields apart
         model = {**{k: v for k, v in nested.items()}, **model}
+    for name in SIZES:
+        if model.get(name) is not None:
+            model[name] = positive_int(model[name], f"model.{name}", where)
     args = {k: v for k, v in model.items() if _plain(v) and not k.startswith("_")}
     target = lambda v: v.get("_target_") if isinstance(v, dict) else v  # noqa: E731
     activation = target(model.get("activation_func"))
