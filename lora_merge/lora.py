@@ -92,8 +92,11 @@ def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int,
                          f"found shapes {list(a_shapes[0])} and {list(b_shapes[0])}")
     blocks = getattr(lora, "blocks", 1)
     if a_shapes[0][0] != r * blocks or b_shapes[0][1] != r * blocks:
+        if blocks > 1:
+            raise MergeError(f"{lora.a[0].where}: {module}'s {blocks} adapters have rank {a_shapes[0][0] // blocks} "
+                             f"each, but r={r}")
         raise MergeError(f"{lora.a[0].where}: {module} has LoRA rank {a_shapes[0][0]} (lora_A) / {b_shapes[0][1]} "
-                         f"(lora_B), but r={r}" + (f" for each of its {blocks} adapters" if blocks > 1 else ""))
+                         f"(lora_B), but r={r}")
     r *= blocks
     a_split, b_split = rule.lora_split
     check_shards(a_shapes, a_split, (r, in_dim), f"{module}.lora_A ({lora.a[0].where})")
@@ -104,7 +107,7 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
     """(B, A) for each HF tensor the rule produces, with B's rows in that tensor's HF order."""
     a, b_shards = _factor_shards(rule, lora, module)
     factors = {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
-    return _own_blocks(rule, lora, shape, factors, module) if getattr(lora, "blocks", 1) > 1 else factors
+    return _own_blocks(rule, lora, shape, factors, module) if getattr(lora, "row_block", None) is not None else factors
 
 
 def _own_blocks(rule: Rule, lora: LoraModule, shape: ModelShape, factors: dict, module: str) -> dict:

@@ -142,6 +142,7 @@ def test_the_builder_config_s_nested_transformer_fields_are_read(tmp_path):
         model = config["model"]
         inner = {k: model.pop(k) for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                                            "kv_channels", "ffn_hidden_size", "gated_linear_unit", "activation_func")}
+        inner["activation_func"] = "silu"  # BridgeGPTModelConfig.as_dict writes the short name
         model["transformer"] = inner
     root = copy_with_config(tmp_path, nest)
     args = bridge.bridge_args(root / "lora" / "iter_0000010")
@@ -243,7 +244,7 @@ def test_a_canonical_adapter_without_its_other_factor_is_named(tmp_path):
 
     parts = CanonicalParts(None, "here")
     ref = TensorRef("x", (4, 64), torch.float32, lambda: torch.zeros(4, 64))
-    assert parts.take("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", ref)
+    assert parts.take("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", [ref], None)
 
     class Ckpt:
         lora = {}
@@ -380,3 +381,86 @@ def test_bridge_dora_on_a_row_parallel_linear_at_tp2_is_refused():
 def test_a_size_in_the_run_config_that_is_not_one_is_named(value, tmp_path, capsys):
     root = copy_with_config(tmp_path, lambda c: c["model"].update(tensor_model_parallel_size=value))
     run_failing(args_of(root, tmp_path / "out"), capsys, "model.tensor_model_parallel_size=", "positive integer")
+
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("rope_scaling", True, "use_rope_scaling"),
+    ("layernorm_zero_centered_gamma", True, "apply_layernorm_1p"),
+    ("qk_l2_norm", True, "args.qk_l2_norm=True"),
+    ("attention_output_gate", True, "args.attention_output_gate=True"),
+    ("softmax_scale", 0.5, "args.softmax_scale=0.5"),
+])
+def test_mechanics_the_hf_model_lacks_are_refused(field, value, named, tmp_path, capsys):
+    """Bridge's own names for Megatron-LM's rope scaling and (1 + w) norms are read as those args, and mechanics no
+    HF family here computes are refused rather than dropped."""
+    root = copy_with_config(tmp_path, lambda c: c["model"].update({field: value}))
+    run_failing(args_of(root, tmp_path / "out"), capsys, named)
+
+
+def test_a_padded_vocabulary_that_would_cut_trained_rows_is_refused(tmp_path, capsys):
+    """With should_pad_vocab the provider's vocab_size is the tokenizer's: 256 trained ids do not fit an HF vocab of
+    250 (without it, vocab_size is the embedding's rows, padding included, as the fixture's)."""
+    root = copy_with_config(tmp_path, lambda c: c["model"].update(should_pad_vocab=True, vocab_size=256))
+    run_failing(args_of(root, tmp_path / "out"), capsys, "args.vocab_size=256 is larger")
+
+
+def test_canonical_lora_saved_at_another_tp_than_its_config_says_is_refused(tmp_path, capsys):
+    """The gate/up B rows are put back with the TP the metadata shows (2·TP factory pieces): a run_config.yaml that
+    says otherwise would scramble them."""
+    root = tmp_path / "bridge"
+    shutil.copytree(BRIDGE, root)
+    path = root / "lora_canonical" / "iter_0000010" / "run_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["model"]["tensor_model_parallel_size"] = 1
+    path.write_text(yaml.safe_dump(config))
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_canonical"), "--hf-ref",
+                 str(root / "hf_ref"), "--out", str(tmp_path / "out")], capsys, "saved in 4 pieces", "TP=1")
+
+
+@pytest.mark.parametrize("text, named", [
+    ("model: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    # a billion laughs: nothing may turn these into text
+    ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+     for p, c in zip("abcdefgh", "bcdefghi")) + "model: {num_layers: 4, hidden_size: 64, num_attention_heads: 8, "
+     "params_dtype: *i}\npeft: {_target_: *i, dim: 4, alpha: 12}\n", "not Megatron-Bridge's LoRA"),
+])
+def test_hostile_yaml_is_refused_in_one_line(text, named, tmp_path, capsys):
+    root = tmp_path / "bridge"
+    shutil.copytree(BRIDGE, root)
+    (root / "lora" / "iter_0000010" / "run_config.yaml").write_text(text)
+    run_failing(args_of(root, tmp_path / "out"), capsys, named)
+
+
+def test_a_run_config_that_is_a_directory_is_named(tmp_path, capsys):
+    root = tmp_path / "bridge"
+    shutil.copytree(BRIDGE, root)
+    path = root / "lora" / "iter_0000010" / "run_config.yaml"
+    path.unlink()
+    path.mkdir()
+    run_failing(args_of(root, tmp_path / "out"), capsys, "run_config.yaml", "Megatron-Bridge's run configuration")
+
+
+def test_canonical_lora_on_routed_experts_is_refused_by_name():
+    with pytest.raises(UnsupportedInput, match="CanonicalLoRA on routed experts"):
+        bridge.lora_name("decoder.layers.0.mlp.experts.experts.linear_fc1.adapter.adapter_gate.linear_in.weight", "w",
+                         canonical=True)
+
+
+def test_to_megatron_from_a_bridge_base_writes_megatron_s_own_args(tmp_path):
+    """Bridge's configuration is read as args, never copied: the written args are derived from the HF config."""
+    from lora_merge.files.safe_load import load_pt
+
+    lora_merge.to_megatron(base=BRIDGE / "base", lora=BRIDGE / "lora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "mg",
+                           tp=2, warn=quiet)
+    args = load_pt(next((tmp_path / "mg").rglob("model_optim_rng.pt")))["args"]
+    assert not any(k.startswith("bridge_") or k in ("hf_model_id", "attention_backend", "should_pad_vocab")
+                   for k in vars(args))
+    lora_merge.merge(base=tmp_path / "mg", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "back", warn=quiet)
+    assert files_of(tmp_path / "back") == files_of_merge(tmp_path)
+
+
+def files_of_merge(tmp_path: Path) -> dict:
+    lora_merge.merge(base=BRIDGE / "base", lora=BRIDGE / "lora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "direct",
+                     warn=quiet)
+    return files_of(tmp_path / "direct")

@@ -15,6 +15,12 @@ from lora_merge.value_checks import finite_number, is_int, positive_int
 from lora_merge.shown import shown
 
 
+# TransformerConfig mechanics (Megatron-LM records them as args by the same names) at the values that leave the
+# attention and MLP as the HF families here compute them; a family that has one says so (`own_mechanics.handles`)
+UNMODELED = {"qk_l2_norm": False, "softmax_scale": None, "attention_output_gate": False, "glu_linear_offset": 0.0,
+             "activation_func_clamp_value": None, "softmax_type": "vanilla", "apply_layernorm_1p": False}
+
+
 def check_against_args(shape: ModelShape, args, where: str) -> list[str]:
     """Every architecture fact that the Megatron args also record must agree with the HF config. Returns notes on
     what differs by design (a family's own mechanics may have some)."""
@@ -73,6 +79,12 @@ def check_against_args(shape: ModelShape, args, where: str) -> list[str]:
         raise MergeError(f"{where}: args.mtp_num_layers={shown(mtp)} but the HF config's {shape.mtp_key} is "
                          f"{shape.mtp_layers}{_defaulted(shape, shape.mtp_key)}: the multi-token-prediction "
                          "layers would not map one to one")
+    for name, default in UNMODELED.items():
+        value = arg(name)
+        if value is not None and value != default and name not in handled:
+            raise UnsupportedInput(f"{where}: args.{name}={shown(value)}: a mechanic the {shape.model_type} model "
+                                   f"does not have (expected {shown(default)}); the merged model would not be the one "
+                                   "trained")
     if arg("swiglu") is False and "swiglu" not in handled:
         raise MergeError(f"{where}: args.swiglu=False, but the {shape.model_type} MLP is gated (swiglu)")
     return own.check_args(shape, arg, where) if own is not None else []

@@ -1,19 +1,21 @@
 """Megatron-Bridge checkpoints: a torch_dist save whose configuration is `iter_N/run_config.yaml` (Bridge's
 ConfigContainer) instead of Megatron-LM args, and whose LoRA is Bridge's own adapter module.
 
-The tensors are Megatron-Core's (the torch_dist reader reads them); this module answers the two things that differ:
+The tensors are Megatron-Core's (the torch_dist reader reads them); this module answers what differs:
 - the args: `model:` holds every TransformerConfig field (a newer builder config nests them under
   `model.transformer:`) plus the GPT provider's. Megatron-LM fills TransformerConfig from its args by field name,
-  so a field named like an arg means the same; the few Megatron-LM names that differ are derived
-  (`swiglu`, `untie_embeddings_and_output_weights`, `norm_epsilon`, `num_experts`, `group_query_attention`,
-  the uneven pipeline's `decoder_first/last_pipeline_num_layers`). `peft:` gives r (`dim`), `alpha` and the
-  targets. Callables and dtypes are `{_target_: …, _call_: false}` mappings.
+  so a field named like an arg means the same; the Megatron-LM names that differ are derived (`swiglu`,
+  `untie_embeddings_and_output_weights`, `norm_epsilon`, `num_experts`, `group_query_attention`,
+  `use_rope_scaling`, `rotary_seq_len_interpolation_factor`, `apply_layernorm_1p`, the uneven pipeline's
+  `decoder_first/last_pipeline_num_layers`, the vocabulary's padded or unpadded size). `peft:` gives r (`dim`),
+  `alpha` and the targets. Callables and dtypes are `{_target_: …, _call_: false}` mappings (or short names).
 - the LoRA names: `<linear>.adapter.linear_in.weight` is A [r, in] and `<linear>.adapter.linear_out.weight` is
   B [out, r], global tensors in Megatron's TP=1 layout (fc1's B as [all gate; all up], qkv's interleaved), as the
   base's; they are read as PEFT's lora_A / lora_B. Bridge scales by alpha / dim (no rsLoRA).
-Refused by name: Bridge's other PEFT methods (CanonicalLoRA's adapter_q/k/v/gate/up, DoRA's weight_magnitude,
-VLMLoRA, multi-LoRA), `normalize_moe_lora` (a rank per module kind), shared-outer expert LoRA and LoRA on experts
-(their saved layout is not confirmed yet). docs/formats.md records the layout and where it was read.
+- CanonicalLoRA's per-projection adapters (`CanonicalParts`) and DoRA's magnitudes (`DoraMagnitudes`).
+Refused by name: VLMLoRA, multi-LoRA, `normalize_moe_lora` (a rank per module kind), shared-outer expert LoRA,
+LoRA on grouped (TEGroupedMLP) experts and CanonicalLoRA on experts (their saved layout is not confirmed).
+docs/formats.md records the layout and where it was read.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ SLOTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 # SequentialMLP's experts: one adapter each, saved under the experts' global axis like their weights
 SEQUENTIAL_EXPERT_ADAPTER = re.compile(r"\.mlp\.experts\.experts\.linear_fc[12]\.adapter\."
                                        r"(linear_(in|out)\.weight|weight_magnitude)$")
-SILU = "torch.nn.functional.silu"
+SILU = ("torch.nn.functional.silu", "silu")  # the callable's path, or the builder config's short name
 # sizes this tool computes with (layouts, the swiglu factory's order): checked to be sizes before anything uses them
 SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
          "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -54,7 +56,8 @@ DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float
 
 
 def is_bridge_iteration(it_dir: Path) -> bool:
-    return (it_dir / RUN_CONFIG).is_file() or (it_dir / RUN_CONFIG).is_symlink()
+    # any entry of that name (a directory, a FIFO, a broken link too): reading it says what is wrong with it
+    return (it_dir / RUN_CONFIG).exists() or (it_dir / RUN_CONFIG).is_symlink()
 
 
 def read_run_config(it_dir: Path) -> dict:
@@ -66,6 +69,8 @@ def read_run_config(it_dir: Path) -> dict:
         config = yaml.safe_load(text)  # Bridge writes it with yaml.safe_dump: plain mappings, no tags
     except yaml.YAMLError as exc:
         raise MergeError(f"{path}: unreadable YAML ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise MergeError(f"{path}: YAML nested too deeply to be a run configuration") from None
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise MergeError(f"{path}: no 'model' mapping; expected Megatron-Bridge's run configuration "
                          "(ConfigContainer with model:, peft:, checkpoint:)")
@@ -79,38 +84,51 @@ def bridge_args(it_dir: Path) -> Namespace:
     model = dict(config["model"])
     nested = model.pop("transformer", None)
     if isinstance(nested, dict):  # the builder-backed GPT config keeps TransformerConfig's fields apart
-        model = {**{k: v for k, v in nested.items()}, **model}
+        model = {**nested, **model}
+    for name in REQUIRED:
+        if model.get(name) is None:
+            raise MergeError(f"{where}: no model.{name}; expected Megatron-Bridge's model configuration")
     for name in SIZES:
         if model.get(name) is not None:
             model[name] = positive_int(model[name], f"model.{name}", where)
     args = {k: v for k, v in model.items() if _plain(v) and not k.startswith("_")}
-    target = lambda v: v.get("_target_") if isinstance(v, dict) else v  # noqa: E731
-    activation = target(model.get("activation_func"))
+    activation = _target(model.get("activation_func"))
     if model.get("gated_linear_unit") is not None:
-        args["swiglu"] = bool(model["gated_linear_unit"]) and activation == SILU
-    if model.get("share_embeddings_and_output_weights") is not None:
-        args["untie_embeddings_and_output_weights"] = not model["share_embeddings_and_output_weights"]
-    if model.get("layernorm_epsilon") is not None:
-        args["norm_epsilon"] = model["layernorm_epsilon"]
-    if model.get("num_moe_experts") is not None:
-        args["num_experts"] = model["num_moe_experts"]
-    args["group_query_attention"] = model.get("num_query_groups") is not None
-    for ours, theirs in (("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
-                         ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")):
+        args["swiglu"] = bool(model["gated_linear_unit"]) and activation in SILU
+    for ours, theirs in RENAMED:
         if model.get(theirs) is not None:
             args[ours] = model[theirs]
-    dtype = DTYPES.get(str(target(model.get("params_dtype"))))
+    if model.get("share_embeddings_and_output_weights") is not None:
+        args["untie_embeddings_and_output_weights"] = not model["share_embeddings_and_output_weights"]
+    args["group_query_attention"] = model.get("num_query_groups") is not None
+    dtype = DTYPES.get(_target(model.get("params_dtype")))
     if dtype is not None:
-        import torch
-
         args["params_dtype"] = getattr(torch, dtype)
         if "bf16" not in args and "fp16" not in args:
             args["bf16"], args["fp16"] = dtype == "bfloat16", dtype == "float16"
-    args.pop("vocab_size", None)  # the provider's may be the padded or the tokenizer's size: the tensors say which
+    # the provider pads vocab_size itself where should_pad_vocab says so; else it is the embedding's rows
+    vocab = args.pop("vocab_size", None)
+    if vocab is not None:
+        args["vocab_size" if model.get("should_pad_vocab") else "padded_vocab_size"] = vocab
     args.update(_lora_args(config.get("peft"), where))
     args["bridge_run_config"] = where
-    args["bridge_hf_model_id"] = model.get("hf_model_id")
     return Namespace(**args)
+
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+# (Megatron-LM's arg, the TransformerConfig / GPT provider field it is filled from)
+RENAMED = (("norm_epsilon", "layernorm_epsilon"), ("num_experts", "num_moe_experts"),
+           ("use_rope_scaling", "rope_scaling"), ("rotary_seq_len_interpolation_factor", "seq_len_interpolation_factor"),
+           ("apply_layernorm_1p", "layernorm_zero_centered_gamma"),
+           ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
+           ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage"))
+
+
+def _target(value) -> str | None:
+    """What a callable or dtype entry names: `{_target_: name, _call_: false}`, or the name itself; None for
+    anything else (never turned into text: a YAML alias bomb would expand)."""
+    value = value.get("_target_") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
 
 def _plain(value) -> bool:
@@ -125,7 +143,7 @@ def _lora_args(peft, where: str) -> dict:
         return {}
     if not isinstance(peft, dict):
         raise MergeError(f"{where}: peft={shown(peft)}; expected a mapping (Megatron-Bridge's PEFT config)")
-    target = str(peft.get("_target_", ""))
+    target = _target(peft) or ""
     if target not in (LORA, CANONICAL_LORA, DORA):
         for suffix, what in OTHER_PEFT.items():
             if suffix in target:
@@ -140,8 +158,9 @@ def _lora_args(peft, where: str) -> dict:
                                "experts) is not read yet")
     targets = peft.get("target_modules") or []
     excluded = peft.get("exclude_modules") or []
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not isinstance(excluded, list):
-        raise MergeError(f"{where}: peft.target_modules={shown(targets)}; expected a list of module names")
+    for field, value in (("target_modules", targets), ("exclude_modules", excluded)):
+        if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+            raise MergeError(f"{where}: peft.{field}={shown(value)}; expected a list of module names")
     # a wildcard (`*.layers.0.*.linear_qkv`) adapts some layers only: its last part names the module kind;
     # CanonicalLoRA's linear_q/_k/_v and linear_fc1_gate/_up are parts of linear_qkv and linear_fc1
     kinds = sorted({CANONICAL_TARGETS.get(k, k) for k in (t.rsplit(".", 1)[-1] for t in targets)})
@@ -158,15 +177,18 @@ CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear
 def lora_name(name: str, where: str, canonical: bool = False, dora: bool = False) -> str:
     """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged (a
     CanonicalLoRA's per-projection entries too, for `CanonicalParts`, where the run's config says CanonicalLoRA)."""
-    if ".adapter." in name and ".experts." in name and ".shared_experts." not in name \
-            and not SEQUENTIAL_EXPERT_ADAPTER.search(name):
-        raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on grouped experts (TEGroupedMLP's adapter, shared by an "
-                               "expert-parallel rank's experts) is not read yet; on SequentialMLP experts it is")
     if CANONICAL_KEY.match(name):
+        if ".experts." in name and ".shared_experts." not in name:
+            raise UnsupportedInput(f"{where}: Megatron-Bridge CanonicalLoRA on routed experts (separate gate and up "
+                                   "adapters per expert) is not read yet")
         if not canonical:
             raise UnsupportedInput(f"{where}: a CanonicalLoRA adapter entry, but run_config.yaml's peft is not "
                                    "CanonicalLoRA: the configuration does not belong to these tensors")
         return name
+    if ".adapter." in name and ".experts." in name and ".shared_experts." not in name \
+            and not SEQUENTIAL_EXPERT_ADAPTER.search(name):
+        raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on grouped experts (TEGroupedMLP's adapter, shared by an "
+                               "expert-parallel rank's experts) is not read yet; on SequentialMLP experts it is")
     if name.endswith(MAGNITUDE):
         if not dora:
             raise UnsupportedInput(f"{where}: a DoRA magnitude (adapter.weight_magnitude), but run_config.yaml's peft "
@@ -196,18 +218,19 @@ class CanonicalParts:
         self.args, self.where = args, where
         self.parts: dict[str, dict[str, dict[str, object]]] = {}  # module -> slot -> "in"/"out" -> TensorRef
 
-    def take(self, name: str, ref) -> bool:
+    def take(self, name: str, refs: list, dim: int | None) -> bool:
+        """Take a CanonicalLoRA entry: its saved pieces (`refs`, cut along `dim`), kept apart until `finish`."""
         m = CANONICAL_KEY.match(name)
         if not m:
             return False
         slot = self.parts.setdefault(m.group(1), {}).setdefault(m.group(3), {})
         if m.group(4) in slot:
-            raise MergeError(f"{ref.where}: {name} stored twice")
-        slot[m.group(4)] = ref
+            raise MergeError(f"{refs[0].where}: {name} stored twice")
+        slot[m.group(4)] = (refs, dim)
         return True
 
     def finish(self, ckpt) -> None:
-        from lora_merge.readers.checkpoint import GLOBAL, LoraModule, Pieces
+        from lora_merge.readers.checkpoint import GLOBAL, LoraModule, Pieces, joined_ref
 
         for module, slots in sorted(self.parts.items()):
             if module in ckpt.lora:
@@ -220,29 +243,71 @@ class CanonicalParts:
                     have = next(iter(slots[s]))
                     raise MergeError(f"{self.where}: {module}.adapter.adapter_{s} has linear_{have} but not "
                                      f"linear_{'out' if have == 'in' else 'in'}")
-            a_refs = [slots[s]["in"] for s in present]
-            b_refs = [slots[s]["out"] for s in present]
+            if kind == "linear_fc1":
+                for s in present:
+                    self._check_factory_pieces(module, s, *slots[s]["out"])
+            a_refs = [joined_ref(*slots[s]["in"]) for s in present]
+            b_refs = [joined_ref(*slots[s]["out"]) for s in present]
+            self._check_factors(module, present, a_refs, b_refs)
             r = a_refs[0].shape[0]
-            for ref in a_refs + b_refs:
-                if len(ref.shape) != 2 or (ref.shape[0] if ref in a_refs else ref.shape[1]) != r:
-                    raise MergeError(f"{ref.where}: shape {list(ref.shape)}; CanonicalLoRA's adapters of {module} "
-                                     f"must share one rank ({r})")
-            rows, row_block, fill = self._layout(kind, present, b_refs, module)
-            a = _ref(f"{a_refs[0].where} (+{len(a_refs) - 1} CanonicalLoRA adapters)", (r * len(present),
-                     a_refs[0].shape[1]), a_refs[0].dtype, lambda a_refs=a_refs: torch.cat([x.load() for x in a_refs]),
-                     a_refs)
-            b = _ref(f"{b_refs[0].where} (+{len(b_refs) - 1} CanonicalLoRA adapters)", (rows, r * len(present)),
-                     b_refs[0].dtype, fill, b_refs)
+            row_block, spans = self._layout(kind, present, b_refs, module)
+            rows, cols = len(row_block), r * len(present)
+
+            def fill(b_refs=b_refs, spans=spans, rows=rows, cols=cols, r=r, present=present):
+                out = torch.zeros(rows, cols, dtype=b_refs[0].dtype)
+                for i, ref in enumerate(b_refs):
+                    b = ref.load()
+                    for dst, src, n in spans[present[i]]:
+                        out[dst:dst + n, i * r:(i + 1) * r] = b[src:src + n]
+                return out
+
+            a = _ref(f"{a_refs[0].where} (+{len(a_refs) - 1} CanonicalLoRA adapters)", (cols, a_refs[0].shape[1]),
+                     a_refs[0].dtype, lambda a_refs=a_refs: torch.cat([x.load() for x in a_refs]), a_refs)
+            b = _ref(f"{b_refs[0].where} (+{len(b_refs) - 1} CanonicalLoRA adapters)", (rows, cols), b_refs[0].dtype,
+                     fill, b_refs)
             ckpt.lora[module] = LoraModule(a=Pieces((a,), GLOBAL), b=Pieces((b,), GLOBAL), row_block=row_block)
 
+    def _check_factors(self, module: str, present: list[str], a_refs: list, b_refs: list) -> None:
+        """One rank, one input size and one dtype for the adapters of a linear: they become one module."""
+        r, fan_in, dtype = a_refs[0].shape[0] if len(a_refs[0].shape) == 2 else None, a_refs[0].shape[-1], \
+            a_refs[0].dtype
+        for s, a, b in zip(present, a_refs, b_refs):
+            what = f"{module}.adapter.adapter_{s}"
+            if len(a.shape) != 2 or len(b.shape) != 2:
+                raise MergeError(f"{a.where}: {what} has linear_in {list(a.shape)} and linear_out {list(b.shape)}; "
+                                 "expected matrices")
+            if a.shape[0] != r or b.shape[1] != r or a.shape[1] != fan_in:
+                raise MergeError(f"{a.where}: {what} has linear_in {list(a.shape)} and linear_out {list(b.shape)}; "
+                                 f"the adapters of {module} must share one rank ({r}) and input size ({fan_in})")
+            if a.dtype != dtype or b.dtype != dtype:
+                raise MergeError(f"{a.where}: {what} is stored in {str(a.dtype).removeprefix('torch.')} / "
+                                 f"{str(b.dtype).removeprefix('torch.')}, the other adapters of {module} in "
+                                 f"{str(dtype).removeprefix('torch.')}; expected one dtype")
+
+    def _check_factory_pieces(self, module: str, slot: str, refs: list, dim: int | None) -> None:
+        """A gate or up adapter's B is saved through the swiglu factory: 2·TP pieces of ffn / (2·TP) rows, which
+        the metadata shows whatever run_config.yaml says; the rows are put back with that TP, so the two must agree."""
+        tp = getattr(self.args, "tensor_model_parallel_size", None) or 1
+        rows = sum(r.shape[0] for r in refs) if dim == 0 else refs[0].shape[0]
+        sizes = [r.shape[0] for r in refs] if dim == 0 else [rows]
+        if len(sizes) != 2 * tp or len(set(sizes)) != 1:
+            raise MergeError(f"{refs[0].where}: {module}.adapter.adapter_{slot}'s B is saved in {len(sizes)} pieces "
+                             f"of {sorted(set(sizes))} rows, but run_config.yaml says TP={tp}, whose swiglu factory "
+                             f"saves {2 * tp} pieces of {rows // (2 * tp) if rows % (2 * tp) == 0 else '?'}: the "
+                             "configuration does not belong to these tensors")
+
     def _layout(self, kind: str, present: list[str], b_refs: list, module: str):
-        """(rows of the fused linear, the adapter each row belongs to, a loader of the block B)."""
-        args, r = self.args, b_refs[0].shape[1]
-        col = {s: slice(i * r, (i + 1) * r) for i, s in enumerate(present)}
+        """(the adapter each row of the fused linear belongs to, each adapter's (row in the linear, row in its B,
+        count) spans)."""
+        args, where = self.args, b_refs[0].where
         if kind == "linear_qkv":
-            heads = int(args.num_attention_heads)
-            groups = int(getattr(args, "num_query_groups", None) or heads)
-            d = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // heads)
+            heads = getattr(args, "num_attention_heads", None)
+            groups = getattr(args, "num_query_groups", None) or heads
+            d = getattr(args, "kv_channels", None) or (args.hidden_size // heads if heads else None)
+            if not heads or not d or heads % groups:
+                raise MergeError(f"{where}: run_config.yaml gives num_attention_heads={shown(heads)}, "
+                                 f"num_query_groups={shown(groups)}, kv_channels={shown(d)}; CanonicalLoRA's q/k/v "
+                                 "adapters cannot be laid out without them")
             per = heads // groups
             size = {"q": per * d, "k": d, "v": d}  # rows of each adapter in one query group
             offset = {"q": 0, "k": per * d, "v": (per + 1) * d}
@@ -252,9 +317,7 @@ class CanonicalParts:
         else:
             ffn = b_refs[0].shape[0]
             rows = 2 * ffn
-            tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-            if ffn % (2 * tp):
-                raise MergeError(f"{b_refs[0].where}: {ffn} rows do not split in halves over TP={tp}")
+            tp = getattr(args, "tensor_model_parallel_size", None) or 1
             half = ffn // (2 * tp)
             # the swiglu factory's order: rank t's first half at t·half, its second half at ffn/2 + t·half
             order = [(t * 2 * half + j * half, j * (ffn // 2) + t * half, half) for t in range(tp) for j in (0, 1)]
@@ -268,15 +331,7 @@ class CanonicalParts:
         for i, s in enumerate(present):
             for dst, _, n in spans[s]:
                 row_block[dst:dst + n] = i
-
-        def fill():
-            out = torch.zeros(rows, r * len(present), dtype=b_refs[0].dtype)
-            for s, ref in zip(present, b_refs):
-                b = ref.load()
-                for dst, src, n in spans[s]:
-                    out[dst:dst + n, col[s]] = b[src:src + n]
-            return out
-        return rows, row_block, fill
+        return row_block, spans
 
 
 def _ref(where, shape, dtype, loader, parts):

@@ -174,6 +174,9 @@ class Checkpoint:
     lora: dict[str, LoraModule] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)  # reason -> number of entries deliberately not used
     adapter_name: str | None = None
+    # False where the args were derived from another configuration (Megatron-Bridge's run_config.yaml), not recorded
+    # by the Megatron run: they are checked like recorded ones, but never copied into a Megatron checkpoint we write
+    args_recorded: bool = True
     numbering: object = None  # LayerNumbering: how pipeline stages map to layers
     files: list = field(default_factory=list)  # (file, tensors, bytes) for each file read
     sources: list = field(default_factory=list)  # every file and directory read below `path`

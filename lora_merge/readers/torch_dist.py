@@ -238,7 +238,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1)
+    ckpt = Checkpoint(path=path, format="torch_dist", iteration=iteration, args=args, tp=1, pp=1, vpp=1,
+                      args_recorded=not from_bridge)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     ckpt.note = (("Megatron-Bridge, " if from_bridge else "") + f"saved from TP={tp} PP={pp}"
                  + (f" VPP={vpp}" if vpp > 1 else "") + (f" EP={ep}" if ep > 1 else "") + "; tensors are global")
@@ -257,11 +258,12 @@ def read_torch_dist(path: Path) -> Checkpoint:
 
     def add(name: str, where: str, shape, dtype, pieces):
         refs, dim = _piece_refs(where, shape, dtype, pieces)
-        if canonical is not None and canonical.take(name, joined_ref(refs, dim)):
+        if canonical is not None and canonical.take(name, refs, dim):
             return
-        if dora is not None and dora.take(name, joined_ref(refs, dim)):
+        joined = joined_ref(refs, dim)  # LoRA factors are small: one tensor each
+        if dora is not None and dora.take(name, joined):
             return
-        if lora.add(name, 0, joined_ref(refs, dim)):  # LoRA factors are small: one tensor each
+        if lora.add(name, 0, joined):
             return
         name = name.replace(".base_layer.", ".")
         if name in ckpt.params:

@@ -90,7 +90,9 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     padded, vocab_divisor = target.check_model(shape)
     inputs = input_paths(inp, opts.hf_ref, opts.base, opts.lora)
     check_output_target(opts.out, False, inputs, kind=MEGATRON_CHECKPOINT)
-    source_args = inp.base.megatron_args or (inp.lora.megatron_args if inp.lora is not None else None)
+    # the args a Megatron run recorded are kept (how it was trained); derived ones (Megatron-Bridge's) are not copied
+    source_args = next((c.megatron_args for c in (inp.base, inp.lora) if c is not None and c.megatron_args is not None
+                        and getattr(c, "args_recorded", True)), None)
     dtype = output_dtype(opts.dtype, shape, inp.base, inp.lora)
     plan = build_plan(inp.base, inp.lora, shape, inp.arch, inp.settings, dtype)
     for note in plan.notes:

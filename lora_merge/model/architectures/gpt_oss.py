@@ -54,7 +54,8 @@ class GptOssMechanics:
     truncate: bool
     rope_extra: tuple[str, ...]  # RoPE parameters beyond those (an attention_factor, mscale …)
     # the generic argument checks this family answers itself (model/megatron_args.py)
-    handles = frozenset({"add_bias_linear", "position_embedding_type", "swiglu", "window", "rope"})
+    handles = frozenset({"add_bias_linear", "position_embedding_type", "swiglu", "window", "rope", "glu_linear_offset",
+                         "activation_func_clamp_value", "softmax_type"})
 
     def mechanics(self) -> list[str]:
         window = f"a {self.sliding_window}-token window in {len(self.windowed)} layers, " if self.windowed else ""
