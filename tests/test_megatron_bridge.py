@@ -1,11 +1,13 @@
-"""Megatron-Bridge checkpoints (tests/fixtures/bridge_tp2_fp32, written by scripts/make_bridge_fixture.py: the real
-megatron-core 0.16.1 saving Bridge's adapter structure at TP=2, with its run_config.yaml instead of Megatron args).
+"""Megatron-Bridge checkpoints (tests/fixtures/bridge_tp2_fp32 at TP=2 and tests/fixtures_moe/bridge_qwen3moe_ep2 at
+EP=2, written by scripts/make_bridge_fixture.py: the real megatron-core 0.16.1 saving Bridge's adapter structures,
+with its run_config.yaml instead of Megatron args).
 
-The generic fixture tests (test_end_to_end, test_peft_oracle, test_export_adapter, test_inspect) already run it
-against the Megatron logits and PEFT. Here: the Bridge LoRA holds the same factors as the MindSpeed fixture
-tp2_fp32_filtered, so on any form of the same base (Bridge's torch_dist, Megatron-LM's legacy files, HF safetensors)
-it must give that fixture's bytes; the args in run_config.yaml are checked against the HF config like Megatron-LM's;
-Bridge's other PEFT methods are refused by name."""
+The generic fixture tests (test_end_to_end, test_peft_oracle, test_export_adapter, test_inspect) already run the
+dense one against the Megatron logits and PEFT. Here: each Bridge LoRA holds the same factors as a MindSpeed
+fixture (tp2_fp32_filtered, qwen3moe_ep2), so on any form of the same base (Bridge's torch_dist, Megatron-LM's files,
+HF safetensors) it must give that fixture's bytes; CanonicalLoRA and DoRA against their own Megatron forward and
+PEFT; the args in run_config.yaml checked against the HF config like Megatron-LM's; what is not read refused by
+name."""
 
 import json
 import shutil
@@ -30,21 +32,34 @@ def files_of(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ref") / "out"
-    lora_merge.merge(base=MINDSPEED / "base", lora=MINDSPEED / "lora", hf_ref=MINDSPEED / "hf_ref", out=out, warn=quiet)
-    return files_of(out)
+def reference(tmp_path_factory):
+    """The bytes of the MindSpeed fixture holding the same LoRA factors, merged once per fixture."""
+    cache = {}
+
+    def get(mindspeed: Path) -> dict:
+        if mindspeed not in cache:
+            out = tmp_path_factory.mktemp("ref") / "out"
+            lora_merge.merge(base=mindspeed / "base", lora=mindspeed / "lora", hf_ref=mindspeed / "hf_ref", out=out,
+                             warn=quiet)
+            cache[mindspeed] = files_of(out)
+        return cache[mindspeed]
+    return get
+
+
+def merged_on(base: str, bridge: Path, mindspeed: Path, tmp_path: Path):
+    """The Bridge LoRA merged on its base in one of three forms: Bridge's own, Megatron-LM's, HF."""
+    if base == "hf":
+        lora_merge.merge(base=bridge / "base", hf_ref=bridge / "hf_ref", out=tmp_path / "hf", warn=quiet)
+    base_dir = {"bridge": bridge / "base", "megatron-lm": mindspeed / "base", "hf": tmp_path / "hf"}[base]
+    return lora_merge.merge(base=base_dir, lora=bridge / "lora", hf_ref=bridge / "hf_ref", out=tmp_path / "out",
+                            warn=quiet)
 
 
 @pytest.mark.parametrize("base", ["bridge", "megatron-lm", "hf"])
 def test_a_bridge_lora_gives_the_mindspeed_lora_s_bytes_on_every_form_of_the_base(base, reference, tmp_path):
-    if base == "hf":
-        lora_merge.merge(base=BRIDGE / "base", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "hf", warn=quiet)
-    base_dir = {"bridge": BRIDGE / "base", "megatron-lm": MINDSPEED / "base", "hf": tmp_path / "hf"}[base]
-    result = lora_merge.merge(base=base_dir, lora=BRIDGE / "lora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "out",
-                              warn=quiet)
+    result = merged_on(base, BRIDGE, MINDSPEED, tmp_path)
     assert result.lora_modules == 16
-    assert files_of(tmp_path / "out") == reference
+    assert files_of(tmp_path / "out") == reference(MINDSPEED)
 
 
 def test_the_bridge_base_converts_to_the_megatron_lm_base_s_bytes(tmp_path):
@@ -192,9 +207,6 @@ def test_canonical_lora_leaves_the_projection_it_did_not_train_as_the_base_has_i
 def test_canonical_lora_exported_is_each_projection_s_own_adapter(canonical_merge, tmp_path):
     """Each HF projection gets its adapter's factors at rank r (not the fused rank-3r module); PEFT with the exported
     adapter computes Megatron's logits, and its merge_and_unload gives our merge."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     lora_merge.merge(base=BRIDGE / "base", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "base", warn=quiet)
     lora_merge.export_adapter(lora=CANONICAL, hf_ref=BRIDGE / "hf_ref", out=tmp_path / "adapter", warn=quiet)
     factors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
@@ -203,14 +215,22 @@ def test_canonical_lora_exported_is_each_projection_s_own_adapter(canonical_merg
     assert not k_b.any()  # k was not trained
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 12)
-    ref = torch.load(BRIDGE / "logits_canonical.pt", weights_only=True)
+    peft_computes_megatron_and_merges_as_ours(tmp_path, BRIDGE / "logits_canonical.pt", canonical_merge)
+
+
+def peft_computes_megatron_and_merges_as_ours(tmp_path: Path, logits: Path, ours: Path) -> None:
+    """PEFT with the adapter exported to tmp_path/adapter, on the HF base in tmp_path/base: Megatron's logits
+    unmerged, and our merge (in `ours`) from its merge_and_unload."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(logits, weights_only=True)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
                                       tmp_path / "adapter").eval()
     with torch.no_grad():
         assert (model(ref["input_ids"]).logits - ref["logits_lora"]).abs().max() <= 1e-4
     merged = model.merge_and_unload().state_dict()
-    ours = load_file(next(canonical_merge.glob("*.safetensors")))
-    for name, tensor in ours.items():
+    for name, tensor in load_file(next(ours.glob("*.safetensors"))).items():
         assert (tensor - merged[name]).abs().max() <= 1e-6 * max(1.0, merged[name].abs().max().item()), name
 
 
@@ -259,23 +279,11 @@ MOE = FIXTURES.parent / "fixtures_moe"
 BRIDGE_MOE, MINDSPEED_MOE = MOE / "bridge_qwen3moe_ep2", MOE / "qwen3moe_ep2"
 
 
-@pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("moe_ref") / "out"
-    lora_merge.merge(base=MINDSPEED_MOE / "base", lora=MINDSPEED_MOE / "lora", hf_ref=MINDSPEED_MOE / "hf_ref", out=out,
-                     warn=quiet)
-    return files_of(out)
-
-
 @pytest.mark.parametrize("base", ["bridge", "megatron-lm", "hf"])
-def test_a_bridge_expert_lora_gives_the_mindspeed_lora_s_bytes(base, moe_reference, tmp_path):
-    if base == "hf":
-        lora_merge.merge(base=BRIDGE_MOE / "base", hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "hf", warn=quiet)
-    base_dir = {"bridge": BRIDGE_MOE / "base", "megatron-lm": MINDSPEED_MOE / "base", "hf": tmp_path / "hf"}[base]
-    result = lora_merge.merge(base=base_dir, lora=BRIDGE_MOE / "lora", hf_ref=BRIDGE_MOE / "hf_ref",
-                              out=tmp_path / "out", warn=quiet)
+def test_a_bridge_expert_lora_gives_the_mindspeed_lora_s_bytes(base, reference, tmp_path):
+    result = merged_on(base, BRIDGE_MOE, MINDSPEED_MOE, tmp_path)
     assert result.lora_modules == 4 * (2 + 2 * 4)  # qkv, proj and every expert's fc1, fc2 in 4 layers
-    assert files_of(tmp_path / "out") == moe_reference
+    assert files_of(tmp_path / "out") == reference(MINDSPEED_MOE)
 
 
 def test_a_bridge_expert_lora_computes_megatron_s_logits_merged_and_exported(tmp_path):
@@ -314,9 +322,6 @@ def test_bridge_dora_computes_what_megatron_with_it_computes(root, tmp_path):
 def test_bridge_dora_exported_is_peft_s_dora(tmp_path):
     """PEFT (use_dora, lora_magnitude_vector) with the exported adapter computes Megatron's DoRA logits, and its
     merge_and_unload equals ours."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     lora_merge.merge(base=BRIDGE / "base", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "base", warn=quiet)
     lora_merge.merge(base=BRIDGE / "base", lora=BRIDGE / "lora_dora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "ours",
                      warn=quiet)
@@ -324,14 +329,7 @@ def test_bridge_dora_exported_is_peft_s_dora(tmp_path):
                               warn=quiet)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] is True and sorted(config["target_modules"]) == ["gate_proj", "up_proj"]
-    ref = torch.load(BRIDGE / "logits_dora.pt", weights_only=True)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
-                                      tmp_path / "adapter").eval()
-    with torch.no_grad():
-        assert (model(ref["input_ids"]).logits - ref["logits_lora"]).abs().max() <= 1e-4
-    merged = model.merge_and_unload().state_dict()
-    for name, tensor in load_file(next((tmp_path / "ours").glob("*.safetensors"))).items():
-        assert (tensor - merged[name]).abs().max() <= 1e-6 * max(1.0, merged[name].abs().max().item()), name
+    peft_computes_megatron_and_merges_as_ours(tmp_path, BRIDGE / "logits_dora.pt", tmp_path / "ours")
 
 
 def test_bridge_dora_on_experts_is_not_exported(tmp_path, capsys):
