@@ -136,7 +136,7 @@ def test_a_damaged_run_config_is_named(text, named, tmp_path, capsys):
     ("decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude", "DoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", "not CanonicalLoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.something.weight", "no kind this tool reads"),
-    ("decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight", "grouped experts"),
+    ("decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight", "no save of its experts has"),
 ])
 def test_adapter_entries_of_other_kinds_are_refused_by_name(key, named):
     with pytest.raises(UnsupportedInput, match=named):
@@ -462,3 +462,41 @@ def files_of_merge(tmp_path: Path) -> dict:
     lora_merge.merge(base=BRIDGE / "base", lora=BRIDGE / "lora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "direct",
                      warn=quiet)
     return files_of(tmp_path / "direct")
+
+
+def test_an_older_save_of_the_adapter_grouped_experts_share_is_every_expert_s(tmp_path):
+    """TEGroupedMLP's shared adapter: newer Bridge saves repeat it along the experts' axis (read like per-expert
+    adapters), older ones stored one 2-D tensor. Both written here by torch's own DCP writer from the MoE fixture
+    (expert 0's factors for every expert) give the same bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    source = BRIDGE_MOE / "lora" / "iter_0000010"
+    reader = dcp.FileSystemReader(str(source))
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in reader.read_metadata().state_dict_metadata.items()
+          if ".adapter." in k}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    experts = [k for k in sd if ".mlp.experts.experts." in k]
+    assert len(experts) == 4
+    outs = {}
+    for form in ("axis", "2-D"):
+        tensors = dict(sd)
+        for key in experts:  # [L, E, …]: expert 0's adapter for all
+            shared = sd[key][:, 0]
+            tensors[key] = shared.unsqueeze(1).expand(-1, sd[key].shape[1], *shared.shape[1:]).contiguous() \
+                if form == "axis" else shared.contiguous()
+        root = tmp_path / form / "lora"
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(root / "iter_0000010")), no_dist=True)
+        shutil.copy(source / "run_config.yaml", root / "iter_0000010")
+        (root / "latest_checkpointed_iteration.txt").write_text("10")
+        outs[form] = tmp_path / form / "out"
+        lora_merge.merge(base=BRIDGE_MOE / "base", lora=root, hf_ref=BRIDGE_MOE / "hf_ref", out=outs[form],
+                         warn=quiet)
+    assert files_of(outs["axis"]) == files_of(outs["2-D"])
+    merged = load_file(next(outs["2-D"].glob("*.safetensors")))
+    gate = [merged[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e in range(4)]
+    lora_merge.merge(base=BRIDGE_MOE / "base", hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "base", warn=quiet)
+    base = load_file(next((tmp_path / "base").glob("*.safetensors")))
+    deltas = [g - base[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e, g in enumerate(gate)]
+    for delta in deltas[1:]:  # one adapter: the same change to every expert
+        torch.testing.assert_close(delta, deltas[0], rtol=0, atol=1e-6)
+    assert deltas[0].abs().max() > 0.01

@@ -13,8 +13,8 @@ The tensors are Megatron-Core's (the torch_dist reader reads them); this module 
   B [out, r], global tensors in Megatron's TP=1 layout (fc1's B as [all gate; all up], qkv's interleaved), as the
   base's; they are read as PEFT's lora_A / lora_B. Bridge scales by alpha / dim (no rsLoRA).
 - CanonicalLoRA's per-projection adapters (`CanonicalParts`) and DoRA's magnitudes (`DoraMagnitudes`).
-Refused by name: VLMLoRA, multi-LoRA, `normalize_moe_lora` (a rank per module kind), shared-outer expert LoRA,
-LoRA on grouped (TEGroupedMLP) experts and CanonicalLoRA on experts (their saved layout is not confirmed).
+Refused by name: VLMLoRA, multi-LoRA, `normalize_moe_lora` (a rank per module kind), shared-outer expert LoRA and
+CanonicalLoRA on experts (their saved layout is not confirmed).
 docs/formats.md records the layout and where it was read.
 """
 
@@ -43,7 +43,11 @@ DORA_MAGNITUDE = ".dora_magnitude"
 # CanonicalLoRA: one adapter per HF projection of the fused linear_qkv and linear_fc1
 CANONICAL_KEY = re.compile(r"^(.+\.(linear_qkv|linear_fc1))\.adapter\.adapter_(q|k|v|gate|up)\.linear_(in|out)\.weight$")
 SLOTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
-# SequentialMLP's experts: one adapter each, saved under the experts' global axis like their weights
+# Experts' adapters, saved under the experts' global axis like their weights whatever the implementation:
+# SequentialMLP's one adapter per expert; TEGroupedMLP's one adapter shared by all experts (its grads summed over
+# EP) repeated along the axis by Bridge's _apply_expert_axis_factory, or its per-expert GroupedExpertLinearAdapter
+# ([E_local, r, in] / [E_local, out, r]); TEGroupedMLP's sharded state dict renames its children to SequentialMLP's
+# keys (`mlp.experts.experts.linear_fc1.…`). An older save of the shared one has no expert axis (2-D).
 SEQUENTIAL_EXPERT_ADAPTER = re.compile(r"\.mlp\.experts\.experts\.linear_fc[12]\.adapter\."
                                        r"(linear_(in|out)\.weight|weight_magnitude)$")
 SILU = ("torch.nn.functional.silu", "silu")  # the callable's path, or the builder config's short name
@@ -174,6 +178,13 @@ CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear
                      "linear_fc1_gate": "linear_fc1", "linear_fc1_up": "linear_fc1"}
 
 
+def expert_count(args, where: str) -> int:
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        raise MergeError(f"{where}: an adapter shared by the experts, but run_config.yaml gives no num_moe_experts")
+    return experts
+
+
 def lora_name(name: str, where: str, canonical: bool = False, dora: bool = False) -> str:
     """A Bridge adapter entry under PEFT's names (lora_A / lora_B of the adapter 'default'); others unchanged (a
     CanonicalLoRA's per-projection entries too, for `CanonicalParts`, where the run's config says CanonicalLoRA)."""
@@ -187,8 +198,8 @@ def lora_name(name: str, where: str, canonical: bool = False, dora: bool = False
         return name
     if ".adapter." in name and ".experts." in name and ".shared_experts." not in name \
             and not SEQUENTIAL_EXPERT_ADAPTER.search(name):
-        raise UnsupportedInput(f"{where}: Megatron-Bridge LoRA on grouped experts (TEGroupedMLP's adapter, shared by an "
-                               "expert-parallel rank's experts) is not read yet; on SequentialMLP experts it is")
+        raise UnsupportedInput(f"{where}: {shown(name)}: a Megatron-Bridge expert adapter under a name no save of its "
+                               "experts has (expected mlp.experts.experts.linear_fc1/linear_fc2.adapter.…)")
     if name.endswith(MAGNITUDE):
         if not dora:
             raise UnsupportedInput(f"{where}: a DoRA magnitude (adapter.weight_magnitude), but run_config.yaml's peft "

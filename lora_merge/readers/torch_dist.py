@@ -292,7 +292,13 @@ def read_torch_dist(path: Path) -> Checkpoint:
         def emit(name, where, shape, chunks):
             # Experts of every implementation are saved as one global [E, …] tensor per projection.
             m = GLOBAL_EXPERTS.match(name)
-            if m:
+            if m and from_bridge and ".lora_" in name and len(shape) == 2:
+                # an older Megatron-Bridge save of the adapter every grouped expert shares: one 2-D tensor, no
+                # expert axis (its newer saves repeat it along the axis); it is each expert's LoRA
+                for e in range(bridge.expert_count(args, where)):
+                    add(f"{m.group(1)}.{e}.{m.group(2)}", f"{where}[shared by expert {e}]", shape, info["dtype"],
+                        _pieces(chunks))
+            elif m:
                 for e in range(shape[0]):
                     add(f"{m.group(1)}.{e}.{m.group(2)}", f"{where}[expert {e}]", shape[1:], info["dtype"],
                         _pieces(_select(chunks, e)))
