@@ -85,6 +85,7 @@ def _differs(given, stored) -> bool:
 
 
 def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int, module: str) -> None:
+    r = getattr(lora, "rank", None) or r  # a module trained at a rank of its own
     out_dim, in_dim = rule.global_shape(shape)
     a_shapes, b_shapes = lora.a.shapes, lora.b.shapes
     if len(a_shapes[0]) != 2 or len(b_shapes[0]) != 2:
@@ -286,6 +287,9 @@ def megatron_deltas(rule: Rule, lora, shape: ModelShape, module: str, scale: flo
     """The deltas of a Megatron LoRA module, by the HF tensor each changes (a routed expert's of a stacked tensor:
     the change to its row, as PEFT's factors of one expert; every expert's of one an HF base holds whole)."""
     if isinstance(lora, ExpertLoras):
+        if any(m is not None and m.scale_factor != 1.0 for m in lora.modules):
+            raise UnsupportedInput(f"{module}: experts stored stacked (gpt-oss's) with ranks of their own "
+                                   "(normalize_moe_lora) are not supported")
         if any(m is not None and m.magnitude is not None for m in lora.modules):
             raise UnsupportedInput(f"{module}: DoRA on experts stored stacked (gpt-oss's) is not supported")
         return {rule.hf: lora.stacked_delta(scale)}
@@ -295,21 +299,23 @@ def megatron_deltas(rule: Rule, lora, shape: ModelShape, module: str, scale: flo
         a, b = whole_factors(rule, lora, module)
         b, a = rule.lora_factors(b, a)
         return {rule.hf: StackedExpertsDelta(b, a, scale, experts=1, in_out=True)}
-    return {name: f if isinstance(f, DoraDelta) else LowRankDelta(*f, scale)
+    return {name: f if isinstance(f, DoraDelta) else LowRankDelta(*f, scale * lora.scale_factor)
             for name, f in megatron_factors(rule, lora, shape, module, scale).items()}
 
 
 def megatron_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str,
                      scale: float) -> dict[str, "tuple[torch.Tensor, torch.Tensor] | DoraDelta"]:
-    """(B, A) for each HF tensor of a Megatron LoRA module, or its DoraDelta where the module is DoRA (its magnitude
-    cut into each HF tensor's rows as the linear's rows are)."""
+    """(B, A) for each HF tensor of a Megatron LoRA module (to be scaled by `scale` times the module's
+    `scale_factor`), or its DoraDelta where the module is DoRA (its magnitude cut into each HF tensor's rows as the
+    linear's rows are; scaled already)."""
     factors = hf_factors(rule, lora, shape, module)
     if lora.magnitude is None:
         return factors
     m = lora.magnitude.load()
     pieces = [p.unsqueeze(1) for p in m.chunk(lora.magnitude_tp)]
     rows = rule.to_hf(pieces, shape, f"{module} (DoRA magnitude)")
-    return {name: DoraDelta(LowRankDelta(b, a, scale), rows[name][:, 0]) for name, (b, a) in factors.items()}
+    return {name: DoraDelta(LowRankDelta(b, a, scale * lora.scale_factor), rows[name][:, 0])
+            for name, (b, a) in factors.items()}
 
 
 def merge_weight(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype,

@@ -165,6 +165,10 @@ def plan_adapter(lora: Checkpoint, shape: ModelShape, arch: Architecture, settin
     where = str(lora.path)
     planned, units, modules, slabs = _plan_factors(lora, shape, arch, settings, dtype)
     zeros, warnings = complete_targets(planned, units, lora, shape, arch, settings.r, allow_partial)
+    if any(m.rank is not None for m in lora.lora.values()):
+        raise UnsupportedInput(f"{where}: modules trained at ranks of their own (Megatron-Bridge's normalize_moe_lora) "
+                               "are not exported yet (PEFT would need rank and alpha patterns per expert); merge it "
+                               "instead")
     dora = any(m.magnitude is not None for m in lora.lora.values())
     if dora and (zeros or any(isinstance(r, ExpertSlab) for ms in modules.values() for r in (x.rule for x in ms))
                  or slabs or expert_keys(planned, arch)):

@@ -175,7 +175,11 @@ def verify_output(out_dir: Path, arch: Architecture, shape: ModelShape, dtype: t
             factors = {}
             module = megatron.removesuffix(".weight")
             if lora is not None and not peft and megatron.endswith(".weight") and module in lora.lora:
-                factors = megatron_factors(rule, lora.lora[module], shape, module, settings.scale)
+                own = lora.lora[module]
+                factors = megatron_factors(rule, own, shape, module, settings.scale)
+                if own.scale_factor != 1.0:  # a rank of its own (normalize_moe_lora): B carries the ratio
+                    factors = {n: (f[0].float() * own.scale_factor, f[1]) if isinstance(f, tuple) else f
+                               for n, f in factors.items()}
             megatron_blocks = None
             if not ref and base is not None and megatron in base.params:
                 pieces = fitted_pieces(base, megatron, rule)

@@ -23,6 +23,8 @@ TransformerConfig field plus the GPT provider's, callables and dtypes as `{_targ
 LoRA config), train_state.pt and the tracker latest_checkpointed_iteration.txt beside it.
 * base/: the whole model (as Bridge's import from HF saves it), iteration 1, run_config.yaml without `peft`;
 * lora/: adapter tensors only, iteration 10 (`_extra_state` dropped), and a stale iteration 5 with other values;
+* lora_normalized/ (MoE): `normalize_moe_lora`, the routed experts' adapters at rank dim / topk (their factors the
+  first rows of the LoRA's), scaled by alpha over that rank; logits_normalized.pt holds its forward pass;
 * lora_canonical/: Bridge's CanonicalLoRA (LoRALinearSplitQKV / LoRALinearSplitFC1UpGate: one adapter per HF
   projection, their outputs interleaved per query group, gate and up side by side) on linear_q, linear_v (no k),
   linear_fc1_gate, linear_fc1_up, linear_proj and linear_fc2, its own seeded values; the gate and up adapters' B go
@@ -235,6 +237,20 @@ class BridgeRank(lib.Rank):
             torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
                         "logits_base": logits_base.clone()}, out / "logits_dora.pt")
         unwrap()
+
+        if "num_experts" in spec:  # ---- normalize_moe_lora: the experts' adapters at rank dim / topk ----
+            expert_dim = lib.LORA_R // moe.TOPK
+            factors = {k: (v[:expert_dim] if k.endswith("lora_A.weight") else v[:, :expert_dim])
+                       if ".mlp.experts." in k else v for k, v in fam.canonical_lora(torch, spec, spec["lora_seed"]).items()}
+            normalized = wrap_targets(self.model, self.config, spec["targets"], lib.LORA_R, lib.LORA_ALPHA,
+                                      self.ep_rank, spec["num_experts"] // self.EP, io, expert_dim=expert_dim)
+            fill_adapters(torch, normalized, factors, self.tp_rank, self.TP, self.etp_rank, self.ETP or 1)
+            logits = self.forward()
+            save(out / "lora_normalized", LORA_ITERS[-1], adapter_sd, dict(peft, normalize_moe_lora=True))
+            if self.writer:
+                torch.save({"input_ids": self.input_ids.clone(), "logits_lora": logits.clone(),
+                            "logits_base": logits_base.clone()}, out / "logits_normalized.pt")
+            unwrap()
         if not with_canonical:
             self.dist.barrier()
             self.dist.destroy_process_group()
@@ -476,7 +492,7 @@ def fill_canonical(torch, adapters: dict, factors: dict, tp_rank: int, tp: int):
 
 
 def wrap_targets(model, config, targets, dim, alpha, ep_rank: int, local_experts: int, io: dict,
-                 dora: bool = False) -> dict:
+                 dora: bool = False, expert_dim: int | None = None) -> dict:
     """Every targeted linear of every layer wrapped (each routed expert's of a SequentialMLP too, as Bridge adapts
     `local_experts.{k}.linear_fc1`: an is_expert adapter of its own); {global module path: adapter}."""
     Adapter, Wrapped, _, _ = make_adapter_classes()
@@ -499,8 +515,8 @@ def wrap_targets(model, config, targets, dim, alpha, ep_rank: int, local_experts
             linear = getattr(parent, module)
             fin, fout = io[path]
             # Bridge's DoRA adapter is not an is_expert one, even on an expert (its linears use the TP group)
-            adapter = Adapter(fin, fout, dim, alpha, module in ROW_PARALLEL, module == "linear_fc1", config,
-                              is_expert and not dora)
+            adapter = Adapter(fin, fout, expert_dim if is_expert and expert_dim else dim, alpha, module in ROW_PARALLEL,
+                              module == "linear_fc1", config, is_expert and not dora)
             setattr(parent, module, Wrapped(linear, adapter))
             adapters[path] = adapter
     return adapters

@@ -94,13 +94,9 @@ def test_bridge_s_other_peft_methods_are_refused_by_name(target, named, tmp_path
     run_failing(args_of(root, tmp_path / "out"), capsys, "run_config.yaml", named)
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("normalize_moe_lora", True, "normalize_moe_lora"),
-    ("experts_shared_outer_loras", True, "experts_shared_outer_loras"),
-])
-def test_expert_lora_options_not_read_yet_are_refused(key, value, named, tmp_path, capsys):
-    root = copy_with_config(tmp_path, lambda c: c["peft"].update({key: value}))
-    run_failing(args_of(root, tmp_path / "out"), capsys, named)
+def test_shared_outer_expert_lora_is_refused(tmp_path, capsys):
+    root = copy_with_config(tmp_path, lambda c: c["peft"].update(experts_shared_outer_loras=True))
+    run_failing(args_of(root, tmp_path / "out"), capsys, "experts_shared_outer_loras")
 
 
 def test_the_run_config_s_model_is_checked_against_the_hf_config(tmp_path, capsys):
@@ -500,3 +496,32 @@ def test_an_older_save_of_the_adapter_grouped_experts_share_is_every_expert_s(tm
     for delta in deltas[1:]:  # one adapter: the same change to every expert
         torch.testing.assert_close(delta, deltas[0], rtol=0, atol=1e-6)
     assert deltas[0].abs().max() > 0.01
+
+
+def test_normalize_moe_lora_scales_each_expert_by_its_own_rank(tmp_path, capsys):
+    """normalize_moe_lora: the routed experts' adapters at rank dim / topk (2 of 4), scaled by alpha / 2; attention's
+    at dim 4, alpha / 4. Merged, the Megatron forward; verify agrees; export is refused by name."""
+    ref = torch.load(BRIDGE_MOE / "logits_normalized.pt", weights_only=True)
+    lora = BRIDGE_MOE / "lora_normalized"
+    lora_merge.merge(base=BRIDGE_MOE / "base", lora=lora, hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "out",
+                     warn=quiet)
+    logits = hf_logits(tmp_path / "out", ref["input_ids"])
+    assert (logits - ref["logits_lora"]).abs().max() <= 1e-4
+    assert (logits - ref["logits_base"]).abs().max() > 0.5
+    assert lora_merge.verify(tmp_path / "out", base=BRIDGE_MOE / "base", lora=lora, hf_ref=BRIDGE_MOE / "hf_ref").ok
+    capsys.readouterr()  # transformers' loading bars
+    run_failing(["export-adapter", "--lora", str(lora), "--hf-ref", str(BRIDGE_MOE / "hf_ref"), "--out",
+                 str(tmp_path / "adapter")], capsys, "normalize_moe_lora", "merge it instead")
+
+
+def test_normalize_moe_lora_with_experts_at_the_full_rank_is_refused(tmp_path, capsys):
+    root = copy_moe_dora(tmp_path, lambda c: c["peft"].update(_target_="megatron.bridge.peft.lora.LoRA",
+                                                               normalize_moe_lora=True))
+    shutil.rmtree(root / "lora_dora")
+    shutil.copytree(BRIDGE_MOE / "lora", root / "lora_dora")  # the plain LoRA: experts at rank 4
+    path = root / "lora_dora" / "iter_0000010" / "run_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["peft"]["normalize_moe_lora"] = True
+    path.write_text(yaml.safe_dump(config))
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_dora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(tmp_path / "out")], capsys, "with normalize_moe_lora", "Bridge gives it 2")

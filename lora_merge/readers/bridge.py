@@ -13,8 +13,10 @@ The tensors are Megatron-Core's (the torch_dist reader reads them); this module 
   B [out, r], global tensors in Megatron's TP=1 layout (fc1's B as [all gate; all up], qkv's interleaved), as the
   base's; they are read as PEFT's lora_A / lora_B. Bridge scales by alpha / dim (no rsLoRA).
 - CanonicalLoRA's per-projection adapters (`CanonicalParts`) and DoRA's magnitudes (`DoraMagnitudes`).
-Refused by name: VLMLoRA, multi-LoRA, `normalize_moe_lora` (a rank per module kind), shared-outer expert LoRA and
-CanonicalLoRA on experts (their saved layout is not confirmed).
+- `normalize_moe_lora`: routed experts' adapters of rank dim / moe_router_topk, scaled by alpha over that rank
+  (`normalized_expert_ranks`).
+Refused by name: VLMLoRA, multi-LoRA, shared-outer expert LoRA and CanonicalLoRA on experts (their saved layout is
+not confirmed).
 docs/formats.md records the layout and where it was read.
 """
 
@@ -154,9 +156,6 @@ def _lora_args(peft, where: str) -> dict:
                 raise UnsupportedInput(f"{where}: peft is Megatron-Bridge's {what}, which is not read yet; only its "
                                        "LoRA, CanonicalLoRA and DoRA are")
         raise UnsupportedInput(f"{where}: peft._target_={shown(target)}: not Megatron-Bridge's LoRA ({LORA})")
-    if peft.get("normalize_moe_lora"):
-        raise UnsupportedInput(f"{where}: peft.normalize_moe_lora: expert linears get rank dim / moe_router_topk, "
-                               "another than the rest; not read yet")
     if peft.get("experts_shared_outer_loras"):
         raise UnsupportedInput(f"{where}: peft.experts_shared_outer_loras (A of fc1 and B of fc2 shared by all "
                                "experts) is not read yet")
@@ -171,7 +170,7 @@ def _lora_args(peft, where: str) -> dict:
     return {"lora_r": peft.get("dim"), "lora_alpha": peft.get("alpha"),
             "lora_target_modules": [] if excluded or any("*" in t for t in targets) else kinds,
             "bridge_lora_patterns": targets or None, "bridge_canonical_lora": target == CANONICAL_LORA,
-            "bridge_dora": target == DORA}
+            "bridge_dora": target == DORA, "bridge_normalize_moe_lora": bool(peft.get("normalize_moe_lora"))}
 
 
 CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear_v": "linear_qkv",
@@ -407,3 +406,24 @@ class DoraMagnitudes:
                 raise MergeError(f"{ref.where}: DoRA magnitude of shape {list(ref.shape)}; {module} has {rows} rows")
             lora.magnitude = ref
             lora.magnitude_tp = tp if kind in self.COLUMN else 1
+
+
+def normalized_expert_ranks(ckpt, args, where: str) -> None:
+    """Bridge's `normalize_moe_lora`: each routed expert's adapter has rank dim // moe_router_topk (fc1's rounded up to
+    a multiple of expert TP, which splits its A's rows), the rest dim; each is scaled by alpha over its own rank.
+    The expert modules get that rank (`LoraModule.rank`) and their scale's ratio to the run's (`scale_factor`)."""
+    dim, topk = getattr(args, "lora_r", None), getattr(args, "moe_router_topk", None)
+    if not isinstance(dim, int) or not isinstance(topk, int) or dim % topk:
+        raise MergeError(f"{where}: peft.normalize_moe_lora with dim={shown(dim)} and moe_router_topk={shown(topk)}; "
+                         "Bridge needs dim divisible by moe_router_topk")
+    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1
+    for module, lora in ckpt.lora.items():
+        if ".mlp.experts." not in module:
+            continue
+        rank = dim // topk
+        if module.endswith("linear_fc1") and rank % etp:  # Bridge's align_expert_dim_for_tp
+            rank = -(-rank // etp) * etp
+        if lora.a[0].shape[0] != rank:
+            raise MergeError(f"{lora.a[0].where}: {module} has LoRA rank {lora.a[0].shape[0]}; with normalize_moe_lora "
+                             f"(dim {dim}, topk {topk}, expert TP {etp}) Bridge gives it {rank}")
+        lora.rank, lora.scale_factor = rank, dim / rank

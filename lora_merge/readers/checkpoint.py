@@ -151,6 +151,10 @@ class LoraModule:
     # holding its own rows (a column-parallel linear's; 1: the global order)
     magnitude: TensorRef | None = None
     magnitude_tp: int = 1
+    # its own rank where the run gave some modules another (Megatron-Bridge's normalize_moe_lora: routed experts at
+    # dim / topk), and its scale over the run's (alpha over its own rank instead of over the run's r)
+    rank: int | None = None
+    scale_factor: float = 1.0
 
     @property
     def blocks(self) -> int:

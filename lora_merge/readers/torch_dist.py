@@ -320,6 +320,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
         canonical.finish(ckpt)
     if dora is not None:
         dora.finish(ckpt)
+    if getattr(args, "bridge_normalize_moe_lora", False):
+        bridge.normalized_expert_ranks(ckpt, args, str(it_dir))
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
     ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt", it_dir / bridge.RUN_CONFIG,
                     *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
