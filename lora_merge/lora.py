@@ -32,6 +32,7 @@ class LoraSettings:
     source: str  # where r and alpha came from, for the summary
     warnings: tuple[str, ...] = ()  # command-line values that replaced different checkpoint values
     rslora: bool = False  # rank-stabilized: the scale is alpha / sqrt(r)
+    dora: bool = False  # the modules carry DoRA magnitudes (Megatron-Bridge's DoRA)
 
     @property
     def scale(self) -> float:
@@ -73,8 +74,13 @@ def resolve_settings(args, r: int | None, alpha: float | None, where: str) -> Lo
                          "checkpoint")
     source = "command line" if (r is not None and alpha is not None) else (
         "checkpoint args" if (r is None and alpha is None) else "checkpoint args + command line")
-    return LoraSettings(r=final_r, alpha=final_alpha, source=source + (", rsLoRA (args.use_rslora)" if rslora else ""),
-                        warnings=tuple(notes), rslora=bool(rslora))
+    if rslora:
+        source += ", rsLoRA (args.use_rslora)"
+    if getattr(args, "bridge_normalize_moe_lora", False):  # Megatron-Bridge: the routed experts' scale is their own
+        source += (", routed experts at rank r / moe_router_topk, scale alpha over that rank "
+                   "(Megatron-Bridge normalize_moe_lora)")
+    return LoraSettings(r=final_r, alpha=final_alpha, source=source, warnings=tuple(notes), rslora=bool(rslora),
+                        dora=bool(getattr(args, "bridge_dora", False)))
 
 
 def _differs(given, stored) -> bool:
@@ -280,16 +286,18 @@ class ExpertLoras:
 
     def stacked_delta(self, scale: float) -> StackedExpertsDelta:
         b, a = self.stacked_factors()
-        return StackedExpertsDelta(b, a, scale, experts=len(self.modules), in_out=True)
+        # routed experts share one rank, so one scale (normalize_moe_lora: alpha over theirs, not the run's r)
+        factors = {m.scale_factor for m in self.modules if m is not None}
+        if len(factors) > 1:
+            raise MergeError(f"{self.rules[0].megatron}: the experts of one stacked tensor were trained at different "
+                             "ranks; expected one")
+        return StackedExpertsDelta(b, a, scale * factors.pop(), experts=len(self.modules), in_out=True)
 
 
 def megatron_deltas(rule: Rule, lora, shape: ModelShape, module: str, scale: float) -> dict[str, Delta]:
     """The deltas of a Megatron LoRA module, by the HF tensor each changes (a routed expert's of a stacked tensor:
     the change to its row, as PEFT's factors of one expert; every expert's of one an HF base holds whole)."""
     if isinstance(lora, ExpertLoras):
-        if any(m is not None and m.scale_factor != 1.0 for m in lora.modules):
-            raise UnsupportedInput(f"{module}: experts stored stacked (gpt-oss's) with ranks of their own "
-                                   "(normalize_moe_lora) are not supported")
         if any(m is not None and m.magnitude is not None for m in lora.modules):
             raise UnsupportedInput(f"{module}: DoRA on experts stored stacked (gpt-oss's) is not supported")
         return {rule.hf: lora.stacked_delta(scale)}
@@ -298,7 +306,7 @@ def megatron_deltas(rule: Rule, lora, shape: ModelShape, module: str, scale: flo
             raise UnsupportedInput(f"{module}: DoRA on experts stored stacked (gpt-oss's) is not supported")
         a, b = whole_factors(rule, lora, module)
         b, a = rule.lora_factors(b, a)
-        return {rule.hf: StackedExpertsDelta(b, a, scale, experts=1, in_out=True)}
+        return {rule.hf: StackedExpertsDelta(b, a, scale * lora.scale_factor, experts=1, in_out=True)}
     return {name: f if isinstance(f, DoraDelta) else LowRankDelta(*f, scale * lora.scale_factor)
             for name, f in megatron_factors(rule, lora, shape, module, scale).items()}
 

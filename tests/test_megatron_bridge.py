@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import lora_merge
 from helpers import FIXTURES, quiet, run_failing
-from lora_merge.errors import UnsupportedInput
+from lora_merge.errors import MergeError, UnsupportedInput
 from lora_merge.readers import bridge
 
 BRIDGE = FIXTURES / "bridge_tp2_fp32"
@@ -132,7 +132,7 @@ def test_a_damaged_run_config_is_named(text, named, tmp_path, capsys):
     ("decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude", "DoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_in.weight", "not CanonicalLoRA"),
     ("decoder.layers.0.self_attention.linear_qkv.adapter.something.weight", "no kind this tool reads"),
-    ("decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight", "no save of its experts has"),
+    ("decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight", "expert adapter under a name not read"),
 ])
 def test_adapter_entries_of_other_kinds_are_refused_by_name(key, named):
     with pytest.raises(UnsupportedInput, match=named):
@@ -366,7 +366,7 @@ def test_bridge_dora_on_a_row_parallel_linear_at_tp2_is_refused():
     module = "decoder.layers.0.self_attention.linear_proj"
     ckpt = type("Ckpt", (), {"lora": {module: LoraModule(Pieces((ref(4, 64),), GLOBAL), Pieces((ref(64, 4),), GLOBAL))}})
     dora = DoraMagnitudes(Namespace(tensor_model_parallel_size=2), "here")
-    assert dora.take(module + ".dora_magnitude", ref(64))
+    assert dora.take(module + ".dora_magnitude", [ref(64)], None)
     with pytest.raises(UnsupportedInput, match="row-parallel linear_proj saved at TP=2"):
         dora.finish(ckpt)
 
@@ -482,12 +482,19 @@ def test_an_older_save_of_the_adapter_grouped_experts_share_is_every_expert_s(tm
                 if form == "axis" else shared.contiguous()
         root = tmp_path / form / "lora"
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(root / "iter_0000010")), no_dist=True)
-        shutil.copy(source / "run_config.yaml", root / "iter_0000010")
+        config = yaml.safe_load((source / "run_config.yaml").read_text())
+        config["model"]["expert_model_parallel_size"] = 1  # (the older 2-D save is one model at EP=1 only)
+        (root / "iter_0000010" / "run_config.yaml").write_text(yaml.safe_dump(config))
         (root / "latest_checkpointed_iteration.txt").write_text("10")
         outs[form] = tmp_path / form / "out"
         lora_merge.merge(base=BRIDGE_MOE / "base", lora=root, hf_ref=BRIDGE_MOE / "hf_ref", out=outs[form],
                          warn=quiet)
     assert files_of(outs["axis"]) == files_of(outs["2-D"])
+    config["model"]["expert_model_parallel_size"] = 2  # before Bridge synced it over EP: only EP rank 0's was saved
+    (tmp_path / "2-D" / "lora" / "iter_0000010" / "run_config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(UnsupportedInput, match="at EP=2: each expert-parallel rank trained its own"):
+        lora_merge.merge(base=BRIDGE_MOE / "base", lora=tmp_path / "2-D" / "lora", hf_ref=BRIDGE_MOE / "hf_ref",
+                         out=tmp_path / "refused", warn=quiet)
     merged = load_file(next(outs["2-D"].glob("*.safetensors")))
     gate = [merged[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e in range(4)]
     lora_merge.merge(base=BRIDGE_MOE / "base", hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "base", warn=quiet)
@@ -525,3 +532,57 @@ def test_normalize_moe_lora_with_experts_at_the_full_rank_is_refused(tmp_path, c
     path.write_text(yaml.safe_dump(config))
     run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_dora"), "--hf-ref", str(root / "hf_ref"),
                  "--out", str(tmp_path / "out")], capsys, "with normalize_moe_lora", "Bridge gives it 2")
+
+
+
+def test_a_dora_magnitude_saved_at_another_tp_than_its_config_says_is_refused(tmp_path, capsys):
+    """fc1's magnitude is read in its TP ranks' order: the pieces saved must show the TP run_config.yaml gives."""
+    root = tmp_path / "bridge"
+    shutil.copytree(BRIDGE, root)
+    path = root / "lora_dora" / "iter_0000010" / "run_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["model"]["tensor_model_parallel_size"] = 1
+    path.write_text(yaml.safe_dump(config))
+    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_dora"), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(tmp_path / "out")], capsys, "saved in 2 piece(s)", "TP=1")
+
+
+def test_the_card_and_summary_say_dora_and_normalized_ranks(tmp_path):
+    lora_merge.merge(base=BRIDGE / "base", lora=BRIDGE / "lora_dora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "dora",
+                     warn=quiet)
+    assert "DoRA, W' = m / ‖W + (alpha/r)·B·A‖" in (tmp_path / "dora" / "README.md").read_text()
+    result = lora_merge.merge(base=BRIDGE_MOE / "base", lora=BRIDGE_MOE / "lora_normalized",
+                              hf_ref=BRIDGE_MOE / "hf_ref", out=tmp_path / "norm", warn=quiet)
+    assert "normalize_moe_lora" in result.settings_source
+    assert "normalize_moe_lora" in (tmp_path / "norm" / "README.md").read_text()
+
+
+def test_stacked_experts_take_their_own_scale(monkeypatch):
+    """gpt-oss-like stacked experts with normalize_moe_lora: every expert's change at alpha over its own rank."""
+    from lora_merge.lora import ExpertLoras
+    from lora_merge.readers.checkpoint import GLOBAL, LoraModule, Pieces, TensorRef
+
+    def module(factor):
+        ref = TensorRef("x", (2, 8), torch.float32, lambda: torch.zeros(2, 8))
+        return LoraModule(Pieces((ref,), GLOBAL), Pieces((ref,), GLOBAL), rank=2, scale_factor=factor)
+
+    class Rule:
+        megatron = "decoder.layers.0.mlp.experts.0.linear_fc2.weight"
+
+    monkeypatch.setattr(ExpertLoras, "stacked_factors", lambda self: (torch.zeros(6, 2 * len(self.modules)),
+                                                                      torch.zeros(2 * len(self.modules), 8)))
+    assert ExpertLoras((Rule(),), (module(2.0),)).stacked_delta(3.0).scale == 6.0
+    with pytest.raises(MergeError, match="different ranks"):
+        ExpertLoras((Rule(), Rule()), (module(2.0), module(1.0))).stacked_delta(3.0)
+
+
+@pytest.mark.parametrize("name", ["apply_layernorm_1p", "layernorm_zero_centered_gamma"])
+def test_megatron_lm_s_one_plus_w_norms_are_refused_by_either_name(name, tmp_path, capsys):
+    """--apply-layernorm-1p: recorded as apply_layernorm_1p up to Megatron-LM 0.15, as the TransformerConfig field
+    layernorm_zero_centered_gamma from 0.16 (its args are built from the dataclass fields)."""
+    from helpers import copied_args, copy_fixture, rank_files, rewrite
+
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    for path in rank_files(root / "lora"):
+        rewrite(path, lambda state: setattr(state["args"], name, True))
+    run_failing(copied_args(root, tmp_path / "out"), capsys, f"args.{name}=True")

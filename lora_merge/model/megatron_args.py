@@ -18,7 +18,9 @@ from lora_merge.shown import shown
 # TransformerConfig mechanics (Megatron-LM records them as args by the same names) at the values that leave the
 # attention and MLP as the HF families here compute them; a family that has one says so (`own_mechanics.handles`)
 UNMODELED = {"qk_l2_norm": False, "softmax_scale": None, "attention_output_gate": False, "glu_linear_offset": 0.0,
-             "activation_func_clamp_value": None, "softmax_type": "vanilla", "apply_layernorm_1p": False}
+             "activation_func_clamp_value": None, "softmax_type": "vanilla",
+             # (1 + w) norms: Megatron-LM up to 0.15 records --apply-layernorm-1p by that name, 0.16 by the field's
+             "apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}
 
 
 def check_against_args(shape: ModelShape, args, where: str) -> list[str]:

@@ -177,10 +177,18 @@ CANONICAL_TARGETS = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear
                      "linear_fc1_gate": "linear_fc1", "linear_fc1_up": "linear_fc1"}
 
 
-def expert_count(args, where: str) -> int:
+def shared_adapter_experts(args, where: str) -> int:
+    """How many experts an older save's shared adapter (2-D, no expert axis) is given to: all of them, where one
+    adapter is what was trained. Before Bridge synced it over expert parallelism (cdca256, 2026-06), each EP rank
+    trained its own and only EP rank 0's was saved: at EP > 1 the others are lost."""
     experts = getattr(args, "num_experts", None)
     if not experts:
         raise MergeError(f"{where}: an adapter shared by the experts, but run_config.yaml gives no num_moe_experts")
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
+    if ep > 1:
+        raise UnsupportedInput(f"{where}: an older Megatron-Bridge save of the adapter grouped experts share (2-D, no "
+                               f"expert axis) at EP={ep}: each expert-parallel rank trained its own and only rank 0's "
+                               "was saved; no single model to merge")
     return experts
 
 
@@ -197,8 +205,9 @@ def lora_name(name: str, where: str, canonical: bool = False, dora: bool = False
         return name
     if ".adapter." in name and ".experts." in name and ".shared_experts." not in name \
             and not SEQUENTIAL_EXPERT_ADAPTER.search(name):
-        raise UnsupportedInput(f"{where}: {shown(name)}: a Megatron-Bridge expert adapter under a name no save of its "
-                               "experts has (expected mlp.experts.experts.linear_fc1/linear_fc2.adapter.…)")
+        raise UnsupportedInput(f"{where}: {shown(name)}: a Megatron-Bridge expert adapter under a name not read (read: "
+                               "mlp.experts.experts.linear_fc1/linear_fc2.adapter.linear_in/linear_out.weight with "
+                               "the experts' axis, as saved without singleton_local_shards)")
     if name.endswith(MAGNITUDE):
         if not dora:
             raise UnsupportedInput(f"{where}: a DoRA magnitude (adapter.weight_magnitude), but run_config.yaml's peft "
@@ -367,13 +376,13 @@ class DoraMagnitudes:
         self.args, self.where = args, where
         self.found: dict[str, object] = {}
 
-    def take(self, name: str, ref) -> bool:
+    def take(self, name: str, refs: list, dim: int | None) -> bool:
         if not name.endswith(DORA_MAGNITUDE):
             return False
         module = name[: -len(DORA_MAGNITUDE)]
         if module in self.found:
-            raise MergeError(f"{ref.where}: {module}'s DoRA magnitude stored twice")
-        self.found[module] = ref
+            raise MergeError(f"{refs[0].where}: {module}'s DoRA magnitude stored twice")
+        self.found[module] = (refs, dim)
         return True
 
     def finish(self, ckpt) -> None:
@@ -383,7 +392,10 @@ class DoraMagnitudes:
             if module not in self.found:
                 raise MergeError(f"{self.where}: {module} has LoRA factors but no DoRA magnitude "
                                  "(adapter.weight_magnitude), and run_config.yaml's peft is DoRA")
-        for module, ref in sorted(self.found.items()):
+        from lora_merge.readers.checkpoint import joined_ref
+
+        for module, (refs, dim) in sorted(self.found.items()):
+            ref = joined_ref(refs, dim)
             lora = ckpt.lora.get(module)
             if lora is None:
                 raise MergeError(f"{ref.where}: a DoRA magnitude for {module}, which has no LoRA factors")
@@ -404,6 +416,12 @@ class DoraMagnitudes:
             rows = lora.b[0].shape[0] if len(lora.b) == 1 else sum(r.shape[0] for r in lora.b)
             if tuple(ref.shape) != (rows,):
                 raise MergeError(f"{ref.where}: DoRA magnitude of shape {list(ref.shape)}; {module} has {rows} rows")
+            # its rank order is read with run_config.yaml's TP: the pieces saved must show the same
+            pieces = len(refs) if dim == 0 else 1
+            if kind in self.COLUMN and pieces != tp:
+                raise MergeError(f"{ref.where}: {module}'s DoRA magnitude is saved in {pieces} piece(s), but "
+                                 f"run_config.yaml says TP={tp}, which saves {tp}: the configuration does not belong "
+                                 "to these tensors")
             lora.magnitude = ref
             lora.magnitude_tp = tp if kind in self.COLUMN else 1
 
@@ -413,13 +431,13 @@ def normalized_expert_ranks(ckpt, args, where: str) -> None:
     a multiple of expert TP, which splits its A's rows), the rest dim; each is scaled by alpha over its own rank.
     The expert modules get that rank (`LoraModule.rank`) and their scale's ratio to the run's (`scale_factor`)."""
     dim, topk = getattr(args, "lora_r", None), getattr(args, "moe_router_topk", None)
-    if not isinstance(dim, int) or not isinstance(topk, int) or dim % topk:
-        raise MergeError(f"{where}: peft.normalize_moe_lora with dim={shown(dim)} and moe_router_topk={shown(topk)}; "
-                         "Bridge needs dim divisible by moe_router_topk")
     etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1
     for module, lora in ckpt.lora.items():
-        if ".mlp.experts." not in module:
+        if ".mlp.experts." not in module:  # (shared experts are not routed: Bridge keeps dim there)
             continue
+        if not isinstance(dim, int) or not isinstance(topk, int) or dim % topk:  # Bridge's own check, on experts
+            raise MergeError(f"{where}: peft.normalize_moe_lora with dim={shown(dim)} and moe_router_topk="
+                             f"{shown(topk)}; Bridge needs dim divisible by moe_router_topk")
         rank = dim // topk
         if module.endswith("linear_fc1") and rank % etp:  # Bridge's align_expert_dim_for_tp
             rank = -(-rank // etp) * etp

@@ -260,9 +260,9 @@ def read_torch_dist(path: Path) -> Checkpoint:
         refs, dim = _piece_refs(where, shape, dtype, pieces)
         if canonical is not None and canonical.take(name, refs, dim):
             return
-        joined = joined_ref(refs, dim)  # LoRA factors are small: one tensor each
-        if dora is not None and dora.take(name, joined):
+        if dora is not None and dora.take(name, refs, dim):
             return
+        joined = joined_ref(refs, dim)  # LoRA factors are small: one tensor each
         if lora.add(name, 0, joined):
             return
         name = name.replace(".base_layer.", ".")
@@ -294,8 +294,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
             m = GLOBAL_EXPERTS.match(name)
             if m and from_bridge and ".lora_" in name and len(shape) == 2:
                 # an older Megatron-Bridge save of the adapter every grouped expert shares: one 2-D tensor, no
-                # expert axis (its newer saves repeat it along the axis); it is each expert's LoRA
-                for e in range(bridge.expert_count(args, where)):
+                # expert axis (its newer saves repeat it along the axis); it is each expert's LoRA, at EP=1 only
+                for e in range(bridge.shared_adapter_experts(args, where)):
                     add(f"{m.group(1)}.{e}.{m.group(2)}", f"{where}[shared by expert {e}]", shape, info["dtype"],
                         _pieces(chunks))
             elif m:

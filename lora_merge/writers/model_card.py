@@ -121,7 +121,7 @@ def _formula(lora, settings) -> str:
     scale = "alpha/√r" if (settings is not None and settings.rslora) or config.get("use_rslora") else "alpha/r"
     if getattr(lora, "adapters", None):
         return f"W' = W + Σ wᵢ·({scale})ᵢ·Bᵢ·Aᵢ over {len(lora.adapters)} adapters"
-    if config.get("use_dora"):
+    if config.get("use_dora") or getattr(settings, "dora", False):
         return f"DoRA, W' = m / ‖W + ({scale})·B·A‖ · (W + ({scale})·B·A) per output row"
     return f"W' = W + ({scale})·B·A"
 
