@@ -71,8 +71,8 @@ def test_the_bridge_base_converts_to_the_megatron_lm_base_s_bytes(tmp_path):
 def copy_with_config(tmp_path: Path, edit, which: str = "lora") -> Path:
     root = tmp_path / "bridge"
     shutil.copytree(BRIDGE, root)
-    path = root / which / "iter_0000010" / "run_config.yaml" if which == "lora" else \
-        root / which / "iter_0000001" / "run_config.yaml"
+    tracker = (root / which / "latest_checkpointed_iteration.txt").read_text().strip()
+    path = root / which / f"iter_{int(tracker):07d}" / "run_config.yaml"
     config = yaml.safe_load(path.read_text())
     edit(config)
     path.write_text(yaml.safe_dump(config))
@@ -399,17 +399,13 @@ def test_a_padded_vocabulary_that_would_cut_trained_rows_is_refused(tmp_path, ca
     run_failing(args_of(root, tmp_path / "out"), capsys, "args.vocab_size=256 is larger")
 
 
-def test_canonical_lora_saved_at_another_tp_than_its_config_says_is_refused(tmp_path, capsys):
-    """The gate/up B rows are put back with the TP the metadata shows (2·TP factory pieces): a run_config.yaml that
-    says otherwise would scramble them."""
-    root = tmp_path / "bridge"
-    shutil.copytree(BRIDGE, root)
-    path = root / "lora_canonical" / "iter_0000010" / "run_config.yaml"
-    config = yaml.safe_load(path.read_text())
-    config["model"]["tensor_model_parallel_size"] = 1
-    path.write_text(yaml.safe_dump(config))
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_canonical"), "--hf-ref",
-                 str(root / "hf_ref"), "--out", str(tmp_path / "out")], capsys, "saved in 4 pieces", "TP=1")
+@pytest.mark.parametrize("lora, named", [("lora_canonical", "saved in 4 pieces"), ("lora_dora", "saved in 2 piece(s)")])
+def test_factors_saved_at_another_tp_than_their_config_says_are_refused(lora, named, tmp_path, capsys):
+    """CanonicalLoRA's gate/up B (2·TP swiglu-factory pieces) and DoRA's fc1 magnitude (TP pieces, each rank's
+    [gate; up]) are put back with the TP: the metadata must show the one run_config.yaml gives, or rows scramble."""
+    root = copy_with_config(tmp_path, lambda c: c["model"].update(tensor_model_parallel_size=1), which=lora)
+    run_failing(["--base", str(root / "base"), "--lora", str(root / lora), "--hf-ref", str(root / "hf_ref"),
+                 "--out", str(tmp_path / "out")], capsys, named, "TP=1")
 
 
 @pytest.mark.parametrize("text, named", [
@@ -532,20 +528,6 @@ def test_normalize_moe_lora_with_experts_at_the_full_rank_is_refused(tmp_path, c
     path.write_text(yaml.safe_dump(config))
     run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_dora"), "--hf-ref", str(root / "hf_ref"),
                  "--out", str(tmp_path / "out")], capsys, "with normalize_moe_lora", "Bridge gives it 2")
-
-
-
-def test_a_dora_magnitude_saved_at_another_tp_than_its_config_says_is_refused(tmp_path, capsys):
-    """fc1's magnitude is read in its TP ranks' order: the pieces saved must show the TP run_config.yaml gives."""
-    root = tmp_path / "bridge"
-    shutil.copytree(BRIDGE, root)
-    path = root / "lora_dora" / "iter_0000010" / "run_config.yaml"
-    config = yaml.safe_load(path.read_text())
-    config["model"]["tensor_model_parallel_size"] = 1
-    path.write_text(yaml.safe_dump(config))
-    run_failing(["--base", str(root / "base"), "--lora", str(root / "lora_dora"), "--hf-ref", str(root / "hf_ref"),
-                 "--out", str(tmp_path / "out")], capsys, "saved in 2 piece(s)", "TP=1")
-
 
 def test_the_card_and_summary_say_dora_and_normalized_ranks(tmp_path):
     lora_merge.merge(base=BRIDGE / "base", lora=BRIDGE / "lora_dora", hf_ref=BRIDGE / "hf_ref", out=tmp_path / "dora",
