@@ -568,3 +568,19 @@ def test_megatron_lm_s_one_plus_w_norms_are_refused_by_either_name(name, tmp_pat
     for path in rank_files(root / "lora"):
         rewrite(path, lambda state: setattr(state["args"], name, True))
     run_failing(copied_args(root, tmp_path / "out"), capsys, f"args.{name}=True")
+
+
+@pytest.mark.parametrize("lora, named", [
+    (BRIDGE / "lora", "Megatron-Bridge: LoRA; settings from"),
+    (BRIDGE / "lora_canonical", "CanonicalLoRA (8 modules of separate q/k/v or gate/up adapters)"),
+    (BRIDGE / "lora_dora", "DoRA (a magnitude on 4 modules)"),
+    (BRIDGE_MOE / "lora_normalized", "32 routed-expert modules at rank 2, scale 2× the run's (normalize_moe_lora)"),
+])
+def test_inspect_names_bridge_s_method(lora, named, capsys):
+    from lora_merge.cli import main
+
+    assert main(["inspect", str(lora)]) == 0
+    out = capsys.readouterr().out
+    assert named in out
+    # each canonical adapter's rank, not the fused module's; normalized experts at their own
+    assert ("rank in the tensors [2, 4]" if "normalized" in lora.name else "rank in the tensors [4]") in out

@@ -167,6 +167,23 @@ def describe_peft_adapter(adapter, verbose: bool = False) -> list[str]:
     return lines
 
 
+def _bridge_lora(ckpt: Checkpoint) -> list[str]:
+    """What a Megatron-Bridge LoRA's run_config.yaml made of the modules: its PEFT method, and where a module's rank
+    or scale is its own."""
+    args = ckpt.args
+    if getattr(args, "bridge_run_config", None) is None:
+        return []
+    fused = sum(m.row_block is not None for m in ckpt.lora.values())
+    dora = sum(m.magnitude is not None for m in ckpt.lora.values())
+    method = ("CanonicalLoRA" + (f" ({fused} modules of separate q/k/v or gate/up adapters)" if fused else "")
+              if getattr(args, "bridge_canonical_lora", False) else
+              f"DoRA (a magnitude on {dora} modules)" if getattr(args, "bridge_dora", False) else "LoRA")
+    own = Counter((m.rank, m.scale_factor) for m in ckpt.lora.values() if m.rank is not None)
+    scale = "".join(f"; {n} routed-expert modules at rank {r}, scale {f:g}× the run's (normalize_moe_lora)"
+                    for (r, f), n in sorted(own.items()))
+    return [f"  Megatron-Bridge: {method}{scale}; settings from {args.bridge_run_config}"]
+
+
 def describe(ckpt: Checkpoint, verbose: bool = False) -> list[str]:
     args = ckpt.args
     lines = [f"{ckpt.path}: {ckpt.format} Megatron checkpoint, iteration {ckpt.iteration}"]
@@ -195,11 +212,12 @@ def describe(ckpt: Checkpoint, verbose: bool = False) -> list[str]:
                  f" {_gb(size)} over all ranks")
     if ckpt.lora:
         targets = Counter(module.rsplit(".", 1)[-1] for module in ckpt.lora)
-        ranks = sorted({m.a[0].shape[0] for m in ckpt.lora.values()})
+        ranks = sorted({m.a[0].shape[0] // m.blocks for m in ckpt.lora.values()})  # (each fused adapter's)
         lines.append(f"  LoRA: {len(ckpt.lora)} modules ({', '.join(f'{t} x{n}' for t, n in sorted(targets.items()))}),"
                      f" adapter '{ckpt.adapter_name}', rank in the tensors {ranks}; args: lora_r={getattr(args, 'lora_r', None)}"
                      f" lora_alpha={getattr(args, 'lora_alpha', None)}"
                      f" lora_target_modules={getattr(args, 'lora_target_modules', None)}")
+        lines += _bridge_lora(ckpt)
     else:
         lines.append("  LoRA: none")
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(ckpt.skipped.items()))
