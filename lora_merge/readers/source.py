@@ -1,6 +1,6 @@
-"""What every input answers, whatever its format (a Megatron checkpoint, legacy or torch_dist; an HF model dir;
-a PEFT adapter dir): the questions the runs, the plan and the checks ask of an input, so that no code outside
-readers/ asks which class an input is. A new kind of input (a Megatron-Bridge checkpoint, a path on object
+"""What every input answers, whatever its format (a Megatron checkpoint, legacy or torch_dist, Megatron-LM's or
+Megatron-Bridge's; an HF model dir; a PEFT adapter dir): the questions the runs, the plan and the checks ask of an
+input, so that no code outside readers/ asks which class an input is. A new kind of input (a path on object
 storage) is a reader answering these."""
 
 from __future__ import annotations
