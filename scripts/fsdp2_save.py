@@ -3,7 +3,11 @@ and the model wrapped by torch's own `fully_shard` (every parameter sharded alon
 written with torch.distributed.checkpoint as `{"model": state_dict}` (accelerate's and MindSpeed-LLM's app-state
 key).
 
-    python scripts/fsdp2_save.py HF_MODEL_DIR OUT_DIR [--no-prefix] [--ranks N]   (N: 2 by default)
+    python scripts/fsdp2_save.py HF_MODEL_DIR OUT_DIR [--no-prefix] [--ranks N] [--peft ADAPTER_DIR]
+
+(N: 2 by default.) With --peft, the model is PEFT's model of that adapter (PeftModel.from_pretrained, float32), and
+its state dict (the base's weights and the adapter's factors, under PEFT's in-memory names) is what is saved; the
+adapter's adapter_config.json is copied beside it, as a training run's checkpoint directory holds it.
 """
 
 import os
@@ -15,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank: int, world: int, port: int, model_dir: str, out: str, prefixed: bool) -> None:
+def worker(rank: int, world: int, port: int, model_dir: str, out: str, prefixed: bool, peft: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
@@ -23,8 +27,13 @@ def worker(rank: int, world: int, port: int, model_dir: str, out: str, prefixed:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    for layer in model.model.layers:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if peft else torch.bfloat16)
+    layers = model.model.layers
+    if peft:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, peft)
+    for layer in layers:
         fully_shard(layer)
     fully_shard(model)
     state = get_model_state_dict(model)
@@ -38,7 +47,12 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 2
-    mp.spawn(worker, args=(ranks, port, model_dir, out, "--no-prefix" not in sys.argv), nprocs=ranks)
+    peft = sys.argv[sys.argv.index("--peft") + 1] if "--peft" in sys.argv else None
+    mp.spawn(worker, args=(ranks, port, model_dir, out, "--no-prefix" not in sys.argv, peft), nprocs=ranks)
+    if peft:
+        import shutil
+
+        shutil.copy(os.path.join(peft, "adapter_config.json"), out)
 
 
 if __name__ == "__main__":

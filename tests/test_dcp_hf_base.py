@@ -188,3 +188,24 @@ def test_a_safetensors_base_that_stores_its_tied_output_layer_is_checked_row_by_
         (tmp_path / "mg_same/release/mp_rank_00/model_optim_rng.pt").read_bytes()
     with pytest.raises(lora_merge.MergeError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight \(row 100\)"):
         lora_merge.to_megatron(base=tmp_path / "rows", out=tmp_path / "mg_rows", warn=quiet)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_a_peft_model_s_dcp_is_its_adapter(dora, tied, tmp_path):
+    """FSDP2 training of a PeftModel saves its state dict (base weights and factors, PEFT's in-memory names with the
+    adapter's name) as a DCP; with its adapter_config.json beside it, it is the adapter: the same merge as the one
+    PEFT's save_pretrained wrote, and the base's weights in it skipped."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    hf, _ = tied
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    trained_peft_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora), 5,
+                         tmp_path / "adapter")
+    dcp = fsdp2_dcp(hf, tmp_path / "peft_dcp", "--peft", str(tmp_path / "adapter"))
+    for lora, out in ((tmp_path / "adapter", "from_adapter"), (dcp, "from_dcp")):
+        result = lora_merge.merge(base=hf, lora=lora, hf_ref=hf, out=tmp_path / out, warn=quiet)
+    same_files(tmp_path / "from_adapter", tmp_path / "from_dcp")
+    assert result.lora_modules == 2 * 7
+    assert load_file(next((tmp_path / "from_dcp").glob("*.safetensors")))["model.layers.0.mlp.up_proj.weight"].ne(
+        load_file(next(hf.glob("*.safetensors")))["model.layers.0.mlp.up_proj.weight"]).any()

@@ -168,3 +168,51 @@ class DcpBaseline:
         rows = ref.load()[start:stop].clone()
         ref.release()
         return rows
+
+
+def peft_dcp_tensors(path: Path) -> tuple[dict[str, TensorRef], Counter, list[Path]]:
+    """A PEFT model's adapter from its torch distributed checkpoint (FSDP/FSDP2 training of a PeftModel saves its
+    state dict, the base's weights and the adapter's factors alike, as accelerate's sharded checkpoints do): the
+    adapter's tensors under the names PEFT's save_pretrained gives them (`….lora_A.weight`: the adapter's own name
+    dropped, one adapter only), each a reference joining its pieces; the base's weights (`….base_layer.weight`,
+    embeddings, norms), and anything else, skipped and counted. r and alpha come from the adapter_config.json
+    beside it, as for a saved adapter."""
+    from lora_merge.readers.checkpoint import joined_ref
+
+    path = Path(path)
+    entries, storage = read_metadata(path / METADATA)
+    tensors = [k for k, info in entries.items() if info != "bytes"]
+    prefixed = any(k.startswith(APP_PREFIX + PEFT_ROOT) for k in tensors)
+    files: dict[str, DistcpFile] = {}
+    out, skipped, adapters = {}, Counter(), set()
+    for key in sorted(entries):
+        name = key[len(APP_PREFIX):] if prefixed and key.startswith(APP_PREFIX) else key
+        m = PEFT_TENSOR.match(name) if name.startswith(PEFT_ROOT) else None
+        if m is None or entries[key] == "bytes":
+            skipped["base model weights" if name.startswith(PEFT_ROOT) else
+                    f"{re.split(r'[./]', key)[0]} (not model weights)"] += 1
+            continue
+        adapters.add(m.group("adapter"))
+        info = entries[key]
+        where = f"{path.name}/{METADATA}[{key}]"
+        pieces = []
+        for offsets, sizes in info["chunks"]:
+            get, records, _, _ = chunk_opener(path, storage, files, key, offsets, sizes, info["dtype"])
+            pieces.append((get, [slice(o, o + n) for o, n in zip(offsets, sizes)], records))
+        refs, dim = _piece_refs(where, info["shape"], info["dtype"], pieces)
+        if dim is not None:  # (FSDP2 gives a rank past a tensor's last row an empty piece)
+            refs = [r for r in refs if r.shape[dim]] or refs[:1]
+        out[f"{m.group('module')}.{m.group('kind')}" + (".weight" if m.group("kind") != "lora_magnitude_vector"
+                                                        else "")] = joined_ref(refs, dim)
+    if len(adapters) > 1:
+        raise MergeError(f"{path}: a PEFT model's checkpoint with several adapters ({', '.join(sorted(adapters))}); "
+                         "expected one")
+    if not out:
+        raise MergeError(f"{path}: a torch distributed checkpoint without a PEFT model's LoRA factors (expected keys "
+                         f"such as {PEFT_ROOT}model.layers.0.self_attn.q_proj.lora_A.default.weight)")
+    return out, skipped, [path / rel for rel in sorted(files)]
+
+
+PEFT_ROOT = "base_model.model."  # a PeftModel's state dict
+PEFT_TENSOR = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_magnitude_vector)\.(?P<adapter>[^.]+)"
+                         r"(?:\.weight)?$")

@@ -114,6 +114,13 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
     weights = path / "adapter_model.safetensors"
     if weights.is_file():
         tensors = tensor_refs(weights, "a PEFT adapter's weights")
+    elif (path / ".metadata").is_file():  # a PEFT model's torch distributed checkpoint (FSDP training)
+        from lora_merge.readers.dcp_hf import peft_dcp_tensors
+
+        weights = path / ".metadata"
+        tensors, skipped, dcp_files = peft_dcp_tensors(path)
+        for ref in tensors.values():
+            require_float(ref.where, ref.dtype)
     elif (path / "adapter_model.bin").is_file():
         weights = path / "adapter_model.bin"
         state = load_pt(weights)
@@ -123,8 +130,12 @@ def read_peft_adapter(path: Path, arch=None, shape=None) -> PeftAdapter:
         for ref in tensors.values():  # tensor_refs checks a safetensors file's the same way
             require_float(ref.where, ref.dtype)
     else:
-        raise MergeError(f"{path}: no adapter_model.safetensors or adapter_model.bin next to {CONFIG}")
+        raise MergeError(f"{path}: no adapter_model.safetensors, adapter_model.bin or a PEFT model's torch "
+                         f"distributed checkpoint (.metadata) next to {CONFIG}")
     adapter = PeftAdapter(path=path, config=config, sources=[path / CONFIG, weights])
+    if weights.name == ".metadata":
+        adapter.format, adapter.skipped = "PEFT (torch distributed checkpoint)", dict(skipped)
+        adapter.sources += dcp_files
     pairs: dict[str, dict[str, TensorRef]] = {}
     for key, ref in tensors.items():
         if not key.startswith(PREFIX):
