@@ -209,3 +209,15 @@ def test_a_peft_model_s_dcp_is_its_adapter(dora, tied, tmp_path):
     assert result.lora_modules == 2 * 7
     assert load_file(next((tmp_path / "from_dcp").glob("*.safetensors")))["model.layers.0.mlp.up_proj.weight"].ne(
         load_file(next(hf.glob("*.safetensors")))["model.layers.0.mlp.up_proj.weight"]).any()
+
+
+def test_a_model_dcp_with_an_adapter_config_but_no_factors_is_named(tied, tmp_path):
+    import json
+    import shutil
+
+    _, dcp = tied
+    shutil.copytree(dcp, tmp_path / "dcp")
+    (tmp_path / "dcp" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    with pytest.raises(lora_merge.MergeError, match="without a PEFT model's LoRA factors"):
+        lora_merge.merge(base=tied[0], lora=tmp_path / "dcp", hf_ref=tied[0], out=tmp_path / "out", warn=quiet)
