@@ -91,17 +91,23 @@ def read_dcp_hf(path: Path) -> HfModel:
         if name.endswith(DERIVED):
             skipped["rotary tables (recomputed from the config)"] += 1
             continue
-        pieces = []
-        for offsets, sizes in info["chunks"]:
-            get, records, _, _ = chunk_opener(path, storage, files, key, offsets, sizes, info["dtype"])
-            pieces.append((get, [slice(o, o + n) for o, n in zip(offsets, sizes)], records))
-        refs, dim = _piece_refs(where, info["shape"], info["dtype"], pieces)
-        if dim is not None:  # (FSDP2 gives a rank past a tensor's last row an empty piece)
-            refs = [r for r in refs if r.shape[dim]] or refs[:1]
+        refs, dim = _pieces_of(path, storage, files, key, info, where)
         model.tensors[name] = refs[0] if len(refs) == 1 else PiecedRef.of(refs, dim)
     model.sources += [path / rel for rel in sorted(files)]
     model.skipped = dict(skipped)
     return model
+
+
+def _pieces_of(path: Path, storage: dict, files: dict, key: str, info: dict, where: str):
+    """(a mapped reference to each saved piece of `key`, the dimension they cut it along)."""
+    pieces = []
+    for offsets, sizes in info["chunks"]:
+        get, records, _, _ = chunk_opener(path, storage, files, key, offsets, sizes, info["dtype"])
+        pieces.append((get, [slice(o, o + n) for o, n in zip(offsets, sizes)], records))
+    refs, dim = _piece_refs(where, info["shape"], info["dtype"], pieces)
+    if dim is not None:  # (FSDP2 gives a rank past a tensor's last row an empty piece)
+        refs = [r for r in refs if r.shape[dim]] or refs[:1]
+    return refs, dim
 
 
 class PiecedRef(TensorRef):
@@ -195,13 +201,7 @@ def peft_dcp_tensors(path: Path) -> tuple[dict[str, TensorRef], Counter, list[Pa
         adapters.add(m.group("adapter"))
         info = entries[key]
         where = f"{path.name}/{METADATA}[{key}]"
-        pieces = []
-        for offsets, sizes in info["chunks"]:
-            get, records, _, _ = chunk_opener(path, storage, files, key, offsets, sizes, info["dtype"])
-            pieces.append((get, [slice(o, o + n) for o, n in zip(offsets, sizes)], records))
-        refs, dim = _piece_refs(where, info["shape"], info["dtype"], pieces)
-        if dim is not None:  # (FSDP2 gives a rank past a tensor's last row an empty piece)
-            refs = [r for r in refs if r.shape[dim]] or refs[:1]
+        refs, dim = _pieces_of(path, storage, files, key, info, where)
         out[f"{m.group('module')}.{m.group('kind')}" + (".weight" if m.group("kind") != "lora_magnitude_vector"
                                                         else "")] = joined_ref(refs, dim)
     if len(adapters) > 1:
