@@ -584,3 +584,18 @@ def test_inspect_names_bridge_s_method(lora, named, capsys):
     assert named in out
     # each canonical adapter's rank, not the fused module's; normalized experts at their own
     assert ("rank in the tensors [2, 4]" if "normalized" in lora.name else "rank in the tensors [4]") in out
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda c: None, "Qwen/Qwen2-tiny-fixture"),  # the provider's hf_model_id
+    (lambda c: c["model"].update(hf_model_id=None, extra_checkpoint_metadata={"hf_model_id": "Org/Builder-7B"}),
+     "Org/Builder-7B"),  # the builder config keeps it in its checkpoint metadata
+    (lambda c: c["model"].update(hf_model_id="/data/models/local"), None),  # a local path names no Hub model
+])
+def test_the_card_names_the_hf_model_the_bridge_run_imported(edit, expected, tmp_path):
+    root = copy_with_config(tmp_path, edit, which="base")
+    warnings = []
+    lora_merge.merge(base=root / "base", hf_ref=root / "hf_ref", out=tmp_path / "out", warn=warnings.append)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert (f"base_model: {expected}" in card) if expected else ("base_model:" not in card and any(
+        "names no Hub model" in w for w in warnings))

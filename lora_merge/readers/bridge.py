@@ -118,6 +118,10 @@ def bridge_args(it_dir: Path) -> Namespace:
         args["vocab_size" if model.get("should_pad_vocab") else "padded_vocab_size"] = vocab
     args.update(_lora_args(config.get("peft"), where))
     args["bridge_run_config"] = where
+    # the HF model the run was imported from (the provider's field, or the builder config's checkpoint metadata)
+    metadata = model.get("extra_checkpoint_metadata")
+    recorded = model.get("hf_model_id") or (metadata.get("hf_model_id") if isinstance(metadata, dict) else None)
+    args["hf_model_id"] = recorded if isinstance(recorded, str) else None
     return Namespace(**args)
 
 

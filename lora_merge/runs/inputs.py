@@ -259,4 +259,6 @@ def card_base_model(opts, inp: Inputs, reference: Path) -> tuple[str | None, str
     raises (or `warnings.simplefilter("error")`) stops the run with nothing published."""
     explicit = checked_base_model_id(opts.base_model_id)
     hf_base = inp.base.path if inp.base is not None and inp.base.hf_named else None
-    return resolve_base_model(explicit, [hf_base, reference], inp.hf_config)
+    recorded = [getattr(source.megatron_args, "hf_model_id", None) for source in (inp.base, inp.lora)
+                if source is not None and source.megatron_args is not None]
+    return resolve_base_model(explicit, [hf_base, reference], inp.hf_config, recorded)

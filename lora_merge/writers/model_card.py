@@ -59,10 +59,11 @@ def cache_hub_id(directory: Path) -> str | None:
     return None
 
 
-def resolve_base_model(explicit: str | None, dirs, hf_config: dict) -> tuple[str | None, str | None]:
+def resolve_base_model(explicit: str | None, dirs, hf_config: dict, recorded=()) -> tuple[str | None, str | None]:
     """(Hub id of the base model or None, a warning when none is known): --base-model-id, else an HF cache
-    snapshot among `dirs` (the HF base first, then the reference), else a Hub-id-looking `_name_or_path` in
-    the reference's config (older transformers wrote it on save_pretrained)."""
+    snapshot among `dirs` (the HF base first, then the reference), else the HF model a training run recorded
+    importing (`recorded`: Megatron-Bridge's hf_model_id), else a Hub-id-looking `_name_or_path` in the
+    reference's config (older transformers wrote it on save_pretrained)."""
     if explicit:
         return explicit, None
     for directory in dirs:
@@ -70,9 +71,9 @@ def resolve_base_model(explicit: str | None, dirs, hf_config: dict) -> tuple[str
             found = cache_hub_id(directory)
             if found:
                 return found, None
-    source = hf_config.get("_name_or_path")
-    if isinstance(source, str) and HUB_ID.match(source) and not os.path.isabs(source) and valid_hub_id(source):
-        return source, None
+    for source in (*recorded, hf_config.get("_name_or_path")):
+        if isinstance(source, str) and HUB_ID.match(source) and not os.path.isabs(source) and valid_hub_id(source):
+            return source, None
     shown = next((str(d) for d in dirs if d is not None), "the reference")
     return None, (f"{shown} is a local directory that names no Hub model (not an HF cache snapshot, no "
                   "_name_or_path): the model card gets no base_model; pass --base-model-id ORG/NAME to set it")
