@@ -91,13 +91,13 @@ def _differs(given, stored) -> bool:
 
 
 def check_factor_shapes(rule: Rule, lora: LoraModule, shape: ModelShape, r: int, module: str) -> None:
-    r = getattr(lora, "rank", None) or r  # a module trained at a rank of its own
+    r = lora.rank or r  # a module trained at a rank of its own
     out_dim, in_dim = rule.global_shape(shape)
     a_shapes, b_shapes = lora.a.shapes, lora.b.shapes
     if len(a_shapes[0]) != 2 or len(b_shapes[0]) != 2:
         raise MergeError(f"{lora.a[0].where}: lora_A/lora_B of {module} must be matrices, "
                          f"found shapes {list(a_shapes[0])} and {list(b_shapes[0])}")
-    blocks = getattr(lora, "blocks", 1)
+    blocks = lora.blocks
     if a_shapes[0][0] != r * blocks or b_shapes[0][1] != r * blocks:
         if blocks > 1:
             raise MergeError(f"{lora.a[0].where}: {module}'s {blocks} adapters have rank {a_shapes[0][0] // blocks} "
@@ -114,7 +114,7 @@ def hf_factors(rule: Rule, lora: LoraModule, shape: ModelShape, module: str) -> 
     """(B, A) for each HF tensor the rule produces, with B's rows in that tensor's HF order."""
     a, b_shards = _factor_shards(rule, lora, module)
     factors = {name: (b, a) for name, b in rule.to_hf(b_shards, shape, f"{module}.lora_B").items()}
-    return _own_blocks(rule, lora, shape, factors, module) if getattr(lora, "row_block", None) is not None else factors
+    return _own_blocks(rule, lora, shape, factors, module) if lora.row_block is not None else factors
 
 
 def _own_blocks(rule: Rule, lora: LoraModule, shape: ModelShape, factors: dict, module: str) -> dict:

@@ -226,6 +226,30 @@ def lora_name(name: str, where: str, canonical: bool = False, dora: bool = False
     return name
 
 
+class AdapterParts:
+    """What a Bridge LoRA holds beyond lora_A / lora_B, by the PEFT method run_config.yaml names: CanonicalLoRA's
+    per-projection adapters, DoRA's magnitudes, normalize_moe_lora's expert ranks. The torch_dist reader hands it
+    every entry (`lora_name`, `take`) and the checkpoint once read (`finish`)."""
+
+    def __init__(self, args, where: str):
+        self.args, self.where = args, where
+        self.canonical = CanonicalParts(args, where) if getattr(args, "bridge_canonical_lora", False) else None
+        self.dora = DoraMagnitudes(args, where) if getattr(args, "bridge_dora", False) else None
+
+    def lora_name(self, name: str, where: str) -> str:
+        return lora_name(name, where, self.canonical is not None, self.dora is not None)
+
+    def take(self, name: str, refs: list, dim: int | None) -> bool:
+        return any(part.take(name, refs, dim) for part in (self.canonical, self.dora) if part is not None)
+
+    def finish(self, ckpt) -> None:
+        for part in (self.canonical, self.dora):
+            if part is not None:
+                part.finish(ckpt)
+        if getattr(self.args, "bridge_normalize_moe_lora", False):
+            normalized_expert_ranks(ckpt, self.args, self.where)
+
+
 class CanonicalParts:
     """CanonicalLoRA's adapters of one fused linear (q, k, v of linear_qkv; gate, up of linear_fc1), each of rank r
     and its own rows, fused into one LoRA module of rank k·r whose B holds each adapter's rows in its own column

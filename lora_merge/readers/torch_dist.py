@@ -247,8 +247,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
     ckpt.experts = expert_layout(args, tp, str(it_dir), torch_dist=True)  # informational: tensors are global (one shard each)
     files: dict[str, DistcpFile] = {}
     lora = LoraCollector(str(it_dir))
-    canonical = bridge.CanonicalParts(args, str(it_dir)) if getattr(args, "bridge_canonical_lora", False) else None
-    dora = bridge.DoraMagnitudes(args, str(it_dir)) if getattr(args, "bridge_dora", False) else None
+    bridge_parts = bridge.AdapterParts(args, str(it_dir)) if from_bridge else None
     per_file = defaultdict(lambda: [0, 0])
 
     def chunk_getter(key, offsets, sizes, dtype):
@@ -258,9 +257,7 @@ def read_torch_dist(path: Path) -> Checkpoint:
 
     def add(name: str, where: str, shape, dtype, pieces):
         refs, dim = _piece_refs(where, shape, dtype, pieces)
-        if canonical is not None and canonical.take(name, refs, dim):
-            return
-        if dora is not None and dora.take(name, refs, dim):
+        if bridge_parts is not None and bridge_parts.take(name, refs, dim):
             return
         joined = joined_ref(refs, dim)  # LoRA factors are small: one tensor each
         if lora.add(name, 0, joined):
@@ -279,9 +276,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
         if info["dtype"] is None or not isinstance(info["dtype"], torch.dtype):
             raise MergeError(f"{it_dir}: {key} has no readable dtype")
         name = key[len("module."):] if key.startswith("module.") else key
-        if from_bridge:
-            name = bridge.lora_name(name, f"{it_dir.name}/{METADATA}[{key}]", canonical is not None,
-                                   dora is not None)
+        if bridge_parts is not None:
+            name = bridge_parts.lora_name(name, f"{it_dir.name}/{METADATA}[{key}]")
         if is_mtp(name):  # per-layer keys of the MTP layers, named as decoder layers L+k from here on
             name = mtp_canonical(name, ckpt.numbering.hf_layers, args_mtp_layers(args), f"{it_dir.name}[{key}]")
         chunks = [(*chunk_getter(key, off, size, info["dtype"]), off, size) for off, size in info["chunks"]]
@@ -316,12 +312,8 @@ def read_torch_dist(path: Path) -> Checkpoint:
 
     _join_singleton_fc1(ckpt)
     lora.finish(ckpt, lambda module: (GLOBAL, 1))
-    if canonical is not None:
-        canonical.finish(ckpt)
-    if dora is not None:
-        dora.finish(ckpt)
-    if getattr(args, "bridge_normalize_moe_lora", False):
-        bridge.normalized_expert_ranks(ckpt, args, str(it_dir))
+    if bridge_parts is not None:
+        bridge_parts.finish(ckpt)
     ckpt.files = [(str(it_dir / rel), n, nbytes) for rel, (n, nbytes) in sorted(per_file.items())]
     ckpt.sources = [path / TRACKER, it_dir, it_dir / METADATA, it_dir / "common.pt", it_dir / bridge.RUN_CONFIG,
                     *(it_dir / rel for rel in sorted({loc[0] for loc in storage.values()}))]
