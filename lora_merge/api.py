@@ -209,7 +209,8 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                 etp: int | None = None, decoder_first_pipeline_num_layers: int | None = None,
                 decoder_last_pipeline_num_layers: int | None = None, ckpt_format: str = "torch",
                 expert_layout: str = "sequential", make_vocab_size_divisible_by: int | None = None,
-                padded_vocab_size: int | None = None, mla_naming: str = "megatron-core", dtype: str = "auto",
+                padded_vocab_size: int | None = None, mla_naming: str = "megatron-core",
+                transformer_impl: str = "local", dtype: str = "auto",
                 lora_r: int | None = None,
                 lora_alpha: float | None = None, allow_partial_lora: bool = False, dry_run: bool = False,
                 workers: int | None = None, progress: Callable[[int, int], None] | None = None, part=None,
@@ -225,7 +226,8 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                             last_stage_layers=decoder_last_pipeline_num_layers)
     target = MegatronTarget(layout=layout, ckpt_format=ckpt_format, expert_layout=expert_layout,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            padded_vocab_size=padded_vocab_size, mla_naming=mla_naming)
+                            padded_vocab_size=padded_vocab_size, mla_naming=mla_naming,
+                            transformer_impl=transformer_impl)
     opts = MegatronOptions(base=base_path, lora=_path(lora, "lora", LORA), hf_ref=_required(hf_ref, "hf_ref", HF_REF),
                            out=_abs(_required(out, "out", OUT)), target=target, dtype=_dtype_choice(dtype),
                            lora_r=_lora_r(lora_r), lora_alpha=_lora_alpha(lora_alpha),

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 MEGATRON_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers", "ckpt_format", "expert_layout", "make_vocab_size_divisible_by",
-                    "padded_vocab_size", "mla_naming")
+                    "padded_vocab_size", "mla_naming", "transformer_impl")
 
 
 def _megatron_options(p: argparse.ArgumentParser) -> None:
@@ -218,6 +218,10 @@ def _megatron_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mla-naming", choices=["megatron-core", "mindspeed"], default=None,
                    help="DeepSeek MLA: Megatron-Core's linear_q_down_proj/linear_kv_down_proj (default), or "
                         "MindSpeed-LLM's fused linear_qkv (what MindSpeed's MLA loads)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="the module names of the model that loads it: local (default; what MindSpeed-LLM builds) or "
+                        "transformer_engine (Megatron-LM's default: norms fused into the next linear as "
+                        "layer_norm_weight, an _extra_state for every TransformerEngine module)")
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
@@ -480,7 +484,8 @@ def _run_to_megatron(api, opts, console: Console) -> int:
             decoder_last_pipeline_num_layers=opts.decoder_last_pipeline_num_layers,
             ckpt_format=given(opts.ckpt_format, "torch"), expert_layout=given(opts.expert_layout, "sequential"),
             make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, padded_vocab_size=opts.padded_vocab_size,
-            mla_naming=given(opts.mla_naming, "megatron-core"), dtype=opts.dtype, lora_r=opts.lora_r,
+            mla_naming=given(opts.mla_naming, "megatron-core"),
+            transformer_impl=given(opts.transformer_impl, "local"), dtype=opts.dtype, lora_r=opts.lora_r,
             lora_alpha=opts.lora_alpha, allow_partial_lora=opts.allow_partial_lora, dry_run=opts.dry_run,
             workers=opts.workers, progress=bar, part=opts.part, resume=opts.resume, warn=console.warn)
     finally:
@@ -503,7 +508,7 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         f"{s.tensors} tensor shards, {s.bytes / 1e9:.3f} GB as {s.dtype}"
         + ("" if s.dry_run else f" to {s.out} in {s.seconds:.1f} s"))
     if not s.dry_run:
-        out(f"load it with: --load {s.out} --ckpt-format {s.ckpt_format} --transformer-impl local --finetune "
+        out(f"load it with: --load {s.out} --ckpt-format {s.ckpt_format} --transformer-impl {s.transformer_impl} --finetune "
             "--no-load-optim --no-load-rng"
             + (f" --make-vocab-size-divisible-by {s.make_vocab_size_divisible_by}"
                if s.make_vocab_size_divisible_by != DEFAULT_VOCAB_DIVISOR else "") + (", at any layout (the torch_dist loader reshards)"

@@ -92,6 +92,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_TIMEOUT_S = 300.0
+TE_STANDIN = Path(__file__).parent / "te_standin"
 
 # How the ranks start. A fresh interpreter per rank (spawn) spends ~3 s importing torch + megatron-core, and
 # 4 ranks on 2 cores ~10 s per call; a forkserver imports them once per test session and forks every rank
@@ -350,7 +351,7 @@ def _free_port() -> int:
 def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.Tensor,
                     ckpt_format: str = "torch", expert_layout: str = "sequential", tied: bool | None = None,
                     *, exact_keys: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
-                    mtp_out: dict | None = None) -> torch.Tensor:
+                    mtp_out: dict | None = None, transformer_impl: str = "local") -> torch.Tensor:
     """float32 logits [B, S, vocab_size] of the real Megatron GPTModel loading the checkpoint iteration dir
     `ckpt` (legacy rank dirs or torch_dist) at `layout` (tp, pp, vpp, ep, etp, first/last_stage_layers).
 
@@ -360,10 +361,18 @@ def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.
     ``_extra_state`` with None themselves (a load pre-hook), so those may be absent.
 
     A config with num_nextn_predict_layers builds Megatron-Core's MTP block; its logits [MTP layers, B, S, vocab]
-    (the output layer's calls on each MTP layer's output) go to mtp_out["logits"]."""
+    (the output layer's calls on each MTP layer's output) go to mtp_out["logits"].
+
+    transformer_impl="transformer_engine": the model is megatron-core's TransformerEngine spec (what Megatron-LM
+    builds by default) over tests/te_standin, TransformerEngine's leaf modules re-created for CPU (see its
+    README: their parameter names, extra state and arithmetic are the stand-in's; the spec, the wrappers, their
+    sharded state dicts and the loaders are megatron-core's). Ranks then start fresh (spawn), with the stand-in
+    importable before megatron-core is."""
     ckpt = Path(ckpt)
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
+    if transformer_impl not in ("local", "transformer_engine"):
+        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {transformer_impl!r}")
     if expert_layout not in ("sequential", "grouped"):
         raise ValueError(f"expert_layout must be 'sequential' or 'grouped', got {expert_layout!r}")
     if not ckpt.is_dir():
@@ -386,9 +395,10 @@ def megatron_logits(ckpt: Path, hf_config: dict, layout: dict, input_ids: torch.
                                   "the local spec has no sliding-window attention")
     world = world_size(lay)
     job = dict(ckpt=str(ckpt.resolve()), fmt=ckpt_format, grouped=expert_layout == "grouped", spec=spec,
-               exact_keys=bool(exact_keys), layout=lay, world=world, timeout=float(timeout))
+               exact_keys=bool(exact_keys), layout=lay, world=world, timeout=float(timeout),
+               te=transformer_impl == "transformer_engine")
 
-    ctx = _context()
+    ctx = _context() if not job["te"] else __import__("multiprocessing").get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megatron_oracle_") as tmp:
         port = _free_port()
         procs = [ctx.Process(target=_rank_main, args=(r, port, job, input_ids, tmp), daemon=True,
@@ -523,6 +533,12 @@ def _rank_main(rank: int, port: int, job: dict, input_ids, tmp: str):
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # the test process may have left them ignored
         signal.signal(sig, signal.SIG_DFL)
+    if job["te"]:
+        import sys
+
+        if "megatron.core" in sys.modules:
+            raise RuntimeError("the TransformerEngine stand-in must be importable before megatron-core is imported")
+        sys.path.insert(0, str(TE_STANDIN))
     try:
         _run_rank(rank, port, job, input_ids, tmp)
     except BaseException as e:  # noqa: BLE001 - reported to the caller
@@ -855,14 +871,14 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
     chunks, firsts, lasts = [], [], []
     for v in range(VPP or 1):
         vp = v if VPP else None
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=job["te"], normalization="RMSNorm",
                                            vp_stage=vp, pp_rank=pp_rank)
-        if core_attention is not None:
+        if core_attention is not None and not job["te"]:
             for ls in block.layer_specs:
                 ls.submodules.self_attention.submodules.core_attention = core_attention
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        mtp = ({"mtp_block_spec": get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp,
+        mtp = ({"mtp_block_spec": get_gpt_mtp_block_spec(config, block, use_transformer_engine=job["te"], vp_stage=vp,
                                                          pp_rank=pp_rank)} if spec["mtp"] else {})
         m = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vpad, **mtp,
                      max_sequence_length=spec["max_position_embeddings"], pre_process=pre, post_process=post,
@@ -904,6 +920,15 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
                     "pass exact_keys=False)" if lack and all(k.endswith("_extra_state") for k in lack)
                     and not extra else ""))
     for v, (m, sd) in enumerate(zip(chunks, sds)):
+        if job["te"] and job["fmt"] == "torch_dist":
+            # TEDotProductAttention's sharded state dict leaves out its _extra_state, so no torch_dist checkpoint
+            # has it, and the strict load that follows fails on it; Megatron-LM's load_model_state_dict then loads
+            # with strict=False. Only that key may be missing here.
+            result = m.load_state_dict(sd, strict=False)
+            lack = [k for k in result.missing_keys if not k.endswith(".core_attention._extra_state")]
+            if lack or result.unexpected_keys:
+                raise KeyError(f"{where} chunk {v}: missing {lack[:8]}, unexpected {result.unexpected_keys[:8]}")
+            continue
         try:
             m.load_state_dict(sd, strict=True)
         except Exception as e:

@@ -50,6 +50,7 @@ class ConvertResult:
     writer: object = None
     part: str | None = None  # "I/N": this run wrote part I of N (its `files`), for `finish` to publish
     resumed: list = field(default_factory=list)  # rank files kept from a killed run (--resume)
+    transformer_impl: str = "local"  # the module names written: "local" or "transformer_engine" (model/te_spec.py)
 
 
 def drop_mtp_copies(plan) -> None:
@@ -107,7 +108,8 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
         opts.warn(f"the base's {len(mtp)} multi-token-prediction tensors are not written: the Megatron checkpoint has "
                   "no MTP layers (train or serve it without --mtp-num-layers)")
     args = target_args(shape, layout, dtype, padded, vocab_divisor,
-                       target.expert_layout == "grouped", source=source_args, ckpt_format=target.ckpt_format)
+                       target.expert_layout == "grouped", source=source_args, ckpt_format=target.ckpt_format,
+                       transformer_impl=target.transformer_impl)
     dtypes = {t.name: t.dtype for t in plan.tensors}
     if target.ckpt_format == "torch_dist":
         from lora_merge.writers.megatron_dist import MegatronDistOutput  # torch.distributed.checkpoint: only here
@@ -123,7 +125,8 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
         raise MergeError(f"the plan and the target layout disagree (missing {missing[:3]}, extra {extra[:3]}); "
                          "nothing written")
     describe = dict(base=inp.base.describe(), lora=inp.lora.describe() if inp.lora is not None else None,
-                    layout=str(layout), ckpt_format=target.ckpt_format, dtype=str(dtype).removeprefix("torch."),
+                    layout=str(layout), ckpt_format=target.ckpt_format,
+                    transformer_impl=target.transformer_impl, dtype=str(dtype).removeprefix("torch."),
                     tensors=sum(not isinstance(t, Block) for t in writer.targets), bytes=writer.total_bytes, padded_vocab_size=padded,
                     make_vocab_size_divisible_by=vocab_divisor,
                     lora_modules=plan.merged_modules, skipped=dict(plan.skipped))

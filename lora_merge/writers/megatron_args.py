@@ -68,7 +68,8 @@ def vocab_padding(vocab: int, tp: int, divisible_by: int | None, given: int | No
 
 
 def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, padded_vocab: int, divisible_by: int,
-                grouped_experts: bool, source=None, ckpt_format: str = "torch") -> Namespace:
+                grouped_experts: bool, source=None, ckpt_format: str = "torch",
+                transformer_impl: str = "local") -> Namespace:
     args = {k: v for k, v in vars(source).items() if _plain(v)} if source is not None else {}
     for name in _RUN_STATE:
         args.pop(name, None)
@@ -83,7 +84,7 @@ def target_args(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype, p
         context_parallel_size=1, sequence_parallel=False if layout.tp == 1 else args.get("sequence_parallel", False),
         padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=divisible_by,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format != "torch", transformer_impl="local",
+        ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format != "torch", transformer_impl=transformer_impl,
         no_save_optim=True, no_save_rng=True, use_mcore_models=True,
         use_legacy_models=False, moe_grouped_gemm=grouped_experts if shape.moe else False,
     )

@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
+from lora_merge.model import te_spec
 from lora_merge.model.mtp import OWN as MTP_OWN, args_mtp_layers
 from lora_merge.errors import MergeError
 from lora_merge.model.moe_shape import megatron_moe_layers
@@ -236,10 +237,9 @@ class DistCheckpointWriter:
         self._by_name: dict[str, _Chunk] = {}
         self._frames: dict[tuple, _Frame] = {}
         self._extra_frame = _Frame(TorchArchive([None]), None)  # every _extra_state entry: the same bytes
-        if model.transformer_impl != "local":
-            raise MergeError(f"writing a torch_dist checkpoint for --transformer-impl {model.transformer_impl}: only "
-                             "the local spec's layout is written (TransformerEngine adds _extra_state entries and "
-                             "names MLA and MoE norms differently)")
+        if model.transformer_impl not in te_spec.IMPLS:
+            raise MergeError(f"writing a torch_dist checkpoint for transformer_impl {model.transformer_impl!r}: "
+                             f"expected one of {', '.join(te_spec.IMPLS)}")
         self._plan(tensors)
         self.files = self._place(file_bytes)
         if opened:
@@ -353,8 +353,11 @@ class DistCheckpointWriter:
     def _locate(self, name: str, layer: int | None, rest: str, shape: tuple[int, ...]):
         """(sharded key, its global shape, this tensor's chunk offsets, its module's _extra_state key or None)."""
         m = self.model
-        if layer is None:
-            return name, shape, (0,) * len(shape), None
+        te = m.transformer_impl == te_spec.TRANSFORMER_ENGINE
+        if layer is None:  # (TransformerEngine's final norm is a TENorm)
+            extra = _object_key(f"{name.rsplit('.', 1)[0]}._extra_state", (0,), (1,)) \
+                if te and te_spec.is_norm_module(name.rsplit(".", 1)[0]) and name.endswith(".weight") else None
+            return name, shape, (0,) * len(shape), extra
         if layer >= m.num_layers + m.mtp_layers:
             raise MergeError(f"writing a torch_dist checkpoint: {name} is in layer {layer}, but the model has "
                              f"{m.num_layers} layers" + (f" and {m.mtp_layers} MTP layers" if m.mtp_layers else ""))
@@ -363,18 +366,21 @@ class DistCheckpointWriter:
             module = rest.rsplit(".", 1)[0]
             key = f"mtp.layers.{layer - m.num_layers}.{rest}"
             extra = _object_key(f"mtp.layers.{layer - m.num_layers}.{module}._extra_state", (0,), (1,)) \
-                if module == "eh_proj" else None
+                if module == "eh_proj" or (te and te_spec.is_norm_module(module) and rest.endswith(".weight")) else None
             return key, shape, (0,) * len(shape), extra
-        if not m.multi_latent_attention:
-            if rest.startswith(MLA_MODULES):
-                raise MergeError(f"writing a torch_dist checkpoint: {name} is multi-latent attention, but the model "
-                                 "facts say the model has none")
-            for local, te in NORM_KEYS:
-                if rest.startswith(local):
-                    rest = te + rest[len(local):]
-        elif rest.startswith("self_attention.linear_qkv."):
+        if not m.multi_latent_attention and rest.startswith(MLA_MODULES):
+            raise MergeError(f"writing a torch_dist checkpoint: {name} is multi-latent attention, but the model "
+                             "facts say the model has none")
+        if m.multi_latent_attention and rest.startswith("self_attention.linear_qkv."):
             raise MergeError(f"writing a torch_dist checkpoint: {name} in a multi-latent attention model (Megatron-Core's "
                              "MLA has linear_q_down_proj / linear_kv_down_proj, not MindSpeed's fused linear_qkv)")
+        if te:  # (an MTP layer is built with the last decoder layer's spec)
+            rest = te_spec.layer_name(rest, mla=m.multi_latent_attention,
+                                      moe=min(layer, m.num_layers - 1) in m.moe_layers)
+        elif not m.multi_latent_attention:
+            for local, fused in NORM_KEYS:
+                if rest.startswith(local):
+                    rest = fused + rest[len(local):]
         stacked = "decoder.layers." if not m.per_layer_keys else f"decoder.layers.{layer}."
         lead_shape, lead_offsets = ((m.num_layers,), (layer,)) if not m.per_layer_keys else ((), ())
         if mtp:
@@ -400,7 +406,11 @@ class DistCheckpointWriter:
                              f"dense ({sorted(m.moe_layers)} have experts)")
         module = rest.rsplit(".", 1)[0]
         extra = None
-        if module in LINEARS and rest.endswith(".weight"):
+        # TransformerEngine: its norms, and a core attention with a learnable softmax offset (TEDotProductAttention
+        # shards its state then) have an _extra_state too
+        te_module = te and ((te_spec.is_norm_module(module) and rest.endswith(".weight"))
+                            or rest == "self_attention.core_attention.softmax_offset")
+        if (module in LINEARS and rest.endswith(".weight")) or te_module:
             extra = _object_key(f"{stacked}{module}._extra_state", lead_offsets or (0,), lead_shape or (1,))
         return f"{stacked}{rest}", (*lead_shape, *shape), (*lead_offsets, *(0,) * len(shape)), extra
 

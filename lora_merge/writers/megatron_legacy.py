@@ -7,7 +7,9 @@ Every rank file is planned from shapes before any data exists (files/torch_zip),
 straight to its places: `placement` says which TP shard rows it becomes, the layout which file and model
 chunk holds that shard (layers by stage and chunk, experts by EP rank, numbered locally as Megatron numbers
 them). Names are Megatron-Core's local spec (what MindSpeed-LLM builds on Ascend, and what a
-`--transformer-impl local` run builds): no TransformerEngine `_extra_state`, norms as their own modules.
+`--transformer-impl local` run builds: norms as their own modules, an `_extra_state` of None for each parallel
+linear), or with `args.transformer_impl` "transformer_engine" the TE spec's (model/te_spec.py: norms fused into
+the next linear, an `_extra_state` for every TE module, TEGroupedMLP's `linear_fc1.weight{k}` for grouped experts).
 Vocabulary padding rows are zero. No optimizer or RNG state: load with `--finetune` (or `--no-load-optim
 --no-load-rng`).
 """
@@ -26,6 +28,7 @@ from lora_merge.model.architectures.base import MEGATRON_LAYER
 from lora_merge.errors import MergeError
 from lora_merge.model.layout import ExpertSlab, SharedCopy, Skip, VocabParallel
 from lora_merge.model.mtp import megatron_name as mtp_megatron_name
+from lora_merge.model import te_spec
 from lora_merge.model.model_shape import ModelShape
 from lora_merge.model.parallel_layout import ParallelLayout, RankFile
 from lora_merge.readers.experts import is_expert_name
@@ -64,7 +67,11 @@ class MegatronLegacyWriter(RowScatter):
         files = {f: _File(f, Path(RELEASE, f.dir_name(layout), FILE_NAME), [OrderedDict() for _ in range(layout.vpp)])
                  for f in layout.rank_files()}
         self.files = list(files.values())
-        self.linears: set[str] = set()  # local module names of Megatron's parallel linears (they carry _extra_state)
+        # local module names of the modules that carry an _extra_state with parameters: Megatron's parallel
+        # linears, and with TransformerEngine every TE module
+        self.linears: set[str] = set()
+        self.te = getattr(args, "transformer_impl", te_spec.LOCAL) == te_spec.TRANSFORMER_ENGINE
+        moe_layers = set(shape.moe.layers) if shape.moe is not None else set()
         homes = layout.layer_homes(shape.num_layers)
         last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
         # MindSpeed-LLM's MLA ("pack_mla"): the two down-projections as one replicated linear_qkv
@@ -83,13 +90,21 @@ class MegatronLegacyWriter(RowScatter):
                 stage, chunk, local_name = 0, 0, name
             else:
                 stage, chunk, local_name = last_stage, last_chunk, name
+            if self.te and layer is not None:  # (an MTP layer is built with the last decoder layer's spec)
+                local_name = te_spec.te_name(local_name, mla=shape.mla is not None,
+                                             moe=min(layer, shape.num_layers - 1) in moe_layers)
             expert, block = is_expert_name(name), None
             if expert:
                 e = int(name.split(".mlp.experts.")[1].split(".")[0])
                 ep_rank, k = layout.expert_home(e, shape.moe.num_experts)
                 if grouped_experts and isinstance(rule, ExpertSlab):  # (refused with its reason by check_target)
                     raise MergeError(f"{name}: a stacked expert tensor is not written as GroupedMLP (layout error)")
-                if grouped_experts:  # mlp.experts.{e}.linear_fc1.weight -> mlp.experts.weight1, block k
+                if grouped_experts and self.te:  # TEGroupedMLP: mlp.experts.{e}.linear_fc1.weight -> linear_fc1.weight{k}
+                    head, tail = local_name.split(f".mlp.experts.{e}.")
+                    module, what = tail.rsplit(".", 1)
+                    local_name = f"{head}.mlp.experts.{module}.{what}{k}"
+                    self.linears.add(f"{head}.mlp.experts.{module}")
+                elif grouped_experts:  # mlp.experts.{e}.linear_fc1.weight -> mlp.experts.weight1, block k
                     fc = local_name.split(".mlp.experts.")[1].split(".")[1]
                     block = k
                     local_name = local_name.split(".mlp.experts.")[0] + ".mlp.experts.weight" + fc[-1]
@@ -116,7 +131,7 @@ class MegatronLegacyWriter(RowScatter):
                 t.padding = self._slots[id(t)][1].nbytes - t.due  # the vocabulary padding rows: zero
         order = self._stream_order(list(dtypes))
         for f in self.files:
-            f.chunks = [_with_extra_state(chunk, self.linears) for chunk in f.chunks]
+            f.chunks = [_with_extra_state(chunk, self.linears, self.te) for chunk in f.chunks]
             if shape.tied and f.rank.pp == last_stage:
                 # With tied embeddings the output layer of a stage holding the embedding has no weight of its
                 # own, but it is a parallel linear: Megatron saves its _extra_state, and a strict load expects it
@@ -141,6 +156,8 @@ class MegatronLegacyWriter(RowScatter):
                 and block is None and local_name.endswith(".weight"):
             # (MindSpeed's fused MLA linear_qkv is a parallel linear, whole on every rank; a linear has a weight: a
             # split parameter without one, gpt-oss's core_attention.softmax_offset, is no linear's)
+            self.linears.add(local_name.rsplit(".", 1)[0])
+        if self.te and te_spec.is_norm_module(local_name.rsplit(".", 1)[0]):  # a TENorm
             self.linears.add(local_name.rsplit(".", 1)[0])
         by_rank: dict[int, list] = {}
         for f in files:
@@ -284,13 +301,21 @@ def _megatron_order(name: str):
     return (group, int(layer), outer, place, int(expert.group(1)) if expert and expert.group(1) else 0)
 
 
-def _with_extra_state(chunk: OrderedDict, linears: set[str]) -> OrderedDict:
+def _with_extra_state(chunk: OrderedDict, linears: set[str], te: bool = False) -> OrderedDict:
     """The chunk in Megatron's state_dict order, with the `_extra_state` of None that Megatron-Core's parallel
     linears (local spec) save after their parameters (TransformerEngine keeps FP8 metadata there); a strict
-    load expects the key."""
-    out, names = OrderedDict(), sorted(chunk, key=_megatron_order)  # stable: a module's own order is kept
+    load expects the key. With TransformerEngine (`te`) every attention's core attention has one too, parameters
+    or not."""
+    entries = dict(chunk)
+    if te:
+        modules = {name.rsplit(".", 1)[0] for name in chunk}
+        for attention in {te_spec.core_attention(m) for m in modules} - {None}:
+            if attention not in modules:  # (gpt-oss's has its softmax offset: then after it)
+                entries[attention + "._extra_state"] = None
+        linears = linears | {m for m in modules if m.endswith(".self_attention.core_attention")}
+    out, names = OrderedDict(), sorted(entries, key=_megatron_order)  # stable: a module's own order is kept
     for i, name in enumerate(names):
-        out[name] = chunk[name]
+        out[name] = entries[name]
         module = name.rsplit(".", 1)[0]
         following = names[i + 1].rsplit(".", 1)[0] if i + 1 < len(names) else None
         if module in linears and following != module:
