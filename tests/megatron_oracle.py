@@ -933,7 +933,7 @@ def _run_rank(rank: int, port: int, job: dict, input_ids, tmp: str):
             m.load_state_dict(sd, strict=True)
         except Exception as e:
             raise type(e)(f"{where} chunk {v}: {e}") from None
-    if grouped:
+    if grouped and not job["te"]:  # (TEGroupedMLP with TE)
         n = 0
         for mod in (x for m in chunks for x in m.modules()):
             if isinstance(mod, GroupedMLP):

@@ -13,6 +13,8 @@ Megatron writers apply to the local names the architectures give (megatron-core 
   `LayerNorm` are fusible operations with an `_extra_state` since TransformerEngine 1.13): `q_layernorm`,
   `k_layernorm`, an MLA layer's `input_layernorm`, a MoE layer's `pre_mlp_layernorm`, the final norms, and
   the MTP layers' `enorm` / `hnorm`.
+- MLA's down-projections are `TELinear`s in duplicated mode: whole on every TP rank (the local spec splits
+  their rows, see `DuplicatedOrColumn`).
 - TEGroupedMLP keeps a rank's experts in one module per linear: `mlp.experts.linear_fc1.weight{k}` ([out, in]
   each, k the local expert) with one `_extra_state`.
 
@@ -25,16 +27,19 @@ of them holds weights). Core attention's `_extra_state` is in its `state_dict` (
 from __future__ import annotations
 
 import re
+from dataclasses import fields
+
+from lora_merge.model.layout import DuplicatedOrColumn, Replicated
 
 LOCAL = "local"
 TRANSFORMER_ENGINE = "transformer_engine"
 IMPLS = (LOCAL, TRANSFORMER_ENGINE)
 
-# (local module prefix, TE prefix, applies in MLA layers, applies in MoE layers): the norms TE fuses
-_FUSED = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_", False, True),
-          ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", True, False),
-          ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_", True, True),
-          ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_", True, True))
+# (local module prefix, TE prefix, in which layers: (attention MLA?, MoE layer?) -> fused): the norms TE fuses
+_FUSED = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_", lambda mla, moe: not mla),
+          ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", lambda mla, moe: not moe),
+          ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_", lambda mla, moe: mla),
+          ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_", lambda mla, moe: mla))
 # the norms that stay modules of their own (TENorm) once the others are fused, by their last name component
 _NORMS = frozenset({"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "final_layernorm",
                     "enorm", "hnorm"})
@@ -44,8 +49,8 @@ _LAYER = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_la
 
 def layer_name(rest: str, *, moe: bool, mla: bool) -> str:
     """The TE name of a parameter of one decoder layer, `rest` relative to the layer (`input_layernorm.weight`)."""
-    for local, te, in_mla, in_moe in _FUSED:
-        if rest.startswith(local) and (in_mla or not mla) and (in_moe or not moe):
+    for local, te, fused in _FUSED:
+        if rest.startswith(local) and fused(mla, moe):
             return te + rest[len(local):]
     return rest
 
@@ -67,3 +72,16 @@ def core_attention(module: str) -> str | None:
     `decoder.layers.3.self_attention.core_attention`), or None."""
     head, sep, _ = module.rpartition(".self_attention.")
     return f"{head}.self_attention.core_attention" if sep else None
+
+
+def is_linear_module(module: str) -> bool:
+    """A TE linear (every linear of the spec is one; the router and the embedding are Megatron's own)."""
+    last = module.rsplit(".", 1)[-1]
+    return last.startswith("linear_") or last == "eh_proj"
+
+
+def placed_rule(rule):
+    """The rule as the TE spec places the parameter over TP ranks: MLA's down-projections duplicated."""
+    if isinstance(rule, DuplicatedOrColumn):
+        return Replicated(**{f.name: getattr(rule, f.name) for f in fields(rule)})
+    return rule

@@ -326,8 +326,9 @@ class DistCheckpointWriter:
             chunk = _Chunk(t.name, key, offsets, frame)
             entry.chunks.append(chunk)
             self._by_name[t.name] = chunk
-            if extra is not None and extra not in self.extra:
-                self.extra[extra] = _Chunk(None, extra, None, self._extra_frame)
+            for key in (extra,) if isinstance(extra, str) else extra or ():
+                if key not in self.extra:
+                    self.extra[key] = _Chunk(None, key, None, self._extra_frame)
         self._check_layers(layer_sets, experts)
         for entry in self.keys.values():
             entry.chunks.sort(key=lambda c: c.offsets)
@@ -351,7 +352,8 @@ class DistCheckpointWriter:
         return f"mlp.experts.*.{e.group(2)}" if e else rest
 
     def _locate(self, name: str, layer: int | None, rest: str, shape: tuple[int, ...]):
-        """(sharded key, its global shape, this tensor's chunk offsets, its module's _extra_state key or None)."""
+        """(sharded key, its global shape, this tensor's chunk offsets, its module's _extra_state key (or keys) or
+        None)."""
         m = self.model
         te = m.transformer_impl == te_spec.TRANSFORMER_ENGINE
         if layer is None:  # (TransformerEngine's final norm is a TENorm)
@@ -412,6 +414,10 @@ class DistCheckpointWriter:
                             or rest == "self_attention.core_attention.softmax_offset")
         if (module in LINEARS and rest.endswith(".weight")) or te_module:
             extra = _object_key(f"{stacked}{module}._extra_state", lead_offsets or (0,), lead_shape or (1,))
+        if te and mtp and rest == "self_attention.linear_proj.weight":
+            # an MTP layer's decoder layer shards its core attention's _extra_state too (megatron-core 0.16.1
+            # asks for it there, and only there)
+            extra = [extra, _object_key(f"{stacked}self_attention.core_attention._extra_state", (0,), (1,))]
         return f"{stacked}{rest}", (*lead_shape, *shape), (*lead_offsets, *(0,) * len(shape)), extra
 
     def _check_layers(self, layer_sets: dict, experts: dict) -> None:

@@ -79,6 +79,8 @@ class MegatronLegacyWriter(RowScatter):
         for rule, names, hf_prefix in iter_rules(arch, shape, fused):
             if isinstance(rule, (Skip, SharedCopy)):
                 continue
+            if self.te:
+                rule = te_spec.placed_rule(rule)
             name = names[0]
             layer = int(hf_prefix.split(".")[2]) if hf_prefix else None  # HF_LAYER: model.layers.{i}.
             if layer is not None and layer >= shape.num_layers:  # an MTP layer: the last stage's last chunk
@@ -157,8 +159,9 @@ class MegatronLegacyWriter(RowScatter):
             # (MindSpeed's fused MLA linear_qkv is a parallel linear, whole on every rank; a linear has a weight: a
             # split parameter without one, gpt-oss's core_attention.softmax_offset, is no linear's)
             self.linears.add(local_name.rsplit(".", 1)[0])
-        if self.te and te_spec.is_norm_module(local_name.rsplit(".", 1)[0]):  # a TENorm
-            self.linears.add(local_name.rsplit(".", 1)[0])
+        module = local_name.rsplit(".", 1)[0]
+        if self.te and block is None and (te_spec.is_norm_module(module) or te_spec.is_linear_module(module)):
+            self.linears.add(module)  # a TENorm, or a TE linear (MLA's duplicated down-projections too)
         by_rank: dict[int, list] = {}
         for f in files:
             rank = f.rank.etp if tp != self.layout.tp else f.rank.tp

@@ -93,6 +93,9 @@ class GptOssMechanics:
         if target.expert_layout == "grouped":
             raise UnsupportedInput("--expert-layout grouped: gpt-oss's experts have biases, which Megatron-Core's local "
                                    "GroupedMLP has not; write --expert-layout sequential")
+        if target.transformer_impl != "local":
+            raise UnsupportedInput(f"--transformer-impl {target.transformer_impl}: gpt-oss's sinks in TransformerEngine "
+                                   "(its learnable-softmax attention) are not proven here; write --transformer-impl local")
 
     def _skip_freq(self, num_layers: int):
         """Megatron's window_attn_skip_freq for these windowed layers: 2 when they are 0, 2, 4, … (HF's alternating

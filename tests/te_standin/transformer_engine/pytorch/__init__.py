@@ -14,6 +14,9 @@ class _Module(nn.Module):
     def get_extra_state(self):
         return torch.empty(0, dtype=torch.uint8)  # TE >= 2.4 without FP8
 
+    def init_fp8_metadata(self, num_gemms=1):  # (FP8 metadata: none here)
+        self.fp8_meta = {"recipe": None}
+
     def set_extra_state(self, state):
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
