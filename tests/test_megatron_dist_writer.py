@@ -308,8 +308,9 @@ def test_refuses_inconsistent_inputs(tmp_path):
     twice = dense + [DistTensor("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", (32,), torch.float32)]
     with pytest.raises(MergeError, match="given twice"):
         DistCheckpointWriter(tmp_path / "e", twice, {}, DistModelFacts(2))
-    with pytest.raises(MergeError, match="transformer-impl transformer_engine"):
-        DistCheckpointWriter(tmp_path / "f", dense, {}, DistModelFacts(2, transformer_impl="transformer_engine"))
+    with pytest.raises(MergeError, match="transformer_impl 'inference_optimized': expected one of local, "
+                                         "transformer_engine"):
+        DistCheckpointWriter(tmp_path / "f", dense, {}, DistModelFacts(2, transformer_impl="inference_optimized"))
     with pytest.raises(MergeError, match="another key layout"):
         DistCheckpointWriter(tmp_path / "g", dense, {"content_metadata": {"singleton_local_shards": True}},
                              DistModelFacts(2))

@@ -203,7 +203,8 @@ PATH, BOOL, INT, OPT_INT, NUMBER, CHOICE, SIZE, CALLABLE, TEXT, WEIGHTS, PART = 
     "path", "bool", "int", "optional int", "number", "choice", "size", "callable", "text", "weights", "part")
 KINDS = {
     "hf_ref": PATH, "out": PATH, "lora": PATH, "base": PATH, "report": PATH, "checkpoint": PATH,
-    "dtype": CHOICE, "ckpt_format": CHOICE, "expert_layout": CHOICE, "mla_naming": CHOICE, "expert_format": CHOICE,
+    "dtype": CHOICE, "ckpt_format": CHOICE, "expert_layout": CHOICE, "mla_naming": CHOICE, "transformer_impl": CHOICE,
+    "expert_format": CHOICE,
     "max_shard_size": SIZE, "lora_r": OPT_INT, "lora_alpha": NUMBER, "workers": OPT_INT,
     "allow_partial_lora": BOOL, "force": BOOL, "verify": BOOL, "dry_run": BOOL, "sha256": BOOL, "verbose": BOOL,
     "base_model_id": TEXT, "progress": CALLABLE, "warn": CALLABLE,
