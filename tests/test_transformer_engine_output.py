@@ -91,3 +91,22 @@ def test_what_the_transformer_engine_spec_does_differently_is_refused_by_name(tm
     with pytest.raises(lora_merge.MergeError, match="--transformer-impl 'te': expected one of local, transformer_engine"):
         lora_merge.to_megatron(base=fixture / "base", hf_ref=fixture / "hf_ref", out=tmp_path / "o",
                                transformer_impl="te", warn=quiet)
+
+
+def test_a_source_trained_with_the_other_spec_is_named_and_the_args_say_what_was_written(tmp_path):
+    """A Megatron-LM run with TransformerEngine (its default) converted without the option: local names are
+    written, as asked, and a warning names the option that writes what that run's model loads."""
+    from helpers import copy_fixture, rank_files, rewrite
+
+    root = copy_fixture("tp2_fp32_filtered", tmp_path)
+    for f in rank_files(root / "base"):
+        rewrite(f, lambda state: setattr(state["args"], "transformer_impl", TE))
+    said = []
+    for impl, out in (("local", tmp_path / "local"), (TE, tmp_path / "te")):
+        lora_merge.to_megatron(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", out=out,
+                               transformer_impl=impl, warn=said.append)
+        args = torch.load(out / "release/mp_rank_00/model_optim_rng.pt", weights_only=False)["args"]
+        assert args.transformer_impl == impl
+    notes = [s for s in said if "--transformer-impl" in s]
+    assert notes == ["the source's args say --transformer-impl transformer_engine; writing local's names, as asked "
+                     "(--transformer-impl transformer_engine writes what that run's model loads)"]

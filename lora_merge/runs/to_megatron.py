@@ -94,6 +94,10 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
     # the args a Megatron run recorded are kept (how it was trained); derived ones (Megatron-Bridge's) are not copied
     source_args = next((c.megatron_args for c in (inp.base, inp.lora) if c is not None and c.megatron_args is not None
                         and getattr(c, "args_recorded", True)), None)
+    source_impl = getattr(source_args, "transformer_impl", None)
+    if source_impl in ("local", "transformer_engine") and source_impl != target.transformer_impl:
+        opts.warn(f"the source's args say --transformer-impl {source_impl}; writing {target.transformer_impl}'s names, "
+                  f"as asked (--transformer-impl {source_impl} writes what that run's model loads)")
     dtype = output_dtype(opts.dtype, shape, inp.base, inp.lora)
     plan = build_plan(inp.base, inp.lora, shape, inp.arch, inp.settings, dtype)
     for note in plan.notes:
