@@ -11,6 +11,8 @@ progress through `progress(done_bytes, total_bytes)` when given. The command lin
 
 from __future__ import annotations
 
+import functools
+import inspect as _signature
 import math
 import numbers
 import os
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from lora_merge import options as limits
+from lora_merge.files import remote
 from lora_merge.readers.describe import describe_dir
 from lora_merge.errors import MergeError, UsageError
 from lora_merge.megatron_target import MegatronTarget
@@ -65,6 +68,54 @@ def shard_size(value: int | float | str) -> int:
     if size < limits.MIN_SHARD_BYTES:
         raise UsageError(f"{argument_name('max_shard_size')} {value!r} is below 1MB; a shard that small only multiplies files")
     return size
+
+
+def _storage_options(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise UsageError(f"{argument_name('storage_options')}={shown_value(value)}: expected a dict of the URL's "
+                         "filesystem options (string keys), as fsspec takes them")
+    return value
+
+
+def _through_urls(*inputs: str, output: str | None = None):
+    """Let the decorated function take URLs (s3://…, any fsspec URL; files/remote.py) for `inputs` and `output`:
+    inputs are read through local shadow directories, an output is staged locally and published once complete."""
+    def wrap(fn):
+        signature = _signature.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            kw = bound.arguments
+            options = _storage_options(kw.get("storage_options"))
+            many = lambda v: isinstance(v, (list, tuple))  # noqa: E731
+            given = [k for k in inputs if any(remote.is_url(v) for v in (kw.get(k) if many(kw.get(k)) else [kw.get(k)]))]
+            to_url = output is not None and remote.is_url(kw.get(output))
+            if remote.is_url(kw.get("report")):
+                raise UsageError(f"{argument_name('report')}={kw['report']}: the report is written to a local file")
+            if not given and not to_url:
+                return fn(*bound.args, **bound.kwargs)
+            if to_url:
+                for flag in ("part", "resume", "force"):
+                    if kw.get(flag) not in (None, False):
+                        raise UsageError(f"{argument_name(flag)} with {argument_name(output)} {kw[output]}: a URL output "
+                                         "is published whole by one run and never written over")
+            with remote.RemoteRun(options) as run:
+                for k in given:
+                    value = kw[k]
+                    kw[k] = [run.input(v) if remote.is_url(v) else v for v in value] if many(value) else run.input(value)
+                url = kw.get(output) if to_url else None
+                if to_url:
+                    kw[output] = run.output_dir(url)
+                result = fn(*bound.args, **bound.kwargs)
+                if to_url and not getattr(result, "dry_run", False):
+                    run.publish()
+                    result.out = url
+                return result
+        return call
+    return wrap
 
 
 def _path(value, name: str = "path", what: str = "a directory") -> Path | None:
@@ -165,19 +216,23 @@ def _dtype_choice(value: str, quantized: bool = False) -> str:
     return value
 
 
+@_through_urls("base", "lora", "hf_ref", output="out")
 def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_weights=None, lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
           workers: int | None = None, base_model_id: str | None = None,
           progress: Callable[[int, int], None] | None = None, part=None, resume: bool = False,
-          warn: Callable[[str], None] = _warn_default) -> MergeResult:
+          warn: Callable[[str], None] = _warn_default, storage_options: dict | None = None) -> MergeResult:
     """Merge a Megatron LoRA checkpoint into an HF model at `out` (see `lora-merge --help`); without `lora`,
     convert the Megatron checkpoint `base` as it is. `lora` may be a list of PEFT adapter dirs, merged together
     as W + Σ wᵢ·ΔWᵢ with `lora_weights` (one each; 1 each by default).
 
     `part="I/N"` (or (I, N)): write only part I of N of the files, for `finish(out)` to publish once every part
     has run (any order, any host sharing the directory). `resume`: keep the files that a killed run of this
-    part (or, without `part`, of this merge) completed, checked by their sha256."""
+    part (or, without `part`, of this merge) completed, checked by their sha256.
+
+    `base`, `lora`, `hf_ref` and `out` may be URLs (s3://…, or any fsspec URL), read by byte ranges and published
+    whole (files/remote.py); `storage_options` go to the URL's filesystem."""
     if lora is None and base is None:
         raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
     loras, weights = _loras(lora, lora_weights)
@@ -205,6 +260,7 @@ def finish(out, *, force: bool = False, workers: int | None = None, rehash: bool
                       rehash=_flag(rehash, "rehash"))
 
 
+@_through_urls("base", "lora", "hf_ref", output="out")
 def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                 etp: int | None = None, decoder_first_pipeline_num_layers: int | None = None,
                 decoder_last_pipeline_num_layers: int | None = None, ckpt_format: str = "torch",
@@ -214,7 +270,8 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
                 lora_r: int | None = None,
                 lora_alpha: float | None = None, allow_partial_lora: bool = False, dry_run: bool = False,
                 workers: int | None = None, progress: Callable[[int, int], None] | None = None, part=None,
-                resume: bool = False, warn: Callable[[str], None] = _warn_default) -> ConvertResult:
+                resume: bool = False, warn: Callable[[str], None] = _warn_default,
+                storage_options: dict | None = None) -> ConvertResult:
     """Write a Megatron checkpoint at `out` in the given layout from an HF model or a Megatron checkpoint,
     with a LoRA merged on the way if `lora` is given (see `lora-merge --to megatron --help`). `hf_ref`
     defaults to `base` when that is an HF model dir. `part` and `resume` as for `merge` (whole files of the
@@ -238,10 +295,11 @@ def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int 
     return run_to_megatron(opts)
 
 
+@_through_urls("base", "lora", "hf_ref", output="out")
 def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_format: str = "per-expert",
                    lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
                    force: bool = False, report=None, base_model_id: str | None = None,
-                   warn: Callable[[str], None] = _warn_default) -> ExportResult:
+                   warn: Callable[[str], None] = _warn_default, storage_options: dict | None = None) -> ExportResult:
     """Write the LoRA as an unmerged PEFT adapter at `out` (see `lora-merge export-adapter --help`)."""
     if not isinstance(expert_format, str) or expert_format not in EXPERT_FORMATS:
         raise UsageError(f"{argument_name('expert_format')} {shown_value(expert_format)}: expected one of {', '.join(EXPERT_FORMATS)}")
@@ -257,9 +315,10 @@ def export_adapter(*, lora, hf_ref, out, base=None, dtype: str = "auto", expert_
     return run_export(opts)
 
 
+@_through_urls("out", "base", "lora", "hf_ref")
 def verify(out, *, lora=None, base=None, hf_ref=None, lora_weights=None, lora_r: int | None = None,
            lora_alpha: float | None = None, report=None, force: bool = False,
-           warn: Callable[[str], None] = _warn_default) -> VerifyReport:
+           warn: Callable[[str], None] = _warn_default, storage_options: dict | None = None) -> VerifyReport:
     """Check a merged output (see `lora-merge verify --help`); problems are in the report's `problems`
     (`ok` is False), bad input raises MergeError. `lora` and `lora_weights` as for `merge`."""
     loras, weights = _loras(lora, lora_weights)
@@ -272,7 +331,8 @@ def verify(out, *, lora=None, base=None, hf_ref=None, lora_weights=None, lora_r:
     return run_verify(opts)
 
 
-def inspect(checkpoint, verbose: bool = False) -> str:
+@_through_urls("checkpoint")
+def inspect(checkpoint, verbose: bool = False, storage_options: dict | None = None) -> str:
     """What an input is, as text: a Megatron checkpoint (format, iteration, parallel layout, experts, LoRA,
     files), an HF model dir (model type, layers, tensors, dtypes, files) or a PEFT adapter (r, alpha, targets,
     adapted modules); `verbose` lists every tensor."""

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError, DamagedInput
+from lora_merge.files import remote
 from lora_merge.files.pages import release_pages
 
 # Real pickles are a few MB even for a rank file with optimizer state (tensors are separate members).
@@ -55,6 +56,7 @@ class MappedFile:
     def storage(self) -> torch.UntypedStorage:
         if self._storage is None:
             if self.in_memory:
+                remote.ensure(self.path, 0, self.size)
                 with open(self.path, "rb") as f:
                     data = bytearray(f.read())
                 self._storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if data else \
@@ -65,9 +67,11 @@ class MappedFile:
 
     def bytes_view(self, start: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor viewing [start, start + nbytes) of the file (no copy)."""
+        remote.ensure(self.path, start, nbytes)
         return torch.empty(0, dtype=torch.uint8).set_(self.storage(), start, (nbytes,))
 
     def pread(self, start: int, nbytes: int) -> bytes:
+        remote.ensure(self.path, start, nbytes)
         with open(self.path, "rb") as f:
             f.seek(start)
             data = f.read(nbytes)
@@ -153,7 +157,7 @@ class TorchArchive:
 
     def _read_directory(self) -> dict[str, Record]:
         try:
-            with open(self.file.path, "rb") as f:
+            with remote.open_read(self.file.path) as f:
                 end = zipfile._EndRecData(_FileSlice(f, self.offset, self.length))
                 if end and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:
                     raise DamagedInput(f"{self.where}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members; "
@@ -225,6 +229,7 @@ class TorchArchive:
             if nbytes != record.size:
                 raise DamagedInput(f"{self.where}: storage {key} declares {nbytes} bytes but its member holds "
                                  f"{record.size}")
+            remote.ensure(self.file.path, record.start, nbytes)
             storage = self.file.storage()[record.start: record.start + nbytes]
             if nbytes:
                 self._by_storage[storage.data_ptr()] = record

@@ -25,6 +25,7 @@ import torch
 
 from lora_merge.errors import DamagedInput, MergeError
 from lora_merge.readers.checkpoint import TensorRef, require_float
+from lora_merge.files import remote
 from lora_merge.files.torch_archive import MappedFile
 
 # safetensors refuses headers above 100 MB; checking first means a hostile length is never allocated.
@@ -72,7 +73,7 @@ def read_header(path: Path) -> Header:
     """
     require_file(path)
     try:
-        with Path(path).open("rb") as f:
+        with remote.open_read(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise Damaged(f"truncated: {size} bytes, less than the 8-byte header length")
@@ -187,6 +188,7 @@ def read_rows(header: Header, name: str, start: int, stop: int) -> torch.Tensor:
     count = max(0, min(stop, entry.shape[0] if entry.shape else 1) - start)
     offset, nbytes = header.data_start + entry.begin + start * row_bytes, count * row_bytes
     try:
+        remote.ensure(header.path, offset, nbytes)
         with header.path.open("rb") as f:
             data = os.pread(f.fileno(), nbytes, offset) if nbytes else b""
     except OSError as exc:
