@@ -88,6 +88,7 @@ def _through_urls(*inputs: str, output: str | None = None):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
             kw = bound.arguments
             options = _storage_options(kw.get("storage_options"))
             many = lambda v: isinstance(v, (list, tuple))  # noqa: E731
@@ -103,17 +104,25 @@ def _through_urls(*inputs: str, output: str | None = None):
                         raise UsageError(f"{argument_name(flag)} with {argument_name(output)} {kw[output]}: a URL output "
                                          "is published whole by one run and never written over")
             with remote.RemoteRun(options) as run:
-                for k in given:
-                    value = kw[k]
-                    kw[k] = [run.input(v) if remote.is_url(v) else v for v in value] if many(value) else run.input(value)
-                url = kw.get(output) if to_url else None
-                if to_url:
-                    kw[output] = run.output_dir(url)
-                result = fn(*bound.args, **bound.kwargs)
-                if to_url and not getattr(result, "dry_run", False):
-                    run.publish()
-                    result.out = url
-                return result
+                try:
+                    for k in given:
+                        value = kw[k]
+                        kw[k] = [run.input(v) if remote.is_url(v) else v for v in value] if many(value) \
+                            else run.input(value)
+                    url = kw.get(output) if to_url else None
+                    if to_url:
+                        kw[output] = run.output_dir(url)
+                    if callable(kw.get("warn")):
+                        warn = kw["warn"]
+                        kw["warn"] = lambda message: warn(run.named(message))
+                    result = fn(*bound.args, **bound.kwargs)
+                    if to_url and not getattr(result, "dry_run", False):
+                        run.publish()
+                        result.out = url
+                    return result
+                except MergeError as exc:  # named by the URLs the caller gave, not the local shadows
+                    exc.args = (run.named(str(exc)),) + exc.args[1:]
+                    raise
         return call
     return wrap
 

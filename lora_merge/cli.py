@@ -115,6 +115,32 @@ def _lora_options(p: argparse.ArgumentParser) -> None:
     _output_options(p)
 
 
+def location(text: str):
+    """A local path, or a URL (s3://…, any fsspec URL) kept as typed (a Path would fold its "//")."""
+    from lora_merge.files.remote import is_url
+
+    return text if is_url(text) else Path(text)
+
+
+def _storage_options(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"endpoint_url\": \"http://minio:9000\"}'")
+    return value
+
+
+def _storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-options", type=_storage_options, metavar="JSON",
+                   help="options for the filesystem of URL inputs and outputs (s3://…, any fsspec URL), as fsspec "
+                        "takes them, e.g. '{\"endpoint_url\": \"http://minio:9000\", \"anon\": false}'; S3 also "
+                        "reads AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION and AWS_ENDPOINT_URL")
+
+
 def _workers(text: str) -> int:
     try:
         value = int(text)
@@ -145,17 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
                "  finish           publish a merge run in parts (--part I/N) once every part has run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--base", type=Path, help=BASE_HELP + "; may be omitted when --lora is an unfiltered Megatron "
+    p.add_argument("--base", type=location, help=BASE_HELP + "; may be omitted when --lora is an unfiltered Megatron "
                    "LoRA checkpoint or a PEFT adapter")
-    p.add_argument("--lora", type=Path, action="append", help=LORA_HELP + "; optional: without it the base is converted "
+    p.add_argument("--lora", type=location, action="append", help=LORA_HELP + "; optional: without it the base is converted "
                    "as it is; given several times (PEFT adapters), they are merged together: W + Σ wᵢ·ΔWᵢ")
     p.add_argument("--lora-weight", "--lora-weights", dest="lora_weights", type=float, nargs="+", action="extend",
                    metavar="W", help="one weight per --lora, in their order (default: 1 each)")
-    p.add_argument("--hf-ref", type=Path, help="HF model dir of the base model (required; with --to megatron it defaults to an HF --base): its config.json "
+    p.add_argument("--hf-ref", type=location, help="HF model dir of the base model (required; with --to megatron it defaults to an HF --base): its config.json "
                    "defines the architecture; config, generation config and tokenizer files are copied (its weights, "
                    "if any, are read only as the baseline of --verify, or as the base of a PEFT adapter given "
                    "without --base)")
-    p.add_argument("--out", type=Path, required=True, help="output dir for the merged HF model (must not exist "
+    p.add_argument("--out", type=location, required=True, help="output dir for the merged HF model (must not exist "
                    "unless --force); written atomically")
     p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES, "fp8", "float8_e4m3fn", "mxfp4"], default="auto",
                    help="output dtype; auto = the reference config's dtype, else the checkpoint's training dtype "
@@ -185,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _base_model_id_option(p)
     _lora_options(p)
+    _storage_option(p)
     _megatron_options(p)
     p.add_argument("--version", action="version", version=f"lora-merge {__version__}")
     return p
@@ -232,16 +259,17 @@ def build_verify_parser() -> argparse.ArgumentParser:
                     "baseline + (alpha/r)·B·A within one rounding. The baseline is an HF --base's weights, else "
                     "the reference model's weights when --hf-ref holds *.safetensors, else the Megatron --base.",
     )
-    p.add_argument("out", type=Path, help="the merged HF model dir")
-    p.add_argument("--lora", type=Path, action="append", help=LORA_HELP + " (the one that was merged, or each of "
+    p.add_argument("out", type=location, help="the merged HF model dir")
+    p.add_argument("--lora", type=location, action="append", help=LORA_HELP + " (the one that was merged, or each of "
                    "several; needed for the value checks)")
     p.add_argument("--lora-weight", "--lora-weights", dest="lora_weights", type=float, nargs="+", action="extend",
                    metavar="W", help="the weights the adapters were merged with, one per --lora")
-    p.add_argument("--base", type=Path, help=BASE_HELP + " (the one that was merged onto)")
-    p.add_argument("--hf-ref", type=Path, help="reference HF model dir; its weights, if any, are the baseline when "
+    p.add_argument("--base", type=location, help=BASE_HELP + " (the one that was merged onto)")
+    p.add_argument("--hf-ref", type=location, help="reference HF model dir; its weights, if any, are the baseline when "
                    "--base is not an HF model dir")
     p.add_argument("--force", action="store_true", help="replace --report if it exists")
     _lora_options(p)
+    _storage_option(p)
     return p
 
 
@@ -252,9 +280,10 @@ def build_inspect_parser() -> argparse.ArgumentParser:
                     "its args, LoRA targets with r/alpha, dtype, tensors per rank file. An HF model dir: model type, "
                     "layers, tensors, dtypes, size per file. A PEFT adapter dir: r, lora_alpha, targets, adapted "
                     "modules, dtypes, size.")
-    p.add_argument("checkpoint", type=Path, metavar="DIR", help="a Megatron checkpoint dir (with "
+    p.add_argument("checkpoint", type=location, metavar="DIR", help="a Megatron checkpoint dir (with "
                    "latest_checkpointed_iteration.txt, or iter_*), an HF model dir or a PEFT adapter dir")
     _output_options(p)
+    _storage_option(p)
     return p
 
 
@@ -263,12 +292,12 @@ def build_export_parser() -> argparse.ArgumentParser:
         prog="lora-merge export-adapter",
         description="Write a Megatron LoRA as an unmerged PEFT adapter (adapter_model.safetensors + "
                     "adapter_config.json, HF module names) that PEFT and vLLM load on top of the HF base model.")
-    p.add_argument("--lora", type=Path, required=True, help="Megatron LoRA checkpoint dir written by MindSpeed-LLM "
+    p.add_argument("--lora", type=location, required=True, help="Megatron LoRA checkpoint dir written by MindSpeed-LLM "
                    "(a PEFT adapter is already what this writes)")
-    p.add_argument("--hf-ref", type=Path, required=True, help="HF model dir of the base model (its config.json "
+    p.add_argument("--hf-ref", type=location, required=True, help="HF model dir of the base model (its config.json "
                    "defines the architecture)")
-    p.add_argument("--out", type=Path, required=True, help="adapter output dir (must not exist unless --force)")
-    p.add_argument("--base", type=Path, help="optional: the base (a Megatron checkpoint, cross-checked against the "
+    p.add_argument("--out", type=location, required=True, help="adapter output dir (must not exist unless --force)")
+    p.add_argument("--base", type=location, help="optional: the base (a Megatron checkpoint, cross-checked against the "
                    "config, or an HF model dir); the adapter does not depend on it")
     p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="adapter dtype; auto = as stored in the LoRA checkpoint (default)")
@@ -285,6 +314,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with merge (no progress bar here)")
     _base_model_id_option(p)
     _lora_options(p)
+    _storage_option(p)
     return p
 
 
@@ -344,7 +374,8 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
     s = inp.shape
     total = sum(t.nbytes for t in plan.tensors)
     shards = -(-total // opts.max_shard_size)
-    free = shutil.disk_usage(opts.out.parent if opts.out.parent.is_dir() else Path.cwd()).free
+    out_dir = Path(result.out)  # (a URL output is staged under a local directory: that one's disk)
+    free = shutil.disk_usage(out_dir.parent if out_dir.parent.is_dir() else Path.cwd()).free
     out = console.result
     out("plan (dry run: nothing is written)")
     out(f"  base:   {inp.base.describe()}")
@@ -415,7 +446,7 @@ def _main(argv: list[str] | None) -> int:
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "merge"
     opts = PARSERS[command]().parse_args(argv)
     console = Console(opts.level)
-    if getattr(opts, "out", None) is not None and command != "verify":
+    if getattr(opts, "out", None) is not None and command != "verify" and isinstance(opts.out, Path):
         opts.out = Path(os.path.abspath(opts.out))  # `--out .` or `--out ..` name a directory, not a link
     PUBLISHED.clear()
     STAGED.clear()
@@ -487,7 +518,8 @@ def _run_to_megatron(api, opts, console: Console) -> int:
             mla_naming=given(opts.mla_naming, "megatron-core"),
             transformer_impl=given(opts.transformer_impl, "local"), dtype=opts.dtype, lora_r=opts.lora_r,
             lora_alpha=opts.lora_alpha, allow_partial_lora=opts.allow_partial_lora, dry_run=opts.dry_run,
-            workers=opts.workers, progress=bar, part=opts.part, resume=opts.resume, warn=console.warn)
+            workers=opts.workers, progress=bar, part=opts.part, resume=opts.resume, warn=console.warn,
+            storage_options=opts.storage_options)
     finally:
         if bar is not None:
             bar.close()
@@ -536,7 +568,8 @@ def _run(command: str, opts, console: Console) -> int:
         s = api.export_adapter(lora=opts.lora, hf_ref=opts.hf_ref, out=opts.out, base=opts.base, dtype=opts.dtype,
                                expert_format=opts.expert_format, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
                                allow_partial_lora=opts.allow_partial_lora, force=opts.force, report=opts.report,
-                               base_model_id=opts.base_model_id, warn=console.warn)
+                               base_model_id=opts.base_model_id, warn=console.warn,
+                               storage_options=opts.storage_options)
         console.result(f"lora:   {s.lora}")
         console.result(f"wrote a PEFT adapter to {opts.out}: {s.tensors} tensors ({s.bytes / 1e6:.1f} MB), "
                        f"r={s.r} alpha={s.alpha:g}, target_modules={s.target_modules + s.target_parameters}")
@@ -554,14 +587,15 @@ def _run(command: str, opts, console: Console) -> int:
             console.detail(f"  {name}" + (f"  sha256 {s.sha256[name]}" if name in s.sha256 else ""))
         return 0
     if command == "inspect":
-        from lora_merge.readers.describe import describe_dir
-        for line in describe_dir(opts.checkpoint, verbose=console.verbose):
+        for line in api.inspect(opts.checkpoint, verbose=console.verbose,
+                                storage_options=opts.storage_options).split("\n"):
             console.result(line)
         return 0
     if command == "verify":
         report = api.verify(opts.out, lora=_loras(opts.lora), base=opts.base, hf_ref=opts.hf_ref,
                             lora_weights=opts.lora_weights, lora_r=opts.lora_r,
-                            lora_alpha=opts.lora_alpha, report=opts.report, force=opts.force, warn=console.warn)
+                            lora_alpha=opts.lora_alpha, report=opts.report, force=opts.force, warn=console.warn,
+                            storage_options=opts.storage_options)
         counts = Counter(report.statuses.values())
         console.result(f"baseline: {report.baseline}")
         for status, n in sorted(counts.items()):
@@ -594,7 +628,7 @@ def _run(command: str, opts, console: Console) -> int:
                            allow_partial_lora=opts.allow_partial_lora, force=opts.force, verify=opts.verify,
                            report=opts.report, dry_run=opts.dry_run, sha256=opts.sha256, workers=opts.workers,
                            base_model_id=opts.base_model_id, progress=bar, part=opts.part, resume=opts.resume,
-                           warn=console.warn)
+                           warn=console.warn, storage_options=opts.storage_options)
     finally:
         if bar is not None:
             bar.close()

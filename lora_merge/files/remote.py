@@ -203,6 +203,7 @@ class RemoteRun:
         self._lazies: list[_Lazy] = []
         self._count = 0
         self.output: tuple | None = None  # (fs, remote root, url, local staging dir)
+        self.names: dict[str, str] = {}  # local directory -> the URL it stands for (for messages)
 
     def __enter__(self) -> "RemoteRun":
         return self
@@ -256,6 +257,7 @@ class RemoteRun:
                 except Exception as exc:  # noqa: BLE001
                     raise MergeError(f"{url.rstrip('/')}/{rel}: cannot read ({type(exc).__name__}: {exc})") from None
                 path.write_bytes(data)
+        self.names[str(shadow)] = url.rstrip("/")
         return shadow
 
     def output_dir(self, url: str) -> Path:
@@ -270,7 +272,14 @@ class RemoteRun:
                              "first, or give another prefix)")
         local = self._slot() / last_component(url)
         self.output = (fs, remote.rstrip("/"), url.rstrip("/"), local)
+        self.names[str(local)] = url.rstrip("/")
         return local
+
+    def named(self, text: str) -> str:
+        """A message with each local directory of this run named by its URL."""
+        for local, url in sorted(self.names.items(), key=lambda item: -len(item[0])):
+            text = text.replace(local, url)
+        return text
 
     def publish(self) -> list[str]:
         """Upload the staged output: every data object (several at once), then the files that say it is complete;

@@ -1,0 +1,192 @@
+"""Inputs and outputs on object storage, against a real S3-protocol server on localhost (moto's server mode, the
+AWS variables set as a user would set them): every input kind read from s3:// and every output kind published to
+s3:// gives the bytes a local run gives; data files are read by ranges (what a run does not read is never
+transferred); a failed upload leaves nothing; what cannot be done with a URL is refused by name."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import lora_merge
+from helpers import FIXTURES, quiet, run_failing
+from lora_merge.cli import main
+from lora_merge.files import remote
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 server on localhost and a client of it; the AWS environment a user would set."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = dict(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
+               AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("models")
+    yield fs
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
+def upload(fs, local: Path, key: str) -> str:
+    fs.put(str(local), f"models/{key}", recursive=True)
+    return f"s3://models/{key}"
+
+
+def out_dir(tmp_path: Path, where: str, name: str) -> Path:
+    """`tmp_path/where/name`: an output named like the URL's last component, so the cards agree."""
+    (tmp_path / where).mkdir()
+    return tmp_path / where / name
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def downloaded(fs, url: str, into: Path) -> dict[str, bytes]:
+    fs.get(url.removeprefix("s3://"), str(into), recursive=True)
+    return files(into)
+
+
+def test_a_megatron_base_and_lora_on_s3_merge_to_s3_as_they_merge_locally(s3, tmp_path):
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    url = upload(s3, fixture, "tp2")
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=local, warn=quiet)
+    result = lora_merge.merge(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref",
+                              out="s3://models/out/merged", warn=quiet)
+    assert result.out == "s3://models/out/merged"
+    assert downloaded(s3, result.out, tmp_path / "got") == files(local)  # the card names the output the same
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_megatron_output_to_s3_and_a_torch_dist_base_from_s3_are_the_local_bytes(s3, tmp_path, fmt):
+    fixture = FIXTURES / "dist_tp2pp2_fp32"
+    url = upload(s3, fixture, f"dist-{fmt}")
+    local = out_dir(tmp_path, "local", "mg")
+    layout = dict(tp=2) if fmt == "torch" else {}
+    lora_merge.to_megatron(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=local,
+                           ckpt_format=fmt, warn=quiet, **layout)
+    out = f"s3://models/mg-{fmt}/mg"
+    lora_merge.to_megatron(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref", out=out, ckpt_format=fmt,
+                           warn=quiet, **layout)
+    assert downloaded(s3, out, tmp_path / "got") == files(local)
+
+
+def test_an_hf_base_and_a_peft_adapter_on_s3_and_the_adapter_exported_to_s3(s3, tmp_path, base_model):
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    hf_base = base_model("tp2_fp32_filtered")
+    adapter = tmp_path / "adapter"
+    lora_merge.export_adapter(lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=adapter, warn=quiet)
+    lora_merge.export_adapter(lora=upload(s3, fixture / "lora", "exp/lora"), hf_ref=fixture / "hf_ref",
+                              out="s3://models/exp/adapter", warn=quiet)
+    assert downloaded(s3, "s3://models/exp/adapter", tmp_path / "exported") == files(adapter)
+
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=hf_base, lora=adapter, hf_ref=hf_base, out=local, warn=quiet)
+    base_url, adapter_url = upload(s3, hf_base, f"hf/{hf_base.name}"), "s3://models/exp/adapter"
+    got = out_dir(tmp_path, "got", "merged")
+    lora_merge.merge(base=base_url, lora=adapter_url, hf_ref=base_url, out=got, warn=quiet)
+    assert files(got) == files(local)
+    report = lora_merge.verify(got, lora=adapter_url, base=base_url, hf_ref=base_url, warn=quiet)
+    assert report.ok, report.problems
+
+
+def test_only_the_bytes_a_run_reads_are_transferred(s3, tmp_path, monkeypatch):
+    """A checkpoint's optimizer state beside the model (here 64 MB) is listed but never fetched."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tp2_fp32_filtered", root)
+    rank = next((root / "base").glob("iter_*/mp_rank_00"))
+    (rank / "distrib_optim.pt").write_bytes(os.urandom(64 << 20))
+    url = upload(s3, root, "with-optimizer")
+    fetched = []
+    original = remote._Lazy._fetch
+    monkeypatch.setattr(remote._Lazy, "_fetch", lambda self, piece: (fetched.append((self.url, piece)),
+                                                                     original(self, piece))[1])
+    lora_merge.merge(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref", out=tmp_path / "out", warn=quiet)
+    assert fetched and not [f for f in fetched if "distrib_optim" in f[0]]
+    data = sum(p.stat().st_size for p in (root / "base").rglob("model_optim_rng.pt"))
+    assert sum(b - a for _, (a, b) in fetched if "/base/" in _) <= data
+
+
+def test_a_failed_upload_leaves_no_object_and_says_so(s3, tmp_path, monkeypatch):
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    import s3fs
+
+    put = s3fs.S3FileSystem._put_file  # (the async method fsspec's put_file runs)
+
+    async def failing(self, lpath, rpath, *args, **kwargs):
+        if rpath.endswith("README.md"):  # the last object: everything else is up by then
+            raise OSError("connection reset")
+        return await put(self, lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", failing)
+    s3fs.S3FileSystem.clear_instance_cache()  # (instances bind their sync methods when made)
+    with pytest.raises(lora_merge.MergeError, match=r"s3://models/failed/merged: upload failed .*connection reset.*"
+                                                    r"the objects uploaded were removed"):
+        lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref",
+                         out="s3://models/failed/merged", warn=quiet)
+    assert not s3.find("models/failed")
+
+
+def test_the_command_line_takes_urls_and_storage_options(s3, tmp_path, capsys, monkeypatch):
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    url = upload(s3, fixture, "cli")
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # given as a storage option instead
+    options = json.dumps({"endpoint_url": endpoint})
+    assert main(["--base", f"{url}/base", "--lora", f"{url}/lora", "--hf-ref", f"{url}/hf_ref", "--out",
+                 "s3://models/cli-out/merged", "--storage-options", options, "--no-progress"]) == 0
+    assert s3.exists("models/cli-out/merged/model.safetensors")
+    assert main(["inspect", f"{url}/lora", "--storage-options", options]) == 0
+    assert "LoRA" in capsys.readouterr().out
+    # an output that already holds objects, named by its URL
+    run_failing(["--base", f"{url}/base", "--lora", f"{url}/lora", "--hf-ref", f"{url}/hf_ref", "--out",
+                 "s3://models/cli-out/merged", "--storage-options", options, "--no-progress"], capsys,
+                "s3://models/cli-out/merged: already holds objects")
+    # a damaged input is named by its URL, not by a local shadow
+    run_failing(["--base", f"{url}/base", "--lora", f"{url}/nothing-here", "--hf-ref", f"{url}/hf_ref", "--out",
+                 str(tmp_path / "o"), "--storage-options", options, "--no-progress"], capsys,
+                f"{url}/nothing-here: no objects under it")
+    run_failing(["--base", f"{url}/base", "--hf-ref", f"{url}/hf_ref", "--out", "s3://models/p/merged", "--part",
+                 "1/2", "--storage-options", options, "--no-progress"], capsys,
+                "--part with --out s3://models/p/merged: a URL output is published whole")
+    assert not s3.exists("models/p")
+
+
+def test_any_fsspec_url_is_an_input(tmp_path):
+    """Not only S3: fsspec's in-memory filesystem, as any other backend would be used."""
+    import fsspec
+
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    mem = fsspec.filesystem("memory")
+    mem.put(str(fixture), "/fx", recursive=True)
+    local = out_dir(tmp_path, "a", "merged")
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=local, warn=quiet)
+    got = out_dir(tmp_path, "b", "merged")
+    lora_merge.merge(base="memory://fx/base", lora="memory://fx/lora", hf_ref="memory://fx/hf_ref", out=got,
+                     warn=quiet)
+    assert files(got) == files(local)
+    with pytest.raises(lora_merge.MergeError, match="storage_options"):
+        lora_merge.merge(base="memory://fx/base", hf_ref=fixture / "hf_ref", out=tmp_path / "c", warn=quiet,
+                         storage_options=["not", "a", "dict"])
+    with pytest.raises(lora_merge.MergeError, match="the report is written to a local file"):
+        lora_merge.merge(base=fixture / "base", hf_ref=fixture / "hf_ref", out=tmp_path / "d", warn=quiet,
+                         report="memory://r.json")
