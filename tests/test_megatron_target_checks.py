@@ -199,8 +199,9 @@ def test_the_space_check_keeps_a_margin_for_a_megatron_output_too(tmp_path, monk
 
 # --- every API argument is checked for its type, where it is read ---
 
-PATH, BOOL, INT, OPT_INT, NUMBER, CHOICE, SIZE, CALLABLE, TEXT, WEIGHTS, PART = (
-    "path", "bool", "int", "optional int", "number", "choice", "size", "callable", "text", "weights", "part")
+PATH, BOOL, INT, OPT_INT, NUMBER, CHOICE, SIZE, CALLABLE, TEXT, WEIGHTS, PART, OPTIONS = (
+    "path", "bool", "int", "optional int", "number", "choice", "size", "callable", "text", "weights", "part",
+    "options")
 KINDS = {
     "hf_ref": PATH, "out": PATH, "lora": PATH, "base": PATH, "report": PATH, "checkpoint": PATH,
     "dtype": CHOICE, "ckpt_format": CHOICE, "expert_layout": CHOICE, "mla_naming": CHOICE, "transformer_impl": CHOICE,
@@ -210,7 +211,7 @@ KINDS = {
     "base_model_id": TEXT, "progress": CALLABLE, "warn": CALLABLE,
     "tp": INT, "pp": INT, "vpp": INT, "ep": INT, "etp": OPT_INT, "decoder_first_pipeline_num_layers": OPT_INT,
     "decoder_last_pipeline_num_layers": OPT_INT, "make_vocab_size_divisible_by": OPT_INT, "padded_vocab_size": OPT_INT,
-    "lora_weights": WEIGHTS, "part": PART, "resume": BOOL,
+    "lora_weights": WEIGHTS, "part": PART, "resume": BOOL, "storage_options": OPTIONS,
 }
 WRONG = {
     PATH: [5, 1.5, [], object(), b"dir"],
@@ -224,6 +225,7 @@ WRONG = {
     TEXT: [5, [], object()],
     WEIGHTS: ["1", 1.0, [float("nan")], ["1"], [True], [1.0, 2.0], object()],
     PART: [5, 1.5, "1", "2/2", "0/0", (1,), (True, 2), (0, 2.0), [], object()],
+    OPTIONS: [5, "{}", [], ("anon",), {1: True}, object()],
 }
 
 
