@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lora_merge.files import remote
 from lora_merge.model.multimodal import MULTIMODAL
 from lora_merge.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Weight, is_mxfp4_config, within_mxfp4_step
 from lora_merge.model.architectures import Architecture, iter_rules, pick_name
@@ -486,6 +487,8 @@ def _compare_with_reference(path: Path, ref: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
         return f"{path}: not a regular file; expected a copy of {ref}"
     try:
+        remote.ensure_whole(path)  # (either side at a URL: fetched first if it is read by ranges)
+        remote.ensure_whole(ref)
         with path.open("rb") as mine:
             try:
                 theirs = ref.open("rb")
@@ -553,6 +556,7 @@ def _check_card(out_dir: Path) -> list[str]:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
+    remote.ensure_whole(path)  # (an output at a URL, verified: fetched first)
     with path.open("rb") as f:
         for block in iter(lambda: f.read(4 << 20), b""):
             h.update(block)

@@ -590,6 +590,91 @@ def bench_parts(layers: int, work: Path, repeat: int, counts: list[int], preset:
     return result
 
 
+S3_PUT = "import s3fs, sys; s3fs.S3FileSystem().put(sys.argv[1], sys.argv[2], recursive=True)"
+S3_GET = "import s3fs, sys; s3fs.S3FileSystem().get(sys.argv[1], sys.argv[2], recursive=True)"
+
+
+def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qwen32b") -> dict:
+    """32B layer shapes (a Megatron base + LoRA, TP=8) on an S3 server on this host (moto's server mode, a process of
+    its own): our merge reading s3:// and writing locally or to s3://, against the route users take today (download
+    the checkpoint with s3fs, merge locally, upload the model) and against the same merge on local disk."""
+    import socket
+
+    root = work / f"s3-L{layers}"
+    drop(root)
+    start = time.monotonic()
+    # TP 8 and 500 MB shards: moto's server fails to complete multipart uploads of objects past ~1 GB
+    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
+                    "--layers", str(layers), "--tp", "8", "--dtype", "bfloat16"], check=True)
+    generate_seconds = time.monotonic() - start
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        subprocess.run([sys.executable, "-c", "import s3fs; s3fs.S3FileSystem().mkdir('bench')"], check=True)
+        for name in ("base", "lora", "hf_ref"):
+            subprocess.run([sys.executable, "-c", S3_PUT, str(root / name), f"bench/in/{name}"], check=True)
+        url = "s3://bench/in"
+        remote_in = ["--base", f"{url}/base", "--lora", f"{url}/lora", "--hf-ref", f"{url}/hf_ref", "--no-progress",
+                     "--max-shard-size", "500MB"]
+        local_in = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
+                    "--no-progress", "--max-shard-size", "500MB"]
+        dl = root / "downloaded"
+        today = ["sh", "-c", f'"$0" -c "$1" bench/in "{dl}" && "$0" -m lora_merge --base "{dl}/base" --lora "{dl}/lora" '
+                 f'--hf-ref "{dl}/hf_ref" --out "{root}/merged" --no-progress -q --max-shard-size 500MB && "$0" -c "$2" "{root}/merged" '
+                 f'bench/today/merged', sys.executable, S3_GET, S3_PUT]
+        variants = [("local disk -> local disk", LORA_MERGE + local_in + ["--out", str(root / "merged")]),
+                    ("s3:// -> local disk", LORA_MERGE + remote_in + ["--out", str(root / "merged")]),
+                    ("s3:// -> s3://", LORA_MERGE + remote_in + ["--out", "s3://bench/out/merged"]),
+                    ("today: download, merge, upload", today)]
+        clean = ["sh", "-c", f'rm -rf "{root}/merged" "{dl}"; "$0" -c "import s3fs; fs = s3fs.S3FileSystem(); '
+                 f'[fs.rm(p, recursive=True) for p in (\'bench/out\', \'bench/today\') if fs.exists(p)]"',
+                 sys.executable]
+        runs = [[] for _ in variants]
+        out_bytes = 0
+        for _ in range(repeat):
+            for i, (_, cmd) in enumerate(variants):
+                subprocess.run(clean, check=True)
+                runs[i].append(measure(cmd))
+                if (root / "merged").exists():
+                    out_bytes = dir_bytes(root / "merged")
+        subprocess.run(clean, check=True)
+    finally:
+        server.terminate()
+        server.wait()
+    in_bytes = dir_bytes(root / "base") + dir_bytes(root / "lora")
+    result = {"layers": layers, "layout": "dense on S3 (moto on localhost)", "generate_seconds": generate_seconds,
+              "input_gb": in_bytes / 1e9, "output_gb": out_bytes / 1e9, "runs": {}}
+    for (label, _), r in zip(variants, runs):
+        best = min(r, key=lambda m: m["seconds"])
+        result["runs"][label] = best | {"peak_rss_mb": max(m["peak_rss_mb"] for m in r),
+                                        "all_seconds": [m["seconds"] for m in r],
+                                        "read_gb_per_s": in_bytes / 1e9 / best["seconds"],
+                                        "write_gb_per_s": out_bytes / 1e9 / best["seconds"]}
+    drop(root)
+    return result
+
+
+def print_object_storage(r: dict) -> None:
+    print(f"input {r['input_gb']:.2f} GB, output {r['output_gb']:.2f} GB, generated in {r['generate_seconds']:.0f} s")
+    print("| route | seconds (runs) | CPU s | peak RSS MB | input GB/s | output GB/s |")
+    print("|---|---|---|---|---|---|")
+    for label, m in r["runs"].items():
+        runs = ", ".join(f"{s:.1f}" for s in m["all_seconds"])
+        print(f"| {label} | {m['seconds']:.1f} ({runs}) | {m['cpu_seconds']:.1f} | {m['peak_rss_mb']:.0f} | "
+              f"{m['read_gb_per_s']:.2f} | {m['write_gb_per_s']:.2f} |")
+
+
 def print_targets(title: str, r: dict) -> None:
     print(f"generated in {r['generate_seconds']:.0f} s")
     for label, ours in r["runs"].items():
@@ -662,6 +747,8 @@ def main() -> None:
                    "N parts side by side (each --workers 1) + finish, for each N")
     p.add_argument("--cold", action="store_true", help="drop the page cache before every measured run, copies "
                    "included (root: writes /proc/sys/vm/drop_caches), so inputs come from the disk")
+    p.add_argument("--object-storage", action="store_true", help="32B layer shapes on an S3 server on this host "
+                   "(moto): s3:// in and out against download + merge + upload and against local disk")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     if args.cold:
@@ -682,6 +769,13 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps([r], indent=2))
 
+    if args.object_storage:
+        results = [bench_object_storage(n, args.workdir, args.repeat, args.preset) for n in args.layers]
+        for r in results:
+            print_object_storage(r)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     if args.fp8:
         report_one(deepseek_title + ", FP8", bench_fp8(args.workdir, args.repeat, args.deepseek_shape))
         return

@@ -74,6 +74,9 @@ def test_a_megatron_base_and_lora_on_s3_merge_to_s3_as_they_merge_locally(s3, tm
                               out="s3://models/out/merged", warn=quiet)
     assert result.out == "s3://models/out/merged"
     assert downloaded(s3, result.out, tmp_path / "got") == files(local)  # the card names the output the same
+    # verify reads the output (its card's sha256 of every file, every tensor) from s3:// too
+    report = lora_merge.verify(result.out, lora=f"{url}/lora", base=f"{url}/base", hf_ref=f"{url}/hf_ref", warn=quiet)
+    assert report.ok and report.statuses, report.problems
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -128,17 +131,16 @@ def test_only_the_bytes_a_run_reads_are_transferred(s3, tmp_path, monkeypatch):
 
 def test_a_failed_upload_leaves_no_object_and_says_so(s3, tmp_path, monkeypatch):
     fixture = FIXTURES / "tp2_fp32_filtered"
-    import s3fs
+    import s3fs.core
 
-    put = s3fs.S3FileSystem._put_file  # (the async method fsspec's put_file runs)
+    upload_chunk = s3fs.core.S3File._upload_chunk
 
-    async def failing(self, lpath, rpath, *args, **kwargs):
-        if rpath.endswith("README.md"):  # the last object: everything else is up by then
+    def failing(self, *args, **kwargs):
+        if self.path.endswith("README.md"):  # the last object: everything else is up by then
             raise OSError("connection reset")
-        return await put(self, lpath, rpath, *args, **kwargs)
+        return upload_chunk(self, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", failing)
-    s3fs.S3FileSystem.clear_instance_cache()  # (instances bind their sync methods when made)
+    monkeypatch.setattr(s3fs.core.S3File, "_upload_chunk", failing)
     with pytest.raises(lora_merge.MergeError, match=r"s3://models/failed/merged: upload failed .*connection reset.*"
                                                     r"the objects uploaded were removed"):
         lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref",
@@ -190,3 +192,28 @@ def test_any_fsspec_url_is_an_input(tmp_path):
     with pytest.raises(lora_merge.MergeError, match="the report is written to a local file"):
         lora_merge.merge(base=fixture / "base", hf_ref=fixture / "hf_ref", out=tmp_path / "d", warn=quiet,
                          report="memory://r.json")
+
+
+def test_a_file_larger_than_a_part_goes_up_in_parts_and_a_failed_one_is_never_committed(s3, tmp_path, monkeypatch):
+    import s3fs.core
+
+    monkeypatch.setattr(remote, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
+    data = os.urandom((12 << 20) + 123)
+    (tmp_path / "big").write_bytes(data)
+    parts = []
+    upload_chunk = s3fs.core.S3File._upload_chunk
+    monkeypatch.setattr(s3fs.core.S3File, "_upload_chunk",
+                        lambda self, *a, **k: (parts.append(self.path), upload_chunk(self, *a, **k))[1])
+    remote._upload(s3, tmp_path / "big", "models/parts/big")
+    assert s3.cat_file("models/parts/big") == data and len(parts) >= 2  # uploaded as it was read, in parts
+
+    def failing(self, *args, **kwargs):
+        if self.offset:  # the second part
+            raise OSError("connection reset")
+        return upload_chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_upload_chunk", failing)
+    with pytest.raises(OSError, match="connection reset"):
+        remote._upload(s3, tmp_path / "big", "models/parts/failed")
+    assert not s3.exists("models/parts/failed")
+    assert not s3.list_multipart_uploads("models")  # aborted, not left to cost storage

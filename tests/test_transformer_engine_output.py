@@ -30,6 +30,8 @@ CASES = {
                                                  "sequential", "torch"),
     "qwen3moe_grouped_ep2_legacy": ("fixtures_moe/qwen3moe_ep2", dict(ep=2), "grouped", "torch"),
     "qwen3moe_torch_dist_at_ep2": ("fixtures_moe/qwen3moe_ep2", dict(ep=2), "sequential", "torch_dist"),
+    # loaded by TEGroupedMLP (--moe-grouped-gemm), which shards each expert's weight and extra state itself
+    "qwen3moe_torch_dist_at_ep2_grouped": ("fixtures_moe/qwen3moe_ep2", dict(ep=2), "grouped", "torch_dist"),
     "deepseek_mla_tp2_ep2_etp1_legacy": ("fixtures_deepseek/deepseek_v3_ep2", dict(tp=2, ep=2, etp=1), "sequential",
                                          "torch"),
     "deepseek_mla_torch_dist_at_pp2": ("fixtures_deepseek/deepseek_v3_ep2", dict(pp=2, decoder_first_pipeline_num_layers=1),

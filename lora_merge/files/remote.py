@@ -38,6 +38,8 @@ URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 DATA_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".distcp")
 FETCH_BYTES = 16 << 20  # one ranged GET
 FETCH_THREADS = 8
+UPLOAD_PART_BYTES = 32 << 20  # one part of a multipart upload (S3 wants at least 5 MB); each upload holds one
+UPLOADS = 4  # files uploaded at once
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Published after every other object, in this order: what says the model is complete
 LAST = ("model.safetensors.index.json", "adapter_config.json", "latest_checkpointed_iteration.txt", "README.md")
@@ -140,6 +142,13 @@ def ensure(path, start: int, nbytes: int) -> None:
     lazy = _lazy(path)
     if lazy is not None:
         lazy.ensure(start, nbytes)
+
+
+def ensure_whole(path) -> None:
+    """Make all of `path` readable (a shadow file read by something other than the checkpoint readers)."""
+    lazy = _lazy(path)
+    if lazy is not None:
+        lazy.ensure(0, lazy.size)
 
 
 def open_read(path):
@@ -292,12 +301,12 @@ class RemoteRun:
         lock = threading.Lock()
 
         def put(name: str) -> None:
-            fs.put_file(str(local / name), f"{remote}/{name}")
+            _upload(fs, local / name, f"{remote}/{name}")
             with lock:
                 done.append(name)
 
         try:
-            with ThreadPoolExecutor(4, thread_name_prefix="lora-merge-upload") as uploads:
+            with ThreadPoolExecutor(UPLOADS, thread_name_prefix="lora-merge-upload") as uploads:
                 list(uploads.map(put, first))
             for name in last:
                 put(name)
@@ -312,3 +321,20 @@ class RemoteRun:
                                  "removed") from None
             raise
         return files
+
+
+def _upload(fs, local: Path, rpath: str) -> None:
+    """Stream one file up: parts of UPLOAD_PART_BYTES as they are read (a multipart upload where the store has
+    them), so memory stays one part whatever the file's size. Never a partial object: a failed copy is
+    discarded (the multipart upload aborted), not committed by closing."""
+    with open(local, "rb") as src:
+        dst = fs.open(rpath, "wb", block_size=UPLOAD_PART_BYTES)
+        try:
+            shutil.copyfileobj(src, dst, 8 << 20)
+            dst.close()  # the last part, and the upload completed
+        except BaseException:
+            discard = getattr(dst, "discard", None)
+            if discard is not None:
+                discard()
+            dst.closed = True  # (else closing it, even when collected, would upload what is left as a new object)
+            raise

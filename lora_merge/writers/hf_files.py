@@ -29,6 +29,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_merge.files import remote
 from lora_merge.errors import MergeError
 from lora_merge.files.small_files import read_bytes
 from lora_merge.writers.model_card import card_reports
@@ -230,6 +231,7 @@ def _copy_content(src: Path, dst: Path) -> None:
     Read errors name the reference file; write errors stay OSErrors (disk full is about the output).
     """
     fd = _open_regular(src)
+    remote.ensure_whole(src)  # (a reference at a URL: fetched first if it is read by ranges)
     with os.fdopen(fd, "rb") as fsrc, dst.open("xb") as fdst:  # "x": never write through something at dst
         while True:
             try:

@@ -11,11 +11,18 @@ from .fp8 import fp8_autocast  # noqa: F401
 
 
 class _Module(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # what TransformerEngineBaseModule sets when built (megatron-core's TEGroupedLinear reads them to shard
+        # its extra state)
+        self.fp8 = self.fp8_calibration = False
+        self.fp8_meta = {"fp8_checkpoint": False, "recipe": None}
+
     def get_extra_state(self):
         return torch.empty(0, dtype=torch.uint8)  # TE >= 2.4 without FP8
 
     def init_fp8_metadata(self, num_gemms=1):  # (FP8 metadata: none here)
-        self.fp8_meta = {"recipe": None}
+        pass
 
     def set_extra_state(self, state):
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
