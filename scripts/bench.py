@@ -633,7 +633,11 @@ def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qw
         today = ["sh", "-c", f'"$0" -c "$1" bench/in "{dl}" && "$0" -m lora_merge --base "{dl}/base" --lora "{dl}/lora" '
                  f'--hf-ref "{dl}/hf_ref" --out "{root}/merged" --no-progress -q --max-shard-size 500MB && "$0" -c "$2" "{root}/merged" '
                  f'bench/today/merged', sys.executable, S3_GET, S3_PUT]
+        file_in = ["--base", f"file://{root}/base", "--lora", f"file://{root}/lora", "--hf-ref", f"file://{root}/hf_ref",
+                   "--no-progress", "--max-shard-size", "500MB"]
         variants = [("local disk -> local disk", LORA_MERGE + local_in + ["--out", str(root / "merged")]),
+                    ("file:// (ranged reads through fsspec, no server) -> local disk",
+                     LORA_MERGE + file_in + ["--out", str(root / "merged")]),
                     ("s3:// -> local disk", LORA_MERGE + remote_in + ["--out", str(root / "merged")]),
                     ("s3:// -> s3://", LORA_MERGE + remote_in + ["--out", "s3://bench/out/merged"]),
                     ("today: download, merge, upload", today)]
