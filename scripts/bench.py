@@ -562,16 +562,21 @@ def bench_fp8(work: Path, repeat: int, deepseek_shape: list[str]) -> dict:
     return result
 
 
+def synthetic_dense(root: Path, layers: int, preset: str, tp: int = 4) -> float:
+    """A fresh synthetic Megatron base + LoRA (bf16) at root (synthetic_checkpoint.py); the seconds it took."""
+    drop(root)
+    start = time.monotonic()
+    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
+                    "--layers", str(layers), "--tp", str(tp), "--dtype", "bfloat16"], check=True)
+    return time.monotonic() - start
+
+
 def bench_parts(layers: int, work: Path, repeat: int, counts: list[int], preset: str = "qwen32b") -> dict:
     """32B layer shapes (a Megatron base + LoRA, TP=4) merged by one process, and as N parts run as N processes
     side by side on this host (each with --workers 1) followed by `lora-merge finish`, alternating with a copy;
     500MB shards, so that each part has files of its own."""
     root = work / f"parts-L{layers}"
-    drop(root)
-    start = time.monotonic()
-    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
-                    "--layers", str(layers), "--tp", "4", "--dtype", "bfloat16"], check=True)
-    generate_seconds = time.monotonic() - start
+    generate_seconds = synthetic_dense(root, layers, preset)
     out = root / "merged"
     merge = LORA_MERGE + ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
                           "--out", str(out), "--no-progress", "--max-shard-size", "500MB"]
@@ -601,12 +606,8 @@ def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qw
     import socket
 
     root = work / f"s3-L{layers}"
-    drop(root)
-    start = time.monotonic()
     # TP 8 and 500 MB shards: moto's server fails to complete multipart uploads of objects past ~1 GB
-    subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(root), "--preset", preset,
-                    "--layers", str(layers), "--tp", "8", "--dtype", "bfloat16"], check=True)
-    generate_seconds = time.monotonic() - start
+    generate_seconds = synthetic_dense(root, layers, preset, tp=8)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
