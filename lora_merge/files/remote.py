@@ -161,9 +161,9 @@ def open_read(path):
     """`open(path, "rb")`, whose reads of a shadow file fetch what they read first."""
     lazy = _lazy(path)
     if lazy is None:
-        return open(path, "rb")
+        return Path(path).open("rb")
     # unbuffered: a buffer would keep bytes read before their range was fetched
-    return io.BufferedReader(_Fetching(open(path, "rb", buffering=0), lazy))
+    return io.BufferedReader(_Fetching(Path(path).open("rb", buffering=0), lazy))
 
 
 class _Fetching(io.RawIOBase):
