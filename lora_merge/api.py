@@ -98,6 +98,11 @@ def _through_urls(*inputs: str, output: str | None = None):
                 raise UsageError(f"{argument_name('report')}={kw['report']}: the report is written to a local file")
             if not given and not to_url:
                 return fn(*bound.args, **bound.kwargs)
+            if given and (kw.get("part") is not None or kw.get("resume")):
+                flag = "part" if kw.get("part") is not None else "resume"
+                raise UsageError(f"{argument_name(flag)} with {argument_name(given[0])} {kw[given[0]]}: the parts of a "
+                                 "run (and a resumed run) recognise each other by their inputs' files, which for a URL "
+                                 "are fetched anew by every run; give local inputs, or run it in one process")
             if to_url:
                 for flag in ("part", "resume", "force"):
                     if kw.get(flag) not in (None, False):

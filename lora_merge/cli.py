@@ -110,7 +110,7 @@ def _lora_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, help="LoRA rank; overrides args.lora_r of a Megatron LoRA checkpoint")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (> 0); overrides args.lora_alpha of a Megatron LoRA "
                    "checkpoint")
-    p.add_argument("--report", type=Path, metavar="FILE", help="write a JSON report: inputs, LoRA settings, "
+    p.add_argument("--report", type=location, metavar="FILE", help="write a JSON report: inputs, LoRA settings, "
                    "per-tensor status, sha256 of every output file")
     _output_options(p)
 

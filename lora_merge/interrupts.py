@@ -52,6 +52,7 @@ def _raise(signum, frame):
 class _State:
     active = False  # within the outermost signals_raise block, in the main thread
     ignoring = False  # ignore_signals was called within it
+    armed: tuple = ()  # the signals that block raises (those not ignored on entry)
 
 
 def ignore_signals() -> None:
@@ -78,7 +79,7 @@ def signals_raise(until_exit: bool = False):
     previous = {sig: signal.getsignal(sig) for sig in HANDLED if signal.getsignal(sig) is not signal.SIG_IGN}
     for sig in previous:
         signal.signal(sig, _raise)
-    _State.active, _State.ignoring = True, False
+    _State.active, _State.ignoring, _State.armed = True, False, tuple(previous)
     try:
         yield
     finally:
@@ -87,3 +88,20 @@ def signals_raise(until_exit: bool = False):
         if not keep_ignored:
             for sig, handler in previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def raising_again():
+    """After ignore_signals, within the signals_raise block: the signals raise again inside this block (an upload
+    of an output already complete on local disk can still be stopped), and are ignored again after it. A no-op
+    where signals are not being ignored (the Python API, another thread, before the point of no return)."""
+    if not _State.active or not _State.ignoring or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    for sig in _State.armed:
+        signal.signal(sig, _raise)
+    _State.ignoring = False
+    try:
+        yield
+    finally:
+        ignore_signals()

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from lora_merge.version import __version__
+from lora_merge.files import remote
 from lora_merge.interrupts import ignore_signals
 from lora_merge.files.ownership import REPORT_FORMAT, REPORT_MARKER
 from lora_merge.files.staged_dir import SideFile
@@ -19,6 +20,7 @@ def hash_files(directory: Path, names) -> dict[str, str]:
     hashes = {}
     for name in names:
         h = hashlib.sha256()
+        remote.ensure_whole(directory / name)  # (verify's report of an output at a URL: fetched first)
         with open(directory / name, "rb") as f:
             for block in iter(lambda: f.read(1 << 22), b""):
                 h.update(block)

@@ -167,8 +167,8 @@ def test_the_command_line_takes_urls_and_storage_options(s3, tmp_path, capsys, m
     run_failing(["--base", f"{url}/base", "--lora", f"{url}/nothing-here", "--hf-ref", f"{url}/hf_ref", "--out",
                  str(tmp_path / "o"), "--storage-options", options, "--no-progress"], capsys,
                 f"{url}/nothing-here: no objects under it")
-    run_failing(["--base", f"{url}/base", "--hf-ref", f"{url}/hf_ref", "--out", "s3://models/p/merged", "--part",
-                 "1/2", "--storage-options", options, "--no-progress"], capsys,
+    run_failing(["--base", str(fixture / "base"), "--hf-ref", str(fixture / "hf_ref"), "--out", "s3://models/p/merged",
+                 "--part", "1/2", "--storage-options", options, "--no-progress"], capsys,
                 "--part with --out s3://models/p/merged: a URL output is published whole")
     assert not s3.exists("models/p")
 
@@ -217,3 +217,63 @@ def test_a_file_larger_than_a_part_goes_up_in_parts_and_a_failed_one_is_never_co
         remote._upload(s3, tmp_path / "big", "models/parts/failed")
     assert not s3.exists("models/parts/failed")
     assert not s3.list_multipart_uploads("models")  # aborted, not left to cost storage
+
+
+def test_folder_markers_are_not_files_and_parts_of_url_inputs_are_refused(s3, tmp_path, capsys):
+    """Consoles and tools (AWS, OBS and OSS consoles, rclone, s3a) create zero-byte "folder" keys ending in "/":
+    not files of the checkpoint. A run in parts (or resumed) cannot recognise its other parts by inputs fetched
+    anew each time: refused before anything runs."""
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    url = upload(s3, fixture, "markers")
+    for key in ("markers/lora/", "markers/lora/iter_0000010/", "markers/base/"):
+        s3.pipe(f"models/{key}", b"")
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=local, warn=quiet)
+    got = out_dir(tmp_path, "got", "merged")
+    lora_merge.merge(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref", out=got, warn=quiet)
+    assert files(got) == files(local)
+    for flags in (["--part", "0/2"], ["--resume"]):
+        run_failing(["--base", f"{url}/base", "--lora", f"{url}/lora", "--hf-ref", str(fixture / "hf_ref"),
+                     "--out", str(tmp_path / "p"), "--no-progress", *flags], capsys,
+                    f"with --base {url}/base: the parts of a run")
+    run_failing(["--base", str(fixture / "base"), "--lora", str(fixture / "lora"), "--hf-ref", str(fixture / "hf_ref"),
+                 "--out", str(tmp_path / "r"), "--report", "s3://models/report.json", "--no-progress"], capsys,
+                "the report is written to a local file")
+    assert not (tmp_path / "p").exists() and not (tmp_path / "r").exists()
+
+
+def test_an_upload_stopped_by_a_signal_leaves_nothing_and_a_file_url_output_works(tmp_path):
+    """The CLI ignores signals once the local output is complete; the upload after it can still be stopped
+    (SIGTERM here, as Kubernetes sends it), and what it had uploaded is removed. Other fsspec backends as outputs:
+    file:// needs its directories, and has no multipart upload to discard."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import tempfile
+
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    target = tmp_path / "store"
+    shadows = set(Path(tempfile.gettempdir()).glob("lora-merge-remote-*"))
+    code = ("import sys, time; from lora_merge.files import remote; upload = remote._upload\n"
+            "def slow(*a, **k):\n    time.sleep(0.5); upload(*a, **k)\n"
+            "remote._upload = slow\n"
+            "from lora_merge.entry import main; sys.exit(main())")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--base", str(fixture / "base"), "--lora", str(fixture / "lora"),
+                             "--hf-ref", str(fixture / "hf_ref"), "--out", f"file://{target}/merged", "--no-progress"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(target.rglob("*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert not [p for p in target.rglob("*") if p.is_file()], sorted(target.rglob("*"))
+    assert set(Path(tempfile.gettempdir()).glob("lora-merge-remote-*")) == shadows  # its local staging removed
+    # the same output, not stopped
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref",
+                     out=f"file://{target}/merged", warn=quiet)
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=local, warn=quiet)
+    assert files(target / "merged") == files(local)

@@ -31,6 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from lora_merge import interrupts
 from lora_merge.errors import MergeError, UsageError
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -247,8 +248,10 @@ class RemoteRun:
         except Exception as exc:  # noqa: BLE001
             raise MergeError(f"{url}: cannot list ({type(exc).__name__}: {exc})") from None
         prefix = remote.rstrip("/") + "/"
+        # (zero-byte keys ending in "/" are "folder" markers that consoles and tools create: not files)
         objects = {name[len(prefix):]: info for name, info in found.items()
-                   if name.startswith(prefix) and info.get("type", "file") != "directory"}
+                   if name.startswith(prefix) and info.get("type", "file") != "directory"
+                   and not (name.endswith("/") and not info.get("size"))}
         if not objects:
             raise MergeError(f"{url}: no objects under it (expected a model or checkpoint directory)")
         shadow = self._slot() / last_component(url)
@@ -305,17 +308,23 @@ class RemoteRun:
         first = [name for name in files if name not in last]
         done: list[str] = []
         lock = threading.Lock()
+        stop = threading.Event()  # a failure or a signal: the uploads under way are abandoned, not finished
 
         def put(name: str) -> None:
-            _upload(fs, local / name, f"{remote}/{name}")
+            _upload(fs, local / name, f"{remote}/{name}", stop)
             with lock:
                 done.append(name)
 
         try:
-            with ThreadPoolExecutor(UPLOADS, thread_name_prefix="lora-merge-upload") as uploads:
-                list(uploads.map(put, first))
-            for name in last:
-                put(name)
+            with interrupts.raising_again():  # (the local output is complete: still, a long upload can be stopped)
+                with ThreadPoolExecutor(UPLOADS, thread_name_prefix="lora-merge-upload") as uploads:
+                    try:
+                        list(uploads.map(put, first))
+                    except BaseException:
+                        stop.set()
+                        raise
+                for name in last:
+                    put(name)
         except BaseException as exc:
             for name in done:
                 try:
@@ -329,19 +338,40 @@ class RemoteRun:
         return files
 
 
-def _upload(fs, local: Path, rpath: str) -> None:
+class _Stopped(Exception):
+    pass
+
+
+def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) -> None:
     """Stream one file up: parts of UPLOAD_PART_BYTES as they are read (a multipart upload where the store has
     them), so memory stays one part whatever the file's size. Never a partial object: a failed copy is
-    discarded (the multipart upload aborted), not committed by closing."""
+    discarded (the multipart upload aborted), not committed by closing, and what a backend without discard
+    wrote is removed. `stop` set: abandoned at the next 8 MB."""
+    parent = rpath.rsplit("/", 1)[0]
+    try:
+        fs.makedirs(parent, exist_ok=True)  # (a file system needs its directories; object stores have none)
+    except Exception:  # noqa: BLE001 - a store that refuses it writes the object anyway, or says why below
+        pass
     with open(local, "rb") as src:
         part = max(UPLOAD_PART_BYTES, -(-os.fstat(src.fileno()).st_size // MAX_PARTS // (1 << 20)) << 20)
         dst = fs.open(rpath, "wb", block_size=part)
         try:
-            shutil.copyfileobj(src, dst, 8 << 20)
+            for chunk in iter(lambda: src.read(8 << 20), b""):
+                if stop is not None and stop.is_set():
+                    raise _Stopped()
+                dst.write(chunk)
             dst.close()  # the last part, and the upload completed
         except BaseException:
-            discard = getattr(dst, "discard", None)
-            if discard is not None:
-                discard()
-            dst.closed = True  # (else closing it, even when collected, would upload what is left as a new object)
+            try:
+                discard = getattr(dst, "discard", None)
+                if discard is not None:
+                    discard()
+                dst.closed = True  # (else closing it, even when collected, would upload the rest as an object)
+            except Exception:  # noqa: BLE001 - a backend without discard (file://, memory://): removed below
+                pass
+            try:
+                if fs.exists(rpath):
+                    fs.rm_file(rpath)
+            except Exception:  # noqa: BLE001 - best effort; the first error is the one to report
+                pass
             raise
