@@ -22,6 +22,7 @@ from typing import Callable
 
 from lora_merge import options as limits
 from lora_merge.files import remote
+from lora_merge.files.parts_dir import STAGED
 from lora_merge.readers.describe import describe_dir
 from lora_merge.errors import MergeError, UsageError
 from lora_merge.megatron_target import MegatronTarget
@@ -79,9 +80,12 @@ def _storage_options(value) -> dict:
     return value
 
 
-def _through_urls(*inputs: str, output: str | None = None):
+def _through_urls(*inputs: str, output: str | None = None, resumable: bool = False):
     """Let the decorated function take URLs (s3://…, any fsspec URL; files/remote.py) for `inputs` and `output`:
-    inputs are read through local shadow directories, an output is staged locally and published once complete."""
+    inputs are read through local shadow directories. A `resumable` function's output at a URL is written as
+    parts are (each file uploaded once complete, `--part`/`--resume`/`finish` at the URL); where the run checks its
+    output before publishing it (`verify`, `sha256=False`) or cannot be resumed, the output is staged locally
+    whole and published once complete."""
     def wrap(fn):
         signature = _signature.signature(fn)
 
@@ -98,16 +102,12 @@ def _through_urls(*inputs: str, output: str | None = None):
                 raise UsageError(f"{argument_name('report')}={kw['report']}: the report is written to a local file")
             if not given and not to_url:
                 return fn(*bound.args, **bound.kwargs)
-            if given and (kw.get("part") is not None or kw.get("resume")):
-                flag = "part" if kw.get("part") is not None else "resume"
-                raise UsageError(f"{argument_name(flag)} with {argument_name(given[0])} {kw[given[0]]}: the parts of a "
-                                 "run (and a resumed run) recognise each other by their inputs' files, which for a URL "
-                                 "are fetched anew by every run; give local inputs, or run it in one process")
-            if to_url:
-                for flag in ("part", "resume", "force"):
-                    if kw.get(flag) not in (None, False):
-                        raise UsageError(f"{argument_name(flag)} with {argument_name(output)} {kw[output]}: a URL output "
-                                         "is published whole by one run and never written over")
+            if to_url and kw.get("force"):
+                raise UsageError(f"{argument_name('force')} with {argument_name(output)} {kw[output]}: an output at a "
+                                 "URL is never written over (remove its objects first)")
+            continued = kw.get("part") is not None or bool(kw.get("resume")) or fn.__name__ == "finish"
+            streamed = to_url and resumable and not continued and not kw.get("verify") and kw.get("sha256", True) \
+                and not kw.get("dry_run")
             with remote.RemoteRun(options) as run:
                 try:
                     for k in given:
@@ -115,14 +115,27 @@ def _through_urls(*inputs: str, output: str | None = None):
                         kw[k] = [run.input(v) if remote.is_url(v) else v for v in value] if many(value) \
                             else run.input(value)
                     url = kw.get(output) if to_url else None
-                    if to_url:
+                    if to_url and resumable and (continued or streamed):
+                        kw[output] = run.output_parts(url, fresh=streamed, finishing=fn.__name__ == "finish")
+                        if streamed:
+                            kw["resume"] = True  # (from nothing: part 0/1, finished at once)
+                    elif to_url:
                         kw[output] = run.output_dir(url)
                     if callable(kw.get("warn")):
                         warn = kw["warn"]
                         kw["warn"] = lambda message: warn(run.named(message))
-                    result = fn(*bound.args, **bound.kwargs)
-                    if to_url and not getattr(result, "dry_run", False):
+                    try:
+                        result = fn(*bound.args, **bound.kwargs)
+                    except BaseException as exc:
+                        if streamed:  # a one-process run leaves nothing behind (a part or a resumed run: its files)
+                            if run.discard_output() and isinstance(exc, MergeError) and "were removed" not in str(exc):
+                                exc.args = (f"{exc}; the objects uploaded were removed",) + exc.args[1:]
+                            if STAGED and STAGED[-1] == url.rstrip("/"):
+                                STAGED.pop()
+                        raise
+                    if to_url and run.output is not None and not getattr(result, "dry_run", False):
                         run.publish()
+                    if to_url:
                         result.out = url
                     return result
                 except MergeError as exc:  # named by the URLs the caller gave, not the local shadows
@@ -230,7 +243,7 @@ def _dtype_choice(value: str, quantized: bool = False) -> str:
     return value
 
 
-@_through_urls("base", "lora", "hf_ref", output="out")
+@_through_urls("base", "lora", "hf_ref", output="out", resumable=True)
 def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_size: int | str = DEFAULT_SHARD_BYTES,
           lora_weights=None, lora_r: int | None = None, lora_alpha: float | None = None, allow_partial_lora: bool = False,
           force: bool = False, verify: bool = False, report=None, dry_run: bool = False, sha256: bool = True,
@@ -265,16 +278,18 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
     return run_merge(opts)
 
 
-def finish(out, *, force: bool = False, workers: int | None = None, rehash: bool = True) -> FinishResult:
+@_through_urls(output="out", resumable=True)
+def finish(out, *, force: bool = False, workers: int | None = None, rehash: bool = True,
+           storage_options: dict | None = None) -> FinishResult:
     """Publish a merge run in parts (`merge(..., part="I/N")`) at `out`: every part of one plan must have
     completed and every file must still have the sha256 its part recorded (`rehash=False`: the size; the
     sha256 as recorded while writing); then the index, config, reference files, card and report are written
     and the directory is renamed into place (see `lora-merge finish --help`)."""
     return run_finish(_abs(_required(out, "out", OUT)), force=_flag(force, "force"), workers=_workers(workers),
-                      rehash=_flag(rehash, "rehash"))
+                      rehash=_flag(rehash, "rehash"), storage_options=_storage_options(storage_options))
 
 
-@_through_urls("base", "lora", "hf_ref", output="out")
+@_through_urls("base", "lora", "hf_ref", output="out", resumable=True)
 def to_megatron(*, hf_ref=None, out, base=None, lora=None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                 etp: int | None = None, decoder_first_pipeline_num_layers: int | None = None,
                 decoder_last_pipeline_num_layers: int | None = None, ckpt_format: str = "torch",

@@ -122,6 +122,13 @@ def location(text: str):
     return text if is_url(text) else Path(text)
 
 
+def _staged_in(out) -> str:
+    """Where a part's files are until `finish`: beside a local output; at a URL, already under it."""
+    from lora_merge.files.remote import is_url
+
+    return f"uploaded to {out.rstrip('/')}/" if is_url(out) else f"in {out.name}.parts/"
+
+
 def _storage_options(text: str) -> dict:
     import json
 
@@ -325,13 +332,14 @@ def build_finish_parser() -> argparse.ArgumentParser:
                     "that every file still has the sha256 its part recorded, then writes the index, config, "
                     "reference files, model card and report and renames OUT.parts/ into place. The output is "
                     "byte for byte what one process writes.")
-    p.add_argument("--out", type=Path, required=True, help="the --out the parts were run with")
+    p.add_argument("--out", type=location, required=True, help="the --out the parts were run with (a path or URL)")
     p.add_argument("--force", action="store_true", help="replace --out (an earlier output) and the report")
     p.add_argument("--workers", type=_workers, default=None, metavar="N", help="cores hashing files side by side "
                    "(default: every core this process may use)")
     p.add_argument("--no-rehash", dest="rehash", action="store_false", help="check the files' sizes only, taking "
                    "each sha256 as its part recorded it while writing (skips reading the whole output again; a "
-                   "file changed on the disk since goes unnoticed)")
+                   "file changed on the disk since goes unnoticed; at a URL: each object's size and ETag)")
+    _storage_option(p)
     _output_options(p)
     return p
 
@@ -531,7 +539,7 @@ def _run_to_megatron(api, opts, console: Console) -> int:
         _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules")
         out(f"part {s.part}: {len(s.files)} of the checkpoint's files"
             + (f" ({len(s.resumed)} kept from an earlier run)" if s.resumed else "")
-            + f", in {opts.out.name}.parts/ in {s.seconds:.1f} s; once every part has run: lora-merge finish --out "
+            + f", {_staged_in(opts.out)} in {s.seconds:.1f} s; once every part has run: lora-merge finish --out "
             f"{opts.out}")
         return 0
     _print_inputs(out, s, f"merged {s.lora_modules} LoRA modules")
@@ -580,7 +588,8 @@ def _run(command: str, opts, console: Console) -> int:
                          f"start vLLM with --max-lora-rank {s.r} or more")
         return 0
     if command == "finish":
-        s = api.finish(opts.out, force=opts.force, workers=opts.workers, rehash=opts.rehash)
+        s = api.finish(opts.out, force=opts.force, workers=opts.workers, rehash=opts.rehash,
+                       storage_options=opts.storage_options)
         console.result(f"checked {s.parts} part(s): {len(s.sha256)} files, {s.bytes / 1e9:.3f} GB of tensors; "
                        f"published {s.out} in {s.seconds:.1f} s")
         for name in s.files:
@@ -635,7 +644,7 @@ def _run(command: str, opts, console: Console) -> int:
     if result.part is not None and not result.dry_run:
         console.result(f"part {result.part}: {len(result.files)} of the output's files"
                        + (f" ({len(result.resumed)} kept from an earlier run)" if result.resumed else "")
-                       + f", {result.bytes / 1e9:.3f} GB, in {opts.out.name}.parts/ in {result.seconds:.1f} s; "
+                       + f", {result.bytes / 1e9:.3f} GB, {_staged_in(opts.out)} in {result.seconds:.1f} s; "
                        f"once every part has run: lora-merge finish --out {opts.out}")
         for name in result.files:
             console.detail(f"  {name}" + (f"  sha256 {result.sha256[name]}" if name in result.sha256 else ""))

@@ -1,3 +1,4 @@
+import os
 import signal
 from pathlib import Path
 
@@ -40,3 +41,30 @@ def _signal_handlers_restored():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 server on localhost and a client of it; the AWS environment a user would set."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = dict(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
+               AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("models")
+    yield fs
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()

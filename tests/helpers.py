@@ -219,3 +219,25 @@ def assert_merges_as_peft(hf_base: Path, lora_config, seed: int, tmp_path: Path,
     with torch.no_grad():
         assert (merged.eval()(ids).logits - expected.eval()(ids).logits).abs().max() <= 1e-4
     return ours, loader.from_pretrained(hf_base, dtype=torch.float32).state_dict()
+
+
+# Object storage (the `s3` fixture in conftest.py: a bucket `models` on a local S3 server)
+
+def upload(fs, local: Path, key: str) -> str:
+    fs.put(str(local), f"models/{key}", recursive=True)
+    return f"s3://models/{key}"
+
+
+def out_dir(tmp_path: Path, where: str, name: str) -> Path:
+    """`tmp_path/where/name`: an output named like the URL's last component, so the cards agree."""
+    (tmp_path / where).mkdir()
+    return tmp_path / where / name
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def downloaded(fs, url: str, into: Path) -> dict[str, bytes]:
+    fs.get(url.removeprefix("s3://"), str(into), recursive=True)
+    return files(into)

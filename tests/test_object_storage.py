@@ -11,58 +11,11 @@ from pathlib import Path
 import pytest
 
 import lora_merge
-from helpers import FIXTURES, quiet, run_failing
+from helpers import FIXTURES, downloaded, files, out_dir, quiet, run_failing, upload
 from lora_merge.cli import main
 from lora_merge.files import remote
 
 TESTS = Path(__file__).parent
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """An S3 server on localhost and a client of it; the AWS environment a user would set."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = dict(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
-               AWS_ENDPOINT_URL=f"http://{host}:{port}")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("models")
-    yield fs
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
-
-
-def upload(fs, local: Path, key: str) -> str:
-    fs.put(str(local), f"models/{key}", recursive=True)
-    return f"s3://models/{key}"
-
-
-def out_dir(tmp_path: Path, where: str, name: str) -> Path:
-    """`tmp_path/where/name`: an output named like the URL's last component, so the cards agree."""
-    (tmp_path / where).mkdir()
-    return tmp_path / where / name
-
-
-def files(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def downloaded(fs, url: str, into: Path) -> dict[str, bytes]:
-    fs.get(url.removeprefix("s3://"), str(into), recursive=True)
-    return files(into)
 
 
 def test_a_megatron_base_and_lora_on_s3_merge_to_s3_as_they_merge_locally(s3, tmp_path):
@@ -168,8 +121,8 @@ def test_the_command_line_takes_urls_and_storage_options(s3, tmp_path, capsys, m
                  str(tmp_path / "o"), "--storage-options", options, "--no-progress"], capsys,
                 f"{url}/nothing-here: no objects under it")
     run_failing(["--base", str(fixture / "base"), "--hf-ref", str(fixture / "hf_ref"), "--out", "s3://models/p/merged",
-                 "--part", "1/2", "--storage-options", options, "--no-progress"], capsys,
-                "--part with --out s3://models/p/merged: a URL output is published whole")
+                 "--force", "--storage-options", options, "--no-progress"], capsys,
+                "--force with --out s3://models/p/merged: an output at a URL is never written over")
     assert not s3.exists("models/p")
 
 
@@ -219,10 +172,9 @@ def test_a_file_larger_than_a_part_goes_up_in_parts_and_a_failed_one_is_never_co
     assert not s3.list_multipart_uploads("models")  # aborted, not left to cost storage
 
 
-def test_folder_markers_are_not_files_and_parts_of_url_inputs_are_refused(s3, tmp_path, capsys):
+def test_folder_markers_are_not_files_and_a_url_report_is_refused(s3, tmp_path, capsys):
     """Consoles and tools (AWS, OBS and OSS consoles, rclone, s3a) create zero-byte "folder" keys ending in "/":
-    not files of the checkpoint. A run in parts (or resumed) cannot recognise its other parts by inputs fetched
-    anew each time: refused before anything runs."""
+    not files of the checkpoint."""
     fixture = FIXTURES / "tp2_fp32_filtered"
     url = upload(s3, fixture, "markers")
     for key in ("markers/lora/", "markers/lora/iter_0000010/", "markers/base/"):
@@ -232,14 +184,10 @@ def test_folder_markers_are_not_files_and_parts_of_url_inputs_are_refused(s3, tm
     got = out_dir(tmp_path, "got", "merged")
     lora_merge.merge(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref", out=got, warn=quiet)
     assert files(got) == files(local)
-    for flags in (["--part", "0/2"], ["--resume"]):
-        run_failing(["--base", f"{url}/base", "--lora", f"{url}/lora", "--hf-ref", str(fixture / "hf_ref"),
-                     "--out", str(tmp_path / "p"), "--no-progress", *flags], capsys,
-                    f"with --base {url}/base: the parts of a run")
     run_failing(["--base", str(fixture / "base"), "--lora", str(fixture / "lora"), "--hf-ref", str(fixture / "hf_ref"),
                  "--out", str(tmp_path / "r"), "--report", "s3://models/report.json", "--no-progress"], capsys,
                 "the report is written to a local file")
-    assert not (tmp_path / "p").exists() and not (tmp_path / "r").exists()
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_upload_stopped_by_a_signal_leaves_nothing_and_a_file_url_output_works(tmp_path):

@@ -7,6 +7,10 @@ to the output, which any host that mounts it may write.
 - `OUT.manifests/` holds one manifest per part (`part-00003-of-00008.json`): its files with their sizes and
   sha256, rewritten as each file completes (what `--resume` continues from), and the plan's fingerprint.
 
+An output at a URL (files/remote.py) is staged in a local directory whose files are uploaded to `OUT/` as each is
+placed (and then removed locally) and whose manifests are mirrored to `OUT.manifests/`; its `finish` uploads
+what it writes, index and card last.
+
 Nothing relies on `flock` (it does not hold on every NFS, Lustre or CephFS mount) or on renames between
 directories: each file is written under a name of its own run (`.NAME.HOST-PID-RANDOM.tmp`) and renamed into
 place in the same directory once complete and flushed. Two runs of one part write the same bytes under
@@ -23,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
+from lora_merge.files import remote
 from lora_merge.files.ownership import check_replaceable
 from lora_merge.files.staged_dir import _fsync_dir, _fsync_tree, _host, rename_exchange, rename_noreplace
 from lora_merge.files.small_files import read_bytes
@@ -33,8 +38,9 @@ MANIFEST = re.compile(r"part-(\d{5})-of-(\d{5})\.json")
 TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")
 
 
-# The parts directories this process has written into: what an interrupted run leaves for --resume (cli.py).
-STAGED: list[Path] = []
+# The parts directories this process has written into (a path, or the URL of an output there): what an
+# interrupted run leaves for --resume (cli.py).
+STAGED: list[str] = []
 
 
 def manifest_name(index: int, count: int) -> str:
@@ -49,6 +55,7 @@ class PartsDir:
         self.files = out.parent / f"{out.name}.parts"
         self.manifests = out.parent / f"{out.name}.manifests"
         self.token = f"{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.mirror = remote.output_mirror(out)  # an output at a URL: where the files and manifests go
 
     def create(self) -> None:
         """Both directories, made if missing; existing ones must be ours (only manifests, only files)."""
@@ -63,7 +70,7 @@ class PartsDir:
                                  "beside it; not lora-merge's parts: move it away")
         self.manifests.mkdir(exist_ok=True)
         self.files.mkdir(exist_ok=True)
-        STAGED.append(self.files)
+        STAGED.append(self.mirror.url if self.mirror is not None else str(self.files))
 
     def check_manifests_dir(self) -> None:
         """The manifests directory holds manifests and temporary files only (it is removed once published)."""
@@ -82,6 +89,9 @@ class PartsDir:
     def place(self, name: str) -> None:
         """The file written under this run's temporary name becomes `name` (flushed first)."""
         path = self.files / self.temporary(name)
+        if self.mirror is not None:  # (local until uploaded: nothing to flush for another host)
+            os.replace(path, self.files / name)
+            return
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -99,6 +109,8 @@ class PartsDir:
             os.fsync(f.fileno())
         os.replace(temporary, self.manifests / name)
         _fsync_dir(self.manifests)
+        if self.mirror is not None:
+            self.mirror.put_manifest(name, (self.manifests / name).read_bytes())
 
     def read_manifests(self, skip: tuple[int, int] | None = None) -> dict[tuple[int, int], dict]:
         """Every part's manifest, by (index, count), but `skip`'s; a damaged one is an error naming it."""
@@ -143,6 +155,11 @@ class PartsDir:
         """Remove from the files directory what runs of lora-merge left there and the output will not hold (the
         relative paths in `keep`): temporary files of killed runs, and the files in `ours` that an interrupted
         finish wrote; directories left empty go too. Anything else is not ours: an error, nothing removed."""
+        if self.mirror is not None:
+            foreign = self.mirror.foreign(keep, ours)
+            if foreign:
+                raise OutputConflict(f"{self.mirror.url}/{foreign[0]}: under the output, but not written by lora-merge; "
+                                     "move it away")
         paths = sorted(self.files.rglob("*"), key=lambda p: len(p.parts), reverse=True)
         def removable(path: Path) -> bool:
             return TEMPORARY.fullmatch(path.name) is not None or str(path.relative_to(self.files)) in ours
@@ -162,7 +179,11 @@ class PartsDir:
 
     def publish(self, force: bool, kind: str) -> None:
         """The files directory becomes the output (with `force`, swapped with an earlier output of this kind,
-        which is then removed); then the manifests go."""
+        which is then removed); then the manifests go. At a URL: what finish wrote is uploaded, the index and card
+        last."""
+        if self.mirror is not None:
+            self.mirror.publish(self.files)
+            return
         _fsync_tree(self.files)  # what finish wrote (the shards are flushed as they are placed)
         if force and self.out.is_dir() and not self.out.is_symlink():
             check_replaceable(self.out, kind)

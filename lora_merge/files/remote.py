@@ -11,9 +11,17 @@ reads); every other file (configs, tokenizers, indexes, metadata) is fetched who
 through `MappedFile`, the safetensors header reader and the torch archive reader, each of which asks `ensure`
 first; a range nobody asked for reads as zeros, which the byte-identity tests would see.
 
-An output URL is written to a local staging directory by the same writers and published when complete: the data
-objects first (multipart uploads, several at once), then the index, the tracker and the card, so a reader never
-sees a half-written model; a failed upload removes what it uploaded.
+An output URL is written by the same writers into a local directory and each file is uploaded as soon as it is
+complete (then removed locally), as the parts of a run (`--part`, `--resume`) write their shared directory: the
+manifests go to `OUT.manifests/` beside the output, what `finish` writes (index, config, tracker, card) goes
+last, and the manifests are removed then, so a reader never sees a half-written model, and a killed run is
+continued with `--resume` (`RemoteOutput`). A run that verifies its output before publishing (`--verify`,
+`--no-sha256`, `export-adapter`) stages it whole and publishes it at the end (`RemoteRun.publish`). A failed run
+that was not asked to be resumable removes what it uploaded.
+
+Inputs at a URL are listed once, with each object's ETag (or the backend's version or date): the parts of a run
+recognise each other by these, and before anything is published the inputs are listed again, so an object
+replaced during the run stops it (`check_inputs_unchanged`).
 
 fsspec (and s3fs for s3://) is imported only when a URL is given. Credentials and endpoint come as fsspec's
 backends take them: for S3 the standard AWS variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
@@ -209,6 +217,73 @@ def filesystem(url: str, storage_options: dict | None):
         raise UsageError(f"{url}: {exc}") from None
 
 
+def _objects(fs, remote: str, url: str) -> dict[str, dict]:
+    """The objects under `remote`, by their path below it, with fsspec's details (size, ETag, ...). Zero-byte keys
+    ending in "/" are "folder" markers that consoles and tools create: not files."""
+    try:
+        fs.invalidate_cache(remote)  # (s3fs keeps listings: a second look must see the store as it is now)
+        found = fs.find(remote, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:  # noqa: BLE001
+        raise MergeError(f"{url}: cannot list ({type(exc).__name__}: {exc})") from None
+    prefix = remote.rstrip("/") + "/"
+    return {name[len(prefix):]: info for name, info in found.items()
+            if name.startswith(prefix) and info.get("type", "file") != "directory"
+            and not (name.endswith("/") and not info.get("size"))}
+
+
+def _version(info: dict) -> str:
+    """What changes when an object is written again: its ETag (S3 and S3-compatible stores), else the backend's
+    version or date."""
+    for key in ("ETag", "etag", "VersionId", "LastModified", "mtime", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
+
+
+def _identity(info: dict) -> tuple[int, str]:
+    return int(info.get("size") or 0), _version(info)
+
+
+class _Listing:
+    """An input URL as this run listed it: each object's size and version."""
+
+    def __init__(self, fs, remote: str, url: str, objects: dict[str, tuple[int, str]]):
+        self.fs, self.remote, self.url, self.objects = fs, remote, url, objects
+
+
+_SHADOWS: dict[str, _Listing] = {}  # shadow directory -> the URL's listing
+
+
+def source_name(path) -> str:
+    """What an input directory is called across runs: the URL of a shadow, else its real path."""
+    listing = _SHADOWS.get(os.fspath(path)) if _SHADOWS else None
+    return listing.url if listing is not None else os.path.realpath(path)
+
+
+def listed_files(path) -> list | None:
+    """Every object under a shadow's URL as [URL, path below it, size, version], sorted; None for a local
+    directory."""
+    listing = _SHADOWS.get(os.fspath(path)) if _SHADOWS else None
+    if listing is None:
+        return None
+    return [[listing.url, rel, size, version] for rel, (size, version) in sorted(listing.objects.items())]
+
+
+def check_inputs_unchanged() -> None:
+    """Before anything is published: every input URL still holds the objects this run listed (size and ETag),
+    so a model is never made of two versions of a file (ranged reads are not pinned to a version)."""
+    for listing in list(_SHADOWS.values()):
+        now = _objects(listing.fs, listing.remote, listing.url)
+        for rel, identity in sorted(listing.objects.items()):
+            info = now.get(rel)
+            if info is None or _identity(info) != identity:
+                what = "was removed" if info is None else "was written again (its size or ETag differs)"
+                raise MergeError(f"{listing.url}/{rel}: {what} while this run read it; nothing was published: rerun "
+                                 "once the input is complete")
+
+
 class RemoteRun:
     """The URLs of one run: each input's shadow directory, the output's staging directory, and publishing.
     A context manager: on exit the shadows are closed and the local directory removed."""
@@ -217,8 +292,10 @@ class RemoteRun:
         self.storage_options = storage_options
         self.root = Path(tempfile.mkdtemp(prefix="lora-merge-remote-", dir=local_dir))
         self._lazies: list[_Lazy] = []
+        self._shadows: list[str] = []
         self._count = 0
-        self.output: tuple | None = None  # (fs, remote root, url, local staging dir)
+        self.output: tuple | None = None  # (fs, remote root, url, local staging dir): staged whole, `publish`
+        self.mirror: RemoteOutput | None = None  # or each file uploaded once complete, as parts write theirs
         self.names: dict[str, str] = {}  # local directory -> the URL it stands for (for messages)
 
     def __enter__(self) -> "RemoteRun":
@@ -232,6 +309,12 @@ class RemoteRun:
             _LAZY.pop(os.fspath(lazy.path), None)
             lazy.close()
         self._lazies = []
+        for shadow in self._shadows:
+            _SHADOWS.pop(shadow, None)
+        self._shadows = []
+        if self.mirror is not None:
+            self.mirror.close()
+            _MIRRORS.pop(str(self.mirror.local), None)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _slot(self) -> Path:
@@ -243,15 +326,8 @@ class RemoteRun:
     def input(self, url: str) -> Path:
         """The local shadow of the objects under `url` (a directory of them)."""
         fs, remote = filesystem(url, self.storage_options)
-        try:
-            found = fs.find(remote, detail=True)
-        except Exception as exc:  # noqa: BLE001
-            raise MergeError(f"{url}: cannot list ({type(exc).__name__}: {exc})") from None
         prefix = remote.rstrip("/") + "/"
-        # (zero-byte keys ending in "/" are "folder" markers that consoles and tools create: not files)
-        objects = {name[len(prefix):]: info for name, info in found.items()
-                   if name.startswith(prefix) and info.get("type", "file") != "directory"
-                   and not (name.endswith("/") and not info.get("size"))}
+        objects = _objects(fs, remote, url)
         if not objects:
             raise MergeError(f"{url}: no objects under it (expected a model or checkpoint directory)")
         shadow = self._slot() / last_component(url)
@@ -274,8 +350,14 @@ class RemoteRun:
                     data = fs.cat_file(prefix + rel)
                 except Exception as exc:  # noqa: BLE001
                     raise MergeError(f"{url.rstrip('/')}/{rel}: cannot read ({type(exc).__name__}: {exc})") from None
+                if len(data) != size:
+                    raise MergeError(f"{url.rstrip('/')}/{rel}: {len(data)} bytes read where the listing said {size} "
+                                     "(changed while being read?)")
                 path.write_bytes(data)
         self.names[str(shadow)] = url.rstrip("/")
+        _SHADOWS[str(shadow)] = _Listing(fs, remote, url.rstrip("/"), {rel: _identity(info)
+                                                                         for rel, info in objects.items()})
+        self._shadows.append(str(shadow))
         return shadow
 
     def output_dir(self, url: str) -> Path:
@@ -293,6 +375,42 @@ class RemoteRun:
         self.names[str(local)] = url.rstrip("/")
         return local
 
+    def output_parts(self, url: str, fresh: bool, finishing: bool = False) -> Path:
+        """The local directory standing for an output `url` that is written as parts are (files/parts_dir.py):
+        its parts' manifests fetched from `OUT.manifests/`, each file uploaded once complete. `fresh`: a run that
+        must start from nothing (a one-process run: nothing at the URL yet); else a part, a resumed run or
+        `finishing`, which continue what the manifests record."""
+        fs, remote = filesystem(url, self.storage_options)
+        url, remote = url.rstrip("/"), remote.rstrip("/")
+        local = self._slot() / last_component(url)
+        mirror = RemoteOutput(fs, remote, url, local)
+        manifests = mirror.manifest_objects()
+        objects = _objects(fs, remote, url)
+        if fresh and (objects or manifests):
+            held = f"{url}.manifests" if manifests and not objects else url
+            raise MergeError(f"{held}: already holds objects; lora-merge never writes over an output (remove them "
+                             "first, or give another prefix" + (", or pass --resume to continue the run that wrote "
+                                                               "them)" if manifests else ")"))
+        if not fresh and objects and not manifests:
+            raise MergeError(f"{url}: holds objects but no part manifests under {url}.manifests/: "
+                             + ("finished already?" if finishing else "not parts of lora-merge: remove them, or give "
+                                "another prefix"))
+        (local.parent / f"{local.name}.manifests").mkdir()
+        (local.parent / f"{local.name}.parts").mkdir()
+        if not finishing:
+            mirror.check_writable()
+        mirror.fetch_manifests(local.parent / f"{local.name}.manifests")
+        self.mirror = mirror
+        _MIRRORS[str(local)] = mirror
+        for suffix in ("", ".parts", ".manifests"):
+            self.names[str(local) + suffix] = url + suffix
+        return local
+
+    def discard_output(self) -> bool:
+        """Remove what this run uploaded (a one-process run that failed), its manifests included; whether there
+        was anything."""
+        return self.mirror is not None and self.mirror.discard()
+
     def named(self, text: str) -> str:
         """A message with each local directory of this run named by its URL."""
         for local, url in sorted(self.names.items(), key=lambda item: -len(item[0])):
@@ -303,6 +421,7 @@ class RemoteRun:
         """Upload the staged output: every data object (several at once), then the files that say it is complete;
         on any failure, remove what was uploaded and raise."""
         fs, remote, url, local = self.output
+        check_inputs_unchanged()
         files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
         last = [name for tail in LAST for name in files if name == tail or name.endswith("/" + tail)]
         first = [name for name in files if name not in last]
@@ -338,8 +457,200 @@ class RemoteRun:
         return files
 
 
+_MIRRORS: dict[str, "RemoteOutput"] = {}  # local output path -> the URL its files go to
+
+
+def output_mirror(out) -> "RemoteOutput | None":
+    """The URL a local output directory stands for, if it does (files/parts_dir.py uploads to it)."""
+    return _MIRRORS.get(os.fspath(out)) if _MIRRORS else None
+
+
+class RemoteOutput:
+    """An output URL written as a shared parts directory is: each file uploaded to `OUT/NAME` as soon as it is
+    complete (several at once, at most `2 × UPLOADS` complete files waiting locally: the writer waits beyond),
+    then removed locally; the part manifests at `OUT.manifests/`, each rewritten with the file's ETag once it
+    is uploaded; what `finish` writes, last; then the manifests are removed."""
+
+    def __init__(self, fs, remote: str, url: str, local: Path):
+        self.fs, self.remote, self.url, self.local = fs, remote, url, local
+        self.manifests_remote = remote + ".manifests"
+        self.stop = threading.Event()
+        self._pool = ThreadPoolExecutor(UPLOADS, thread_name_prefix="lora-merge-upload")
+        self._waiting = threading.BoundedSemaphore(2 * UPLOADS)
+        self._futures: list = []
+        self._lock = threading.Lock()
+        self.uploaded: list[str] = []  # by this run, under the output and the manifests
+
+    def manifest_objects(self) -> dict[str, dict]:
+        return _objects(self.fs, self.manifests_remote, self.url + ".manifests")
+
+    def check_writable(self) -> None:
+        """A small object written and removed: a missing bucket or a denied write is named before the run, not
+        after it has merged everything."""
+        probe = f"{self.manifests_remote}/.write-check-{os.getpid()}-{threading.get_ident()}"
+        try:
+            _put_bytes(self.fs, probe, b"lora-merge")
+            self.fs.rm_file(probe)
+        except Exception as exc:  # noqa: BLE001
+            raise MergeError(f"{self.url}.manifests: cannot be written ({type(exc).__name__}: {exc}); the output's "
+                             "parts are recorded there") from None
+
+    def fetch_manifests(self, local_dir: Path) -> None:
+        for rel in sorted(self.manifest_objects()):
+            if "/" in rel:
+                raise MergeError(f"{self.url}.manifests/{rel}: not a part manifest of lora-merge; the prefix is "
+                                 "removed once the output is published: move it away")
+            try:
+                (local_dir / rel).write_bytes(self.fs.cat_file(f"{self.manifests_remote}/{rel}"))
+            except Exception as exc:  # noqa: BLE001
+                raise MergeError(f"{self.url}.manifests/{rel}: cannot read ({type(exc).__name__}: {exc})") from None
+
+    def put_manifest(self, name: str, data: bytes) -> None:
+        try:
+            _put_bytes(self.fs, f"{self.manifests_remote}/{name}", data)  # (one PUT: the old or the new is seen)
+        except Exception as exc:  # noqa: BLE001
+            raise MergeError(f"{self.url}.manifests/{name}: cannot be written ({type(exc).__name__}: {exc})") from None
+        with self._lock:
+            self.uploaded.append(f"{self.manifests_remote}/{name}")
+
+    def submit(self, path: Path, name: str, done) -> None:
+        """Upload the complete local file `path` to `OUT/name` in the background, then remove it and call
+        `done(version)`. Waits while `2 × UPLOADS` files are waiting or uploading; an earlier upload's failure
+        is raised here, so a run whose output cannot be written stops at its next file."""
+        self._raise_failed()
+        self._waiting.acquire()
+        try:
+            self._raise_failed()
+        except BaseException:
+            self._waiting.release()
+            raise
+
+        def upload() -> None:
+            try:
+                rpath = f"{self.remote}/{name}"
+                _upload(self.fs, path, rpath, self.stop)
+                with self._lock:
+                    self.uploaded.append(rpath)
+                version = self.version_of(name)
+                path.unlink()
+                done(version)
+            except BaseException:
+                self.stop.set()
+                raise
+            finally:
+                self._waiting.release()
+        self._futures.append(self._pool.submit(upload))
+
+    def _raise_failed(self, wait: bool = False) -> None:
+        """The first real failure among the uploads (those that stopped because another failed come after it)."""
+        failed = [f.exception() for f in self._futures if (wait or f.done()) and f.exception() is not None]
+        if failed:
+            self.stop.set()
+            self._raise(next((e for e in failed if not isinstance(e, _Stopped)), failed[0]))
+
+    def _raise(self, exc: BaseException) -> None:
+        if isinstance(exc, MergeError) or not isinstance(exc, Exception):
+            raise exc
+        if isinstance(exc, _Stopped):
+            raise MergeError(f"{self.url}: upload stopped")
+        raise MergeError(f"{self.url}: upload failed ({type(exc).__name__}: {exc})") from None
+
+    def wait(self) -> None:
+        """Every file submitted is uploaded (or the first failure raised)."""
+        self._raise_failed(wait=True)
+
+    def version_of(self, name: str) -> str:
+        rpath = f"{self.remote}/{name}"
+        self.fs.invalidate_cache(rpath)
+        return _version(self.fs.info(rpath))
+
+    def still_there(self, name: str, entry: dict, rehash: bool) -> bool:
+        """Whether `OUT/name` is the object its part recorded: its size and ETag, and with `rehash` its sha256
+        (read back)."""
+        rpath = f"{self.remote}/{name}"
+        try:
+            self.fs.invalidate_cache(rpath)
+            info = self.fs.info(rpath)
+        except FileNotFoundError:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            raise MergeError(f"{self.url}/{name}: cannot be checked ({type(exc).__name__}: {exc})") from None
+        if int(info.get("size") or 0) != entry["bytes"] or _version(info) != entry.get("etag"):
+            return False
+        if not rehash:
+            return True
+        import hashlib
+        digest = hashlib.sha256()
+        with self.fs.open(rpath, "rb", block_size=FETCH_BYTES) as f:
+            for chunk in iter(lambda: f.read(FETCH_BYTES), b""):
+                digest.update(chunk)
+        return digest.hexdigest() == entry["sha256"]
+
+    def foreign(self, keep: set[str], ours: set[str]) -> list[str]:
+        """Objects under the output that no part recorded and finish does not write (someone else's)."""
+        return sorted(rel for rel in _objects(self.fs, self.remote, self.url) if rel not in keep and rel not in ours)
+
+    def publish(self, files: Path) -> None:
+        """Upload what `finish` wrote into `files` (the index and card last), then remove the manifests."""
+        names = sorted(p.relative_to(files).as_posix() for p in files.rglob("*") if p.is_file())
+        last = [name for tail in LAST for name in names if name == tail or name.endswith("/" + tail)]
+        done = []
+        try:
+            with interrupts.raising_again():  # (a signal stops it: what it uploaded is removed below)
+                for name in [n for n in names if n not in last] + last:
+                    rpath = f"{self.remote}/{name}"
+                    _upload(self.fs, files / name, rpath, self.stop)
+                    done.append(rpath)
+                    with self._lock:
+                        self.uploaded.append(rpath)
+        except BaseException as exc:
+            for rpath in done:  # no index or card without the rest: the parts' files stay, finish can run again
+                try:
+                    self.fs.rm_file(rpath)
+                except Exception:  # noqa: BLE001 - best effort; the error below says what failed
+                    pass
+            if isinstance(exc, Exception) and not isinstance(exc, MergeError):
+                raise MergeError(f"{self.url}: upload failed ({type(exc).__name__}: {exc}); the index and card were "
+                                 "not written") from None
+            raise
+        try:
+            self.fs.rm(self.manifests_remote, recursive=True)
+        except Exception:  # noqa: BLE001 - the model is complete; what is left is named where it is found again
+            pass
+
+    def discard(self) -> bool:
+        """Remove what this run uploaded; whether there was anything."""
+        self.stop.set()
+        self._pool.shutdown(wait=True)
+        removed = bool(self.uploaded)
+        for rpath in dict.fromkeys(self.uploaded):
+            try:
+                self.fs.rm_file(rpath)
+            except Exception:  # noqa: BLE001 - best effort: the error that stopped the run is the one reported
+                pass
+        self.uploaded = []
+        try:
+            if self.fs.isdir(self.manifests_remote) and not self.fs.find(self.manifests_remote):
+                self.fs.rmdir(self.manifests_remote)  # (a file system's empty directory; stores have none)
+        except Exception:  # noqa: BLE001
+            pass
+        return removed
+
+    def close(self) -> None:
+        self.stop.set()
+        self._pool.shutdown(wait=True)
+
+
 class _Stopped(Exception):
     pass
+
+
+def _put_bytes(fs, rpath: str, data: bytes) -> None:
+    try:
+        fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)  # (a file system needs its directories)
+    except Exception:  # noqa: BLE001 - a store that refuses it writes the object anyway, or says why below
+        pass
+    fs.pipe_file(rpath, data)
 
 
 def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) -> None:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
+from lora_merge.files import remote
 from lora_merge.interrupts import ignore_signals
 from lora_merge.readers.detect import what_is
 from lora_merge.files.ownership import MERGED_MODEL, check_replaceable, report_refusal
@@ -283,6 +284,7 @@ class StagedOutput:
         try:
             os.unlink(self.dir / STAGING_LOCK)  # not part of the output; the lock stays held through the fd
             _fsync_tree(self.dir)
+            remote.check_inputs_unchanged()  # (inputs at a URL: still the objects read)
             ignore_signals()  # the point of no return (raises Interrupted for a signal that came before it)
             self._publish()
         except BaseException:

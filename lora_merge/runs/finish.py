@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
+from lora_merge.files.remote import RemoteRun, check_inputs_unchanged, is_url
 from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL, check_replaceable, report_refusal
 from lora_merge.files.parts_dir import PartsDir, manifest_name
 from lora_merge.files.staged_dir import PUBLISHED, SideFile, check_free_space
@@ -42,11 +43,31 @@ class FinishResult:
     seconds: float
 
 
-def run_finish(out: Path, force: bool = False, workers: int | None = None, rehash: bool = True) -> FinishResult:
+def run_finish(out: Path, force: bool = False, workers: int | None = None, rehash: bool = True,
+               storage_options: dict | None = None) -> FinishResult:
+    """Check every part of `out` and publish it (see `_run_finish`); a reference directory the parts read at a
+    URL is read there again (`storage_options` for its filesystem)."""
+    references: list[RemoteRun] = []
+
+    def open_input(url: str) -> Path:
+        references.append(RemoteRun(storage_options))
+        return references[-1].input(url)
+    try:
+        return _run_finish(out, force, workers, rehash, open_input)
+    except MergeError as exc:
+        for run in references:
+            exc.args = (run.named(str(exc)),) + exc.args[1:]
+        raise
+    finally:
+        for run in references:
+            run.close()
+
+
+def _run_finish(out: Path, force: bool, workers: int | None, rehash: bool, open_input) -> FinishResult:
     """Check every part of `out` and publish it (see the module's doc). `rehash=False` checks the files' sizes
     only, taking each sha256 as its part recorded it while writing: it skips reading the output again (for a
     671B model, 1.34 TB on the host that finishes), at the price of not noticing bytes changed on the disk
-    since."""
+    since. `open_input(url)`: the local directory of a reference directory at a URL (files/remote.py)."""
     started = time.monotonic()
     staging = PartsDir(out)
     manifests = staging.read_manifests()
@@ -103,12 +124,16 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
                                                            "the merge with --resume"))
     kind = common.get("kind", MERGED_MODEL)
     reference = common.get("reference") or {}
+    shown_reference = reference.get("directory")
+    if reference.get("directory") and is_url(reference["directory"]):
+        reference = {**reference, "directory": str(open_input(reference["directory"]))}
+        common = {**common, "reference": reference}
     if reference.get("files") is not None:  # what finish copies: as part 0 saw it, or the plan is not the parts'
         now = input_files(reference["directory"])
         if now != reference["files"]:
             before, after = ({f[1]: f[2:] for f in files} for files in (reference["files"], now))
             changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
-            raise MergeError(f"{reference['directory']}: changed since part 0/{count} read it "
+            raise MergeError(f"{shown_reference}: changed since part 0/{count} read it "
                              f"({', '.join(changed[:3]) or 'its place'}); the output would hold other reference files "
                              "than the parts were made with: restore it, or rerun the parts")
     if out.is_symlink():
@@ -135,13 +160,14 @@ def run_finish(out: Path, force: bool = False, workers: int | None = None, rehas
     else:
         files, report = _finish_hf_model(staging, common, hashes)
     try:
+        check_inputs_unchanged()  # (the reference, where it is at a URL)
         ignore_signals()  # the point of no return, as for a one-process run
         staging.publish(force, kind)
     except BaseException:
         if report is not None:
             report.discard()
         raise
-    PUBLISHED.append(out)
+    PUBLISHED.append(staging.mirror.url if staging.mirror is not None else out)
     if report is not None:
         report.publish(force)
     return FinishResult(out=out, parts=count, files=files, sha256=hashes,

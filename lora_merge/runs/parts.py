@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lora_merge.errors import MergeError, UsageError
+from lora_merge.files import remote
 from lora_merge.files.file_hash import sha256_of
 from lora_merge.files.ownership import MEGATRON_CHECKPOINT, MERGED_MODEL
 from lora_merge.files.parts_dir import PartsDir, manifest_name
@@ -90,14 +92,24 @@ class PartFiles:
     def __init__(self, staging: PartsDir, part: Part, files: frozenset[int], arriving: frozenset[str],
                  manifest: dict):
         self.staging, self.part, self.files, self.arriving, self.manifest = staging, part, files, arriving, manifest
+        self.lock = threading.Lock()
 
     def temporary(self, name: str) -> str:
         return self.staging.temporary(name)
 
     def written(self, name: str, sha256: str) -> None:
         self.staging.place(name)
-        self.manifest["files"][name] = {"bytes": (self.staging.files / name).stat().st_size, "sha256": sha256}
-        self.staging.write_manifest(self.part.index, self.part.count, self.manifest)
+        entry = {"bytes": (self.staging.files / name).stat().st_size, "sha256": sha256}
+        if self.staging.mirror is None:
+            self._record(name, entry)
+        else:  # recorded once uploaded, with the object's ETag (what --resume and finish check it by)
+            self.staging.mirror.submit(self.staging.files / name, name,
+                                       lambda version: self._record(name, {**entry, "etag": version}))
+
+    def _record(self, name: str, entry: dict) -> None:
+        with self.lock:  # (uploads complete on their own threads)
+            self.manifest["files"][name] = entry
+            self.staging.write_manifest(self.part.index, self.part.count, self.manifest)
 
 
 def still_written(staging: PartsDir, recorded: dict, workers: int, rehash: bool = True) -> dict:
@@ -105,6 +117,8 @@ def still_written(staging: PartsDir, recorded: dict, workers: int, rehash: bool 
     whose size is, the sha256 taken as the part recorded it while writing)."""
     def check(item):
         name, entry = item
+        if staging.mirror is not None:  # an output at a URL: the object's size and ETag, and read back to rehash
+            return name, entry, staging.mirror.still_there(name, entry, rehash)
         path = staging.files / name
         try:
             ok = path.stat().st_size == entry["bytes"] and (not rehash or sha256_of(path) == entry["sha256"])
@@ -163,10 +177,21 @@ class PartRun:
             self.manifest["common"] = common
         staging.write_manifest(part.index, part.count, self.manifest)
 
+    def local_bytes(self, sizes: list[int], workers: int | None) -> int:
+        """The local disk this part needs: its files, or for an output at a URL those that can be complete and
+        waiting for their upload, or being written, at once."""
+        pending = sorted((sizes[i] for i in self.pending), reverse=True)
+        if self.staging.mirror is None:
+            return sum(pending)
+        return sum(pending[:2 * remote.UPLOADS + (workers or default_workers()) + 1])
+
     def files(self, arriving: frozenset[str]) -> "PartFiles":
         return PartFiles(self.staging, self.part, self.pending, arriving, self.manifest)
 
     def complete(self) -> None:
+        if self.staging.mirror is not None:
+            self.staging.mirror.wait()
+        remote.check_inputs_unchanged()
         self.manifest["complete"] = True
         self.staging.write_manifest(self.part.index, self.part.count, self.manifest)
 
@@ -209,10 +234,14 @@ def plan_differences(mine: dict, theirs: dict) -> str:
 
 def input_files(*dirs) -> list:
     """Every file below the input directories: [the directory's real path, the file's path in it, its size,
-    its modification time]."""
+    its modification time] (for an input at a URL: its URL, the object's name, size and ETag)."""
     found = []
     for directory in dirs:
         if directory is None:
+            continue
+        listed = remote.listed_files(directory)
+        if listed is not None:  # an input at a URL: [URL, object below it, size, ETag]
+            found += listed
             continue
         top = os.path.realpath(directory)
         for root, subdirs, names in os.walk(top, followlinks=True):
@@ -254,14 +283,14 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
                            plan.merged_modules, base_model)
     plan_id = fingerprint_of(
         opts, inp, output=file_names, tensors=[[t.name, list(t.shape), str(t.dtype), file_of[t.name]] for t in stored],
-        card=card, config=hf_config, reference=os.path.realpath(opts.hf_ref),
+        card=card, config=hf_config, reference=remote.source_name(opts.hf_ref),
         report=os.path.abspath(opts.report) if opts.report else None)
     common = {
         "kind": MERGED_MODEL, "files": file_names, "card": card, "later": [opts.report.name] if inside else [],
         "index": {"metadata": {"total_size": sum(sizes)}, "weight_map": file_of} if len(shards) > 1 else None,
         "report": report_data(inp, opts.hf_ref, plan, file_of, None, ref_files) if opts.report else None,
         "report_path": os.path.abspath(opts.report) if opts.report else None,
-        "reference": {"directory": os.path.abspath(opts.hf_ref), "config": hf_config,
+        "reference": {"directory": _directory(opts.hf_ref), "config": hf_config,
                       "dtype": str(dtype).removeprefix("torch."), "files": input_files(opts.hf_ref)}
     } if part.index == 0 else None
     run = PartRun(opts.out, part, plan_id, file_names, mine, opts.resume, opts.workers, common,
@@ -270,7 +299,7 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
     tasks = [task for task in plan.tasks if any(file_of[_stored(names, t.name)] in pending_names
                                                  for t in task.outputs)]
     arriving = frozenset(_stored(names, t.name) for task in tasks for t in task.outputs)
-    check_free_space(run.staging.files, sum(sizes[i] for i in run.pending),
+    check_free_space(run.staging.files, run.local_bytes(sizes, opts.workers),
                      ref_files.total_bytes if part.index == 0 else 0)
     writer = ShardedSafetensorsWriter(run.staging.files, stored, opts.max_shard_size, hash_files=True,
                                       part=run.files(arriving))
@@ -298,12 +327,18 @@ def run_megatron_part(opts, inp, plan, writer, args) -> PartWritten:
     run = PartRun(opts.out, part, plan_id, file_names, mine, opts.resume, opts.workers, common,
                   explicit=opts.part is not None)
     tasks = [task for task in plan.tasks if any(writer.files_of(t.name) & run.pending for t in task.outputs)]
-    check_free_space(run.staging.files, sum(sizes[i] for i in run.pending), 0, "the tracker file")
+    check_free_space(run.staging.files, run.local_bytes(sizes, opts.workers), 0, "the tracker file")
     writer.write_only(run.files(frozenset(t.name for task in tasks for t in task.outputs)))
     stream_into(writer, run.staging.files, replace(plan, tasks=tasks), opts.progress,
                 sum(t.nbytes for t in planned_outputs(tasks)), opts.workers)
     run.complete()
     return run.written(len(mine), sum(sizes[i] for i in mine))
+
+
+def _directory(path) -> str:
+    """How finish finds an input directory again: its absolute path, or its URL."""
+    url = remote.source_name(path)
+    return url if remote.is_url(url) else os.path.abspath(path)
 
 
 def _stored(names, name: str) -> str:

@@ -153,7 +153,8 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         if base_model_warning and (opts.part is None or opts.part.index == 0):
             opts.warn(base_model_warning)  # before anything is published (a warn that raises stops the run)
         if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
-            finished = run_finish(opts.out, opts.force, opts.workers)
+            # (each file was hashed as it was written, or again when kept: not read a third time)
+            finished = run_finish(opts.out, opts.force, opts.workers, rehash=False)
             files, hashes, tensors, nbytes = finished.files, finished.sha256, len(writer_plan), tensor_bytes
         return MergeResult(out=opts.out, base=inp.base.describe(), lora=_described(inp.lora), dtype=dtype_name,
                            tensors=tensors, bytes=nbytes, lora_modules=plan.merged_modules,

@@ -146,7 +146,8 @@ def run_to_megatron(opts: MegatronOptions) -> ConvertResult:
         written = run_megatron_part(opts, inp, plan, writer, args)
         files = written.files
         if opts.part is None:  # --resume of a one-process run: part 0/1, published at once
-            files = run_finish(opts.out, workers=opts.workers).files
+            # (each file was hashed as it was written, or again when kept: not read a third time)
+            files = run_finish(opts.out, workers=opts.workers, rehash=False).files
         return ConvertResult(out=opts.out, files=files, seconds=time.monotonic() - started,
                              part=None if opts.part is None else written.part, resumed=written.resumed, **describe)
     stale = stale_parts_warning(opts.out)
