@@ -436,7 +436,7 @@ def print_summary(console: Console, s: MergeResult) -> None:
                           f"alpha={s.alpha:g} (scale {s.scale:g}, from {s.settings_source})")
     out(f"wrote {s.tensors} tensors, {s.bytes / 1e9:.3f} GB as {s.dtype} in "
         f"{sum(f.endswith('.safetensors') for f in s.files)} shard(s) to {s.out} in {s.seconds:.1f} s"
-        + (" (verified)" if s.verified else ""))
+        + (f" ({len(s.resumed)} kept from an earlier run)" if s.resumed else "") + (" (verified)" if s.verified else ""))
     for name in s.files:
         console.detail(f"  {name}" + (f"  sha256 {s.sha256[name]}" if name in s.sha256 else ""))
 
@@ -546,7 +546,8 @@ def _run_to_megatron(api, opts, console: Console) -> int:
     verb = "would write" if s.dry_run else "wrote"
     out(f"{verb} a Megatron {s.ckpt_format} checkpoint, {s.layout}, padded vocab {s.padded_vocab_size}: "
         f"{s.tensors} tensor shards, {s.bytes / 1e9:.3f} GB as {s.dtype}"
-        + ("" if s.dry_run else f" to {s.out} in {s.seconds:.1f} s"))
+        + ("" if s.dry_run else f" to {s.out} in {s.seconds:.1f} s")
+        + (f" ({len(s.resumed)} kept from an earlier run)" if s.resumed else ""))
     if not s.dry_run:
         out(f"load it with: --load {s.out} --ckpt-format {s.ckpt_format} --transformer-impl {s.transformer_impl} --finetune "
             "--no-load-optim --no-load-rng"

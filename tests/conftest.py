@@ -43,9 +43,10 @@ def _signal_handlers_restored():
         signal.signal(sig, handler)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3():
-    """An S3 server on localhost and a client of it; the AWS environment a user would set."""
+    """An S3 server on localhost and a client of it, with a bucket `models`; the AWS environment a user would set.
+    One for the session: moto keeps its buckets in the process, so a second server would see the first's."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -80,6 +80,13 @@ class PartsDir:
             raise OutputConflict(f"{self.manifests / foreign[0]}: not a part manifest of lora-merge; the directory is "
                                  "removed once the output is published: move it away")
 
+    def shown(self, name: str) -> str:
+        """Where the output's file `name` is, in words: its path, or its URL."""
+        return f"{self.mirror.url}/{name}" if self.mirror is not None else str(self.files / name)
+
+    def has(self, name: str) -> bool:
+        return self.mirror.exists(name) if self.mirror is not None else (self.files / name).exists()
+
     def temporary(self, name: str) -> str:
         """Where this run writes the file `name` (a path relative to the files directory: a Megatron rank file
         is `release/mp_rank_00/model_optim_rng.pt`) until it is complete: beside it, under a name of its own."""

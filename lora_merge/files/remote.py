@@ -564,6 +564,11 @@ class RemoteOutput:
         self.fs.invalidate_cache(rpath)
         return _version(self.fs.info(rpath))
 
+    def exists(self, name: str) -> bool:
+        rpath = f"{self.remote}/{name}"
+        self.fs.invalidate_cache(rpath)
+        return self.fs.exists(rpath)
+
     def still_there(self, name: str, entry: dict, rehash: bool) -> bool:
         """Whether `OUT/name` is the object its part recorded: its size and ETag, and with `rehash` its sha256
         (read back)."""
@@ -645,11 +650,16 @@ class _Stopped(Exception):
     pass
 
 
+def _make_parent(fs, rpath: str) -> None:
+    """A local file system needs the directories of what is written; an object store has none, and s3fs's
+    makedirs would create a missing bucket (a typo in the URL must be an error, not a new bucket)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if {"file", "local"} & set(protocols):
+        fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
+
+
 def _put_bytes(fs, rpath: str, data: bytes) -> None:
-    try:
-        fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)  # (a file system needs its directories)
-    except Exception:  # noqa: BLE001 - a store that refuses it writes the object anyway, or says why below
-        pass
+    _make_parent(fs, rpath)
     fs.pipe_file(rpath, data)
 
 
@@ -658,11 +668,7 @@ def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) ->
     them), so memory stays one part whatever the file's size. Never a partial object: a failed copy is
     discarded (the multipart upload aborted), not committed by closing, and what a backend without discard
     wrote is removed. `stop` set: abandoned at the next 8 MB."""
-    parent = rpath.rsplit("/", 1)[0]
-    try:
-        fs.makedirs(parent, exist_ok=True)  # (a file system needs its directories; object stores have none)
-    except Exception:  # noqa: BLE001 - a store that refuses it writes the object anyway, or says why below
-        pass
+    _make_parent(fs, rpath)
     with open(local, "rb") as src:
         part = max(UPLOAD_PART_BYTES, -(-os.fstat(src.fileno()).st_size // MAX_PARTS // (1 << 20)) << 20)
         dst = fs.open(rpath, "wb", block_size=part)

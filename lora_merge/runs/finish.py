@@ -116,9 +116,10 @@ def _run_finish(out: Path, force: bool, workers: int | None, rehash: bool, open_
     checked = still_written(staging, recorded, workers or default_workers(), rehash)
     for name in common["files"]:
         if name not in checked:
-            path = staging.files / name
-            what = ("is missing" if not path.exists() else "has other bytes than its part recorded" if rehash else
-                    "has another size than its part recorded")
+            path = staging.shown(name)
+            what = ("is missing" if not staging.has(name) else "has other bytes than its part recorded" if rehash else
+                    "has another size than its part recorded" if staging.mirror is None else
+                    "has another size or ETag than its part recorded")
             raise MergeError(f"{path}: {what}; rerun " + (f"part {owner[name]}/{count} with --part "
                                                            f"{owner[name]}/{count} --resume" if count > 1 else
                                                            "the merge with --resume"))

@@ -1,0 +1,215 @@
+"""An output at a URL written as parts are, against a real S3-protocol server on localhost (moto's server mode):
+each file uploaded as soon as it is complete, `--part I/N` and `finish` at a URL, `--resume` after a kill, URL
+inputs recognised across runs by their URL, size and ETag, and an input replaced during a run refused before
+anything is published. Each output is compared byte for byte with a one-process local run's."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import FIXTURES, downloaded, files, out_dir, quiet, run_failing, upload
+from lora_merge import api, options
+from lora_merge.cli import main
+from lora_merge.files import remote
+from lora_merge.files.parts_dir import PartsDir
+
+FIXTURE = FIXTURES / "tp2_fp32_filtered"
+SHARD = 96 << 10  # the fixture's ~0.7 MB model: eight shards
+
+
+@pytest.fixture(autouse=True)
+def small_shards(monkeypatch):
+    monkeypatch.setattr(options, "MIN_SHARD_BYTES", 1)
+
+
+def local_inputs(root: Path = FIXTURE) -> dict:
+    return dict(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref")
+
+
+def url_inputs(url: str) -> dict:
+    return dict(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref")
+
+
+def one_process(tmp_path: Path, where: str = "local", name: str = "merged") -> dict[str, bytes]:
+    out = out_dir(tmp_path, where, name)
+    api.merge(**local_inputs(), out=out, max_shard_size=SHARD, warn=quiet)
+    return files(out)
+
+
+def objects(s3, key: str) -> list[str]:
+    s3.invalidate_cache()
+    return sorted(p.split(f"models/{key}/", 1)[1] for p in s3.find(f"models/{key}"))
+
+
+def recorded(s3, key: str) -> int:
+    """How many files the manifest of a one-process run at `key` records as uploaded."""
+    try:
+        return len(json.loads(s3.cat_file(f"models/{key}.manifests/part-00000-of-00001.json"))["files"])
+    except FileNotFoundError:
+        return 0
+
+
+def test_parts_from_urls_to_a_url_in_any_order_then_finish_give_the_one_process_bytes(s3, tmp_path, capsys):
+    url = upload(s3, FIXTURE, "pin")
+    out = "s3://models/pout/merged"
+    written = set()
+    for index in (2, 0, 1, 2):  # any order, one part run twice
+        result = api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part=f"{index}/3", warn=quiet)
+        assert result.part == f"{index}/3" and result.out == out
+        written |= set(result.files)
+    assert len(written) >= 6
+    # the parts' files are there, nothing that says the model is complete
+    assert set(objects(s3, "pout/merged")) == written
+    assert objects(s3, "pout/merged.manifests") == [f"part-0000{i}-of-00003.json" for i in range(3)]
+    assert main(["finish", "--out", out]) == 0
+    assert f"published {out}" in capsys.readouterr().out
+    assert not s3.exists("models/pout/merged.manifests")
+    assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
+    # finished: nothing left to finish, said by URL
+    run_failing(["finish", "--out", out], capsys, f"{out}: holds objects but no part manifests", "finished already?")
+
+
+def test_a_megatron_checkpoint_in_parts_to_a_url(s3, tmp_path):
+    fixture = FIXTURES / "dist_tp2pp2_fp32"
+    local = out_dir(tmp_path, "local", "mg")
+    api.to_megatron(**local_inputs(fixture), out=local, tp=2, pp=2, warn=quiet)
+    out = "s3://models/mgparts/mg"
+    for index in (1, 0):
+        api.to_megatron(**local_inputs(fixture), out=out, tp=2, pp=2, part=f"{index}/2", warn=quiet)
+    assert "latest_checkpointed_iteration.txt" not in objects(s3, "mgparts/mg")  # written by finish, last
+    result = api.finish(out)
+    assert result.out == out and result.parts == 2
+    assert downloaded(s3, out, tmp_path / "got") == files(local)
+
+
+def test_finish_at_a_url_refuses_a_missing_part_a_replaced_object_and_another_plan(s3, tmp_path):
+    url = upload(s3, FIXTURE, "fin")
+    out = "s3://models/fin-out/merged"
+    api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="0/2", warn=quiet)
+    with pytest.raises(api.MergeError, match=rf"^{out}: part 1/2 is missing \(no manifest\); run it with --part 1/2$"):
+        api.finish(out)
+    with pytest.raises(api.MergeError, match=rf"{out}.manifests/part-00000-of-00002.json: part 0/2 differs from this "
+                                             r"run \(--part 1/2\) in .*--lora-alpha"):
+        api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="1/2", lora_alpha=3.0, warn=quiet)
+    second = api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="1/2", warn=quiet)
+    # an object replaced by other bytes of the same size: its ETag differs
+    name = second.files[0]
+    data = bytearray(s3.cat_file(f"models/fin-out/merged/{name}"))
+    data[-1] ^= 1
+    s3.pipe_file(f"models/fin-out/merged/{name}", bytes(data))
+    for rehash, what in ((True, "has other bytes"), (False, "has another size or ETag")):
+        with pytest.raises(api.MergeError, match=rf"^{out}/{name}: {what} than its part recorded; rerun part 1/2 with "
+                                                 r"--part 1/2 --resume$"):
+            api.finish(out, rehash=rehash)
+    assert not s3.exists("models/fin-out/merged/README.md")
+    resumed = api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="1/2", resume=True, warn=quiet)
+    assert resumed.resumed == sorted(set(second.files) - {name})  # the others read back: their sha256 holds
+    api.finish(out)
+    assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
+
+
+def test_a_killed_run_to_a_url_is_continued_with_resume(s3, tmp_path, capsys):
+    """Killed (SIGKILL: nothing is cleaned up) once some files are up: the objects stay, without an index or card;
+    a plain rerun is refused and says --resume; --resume keeps what its manifest records and the object still
+    holds, and gives the one-process bytes."""
+    out = "s3://models/killed/merged"
+    args = ["--base", str(FIXTURE / "base"), "--lora", str(FIXTURE / "lora"), "--hf-ref", str(FIXTURE / "hf_ref"),
+            "--out", out, "--max-shard-size", str(SHARD), "--no-progress"]
+    code = ("import sys, time; from lora_merge import options; options.MIN_SHARD_BYTES = 1\n"
+            "from lora_merge.files import remote; upload = remote._upload\n"
+            "def slow(*a, **k):\n    time.sleep(0.4); upload(*a, **k)\n"
+            "remote._upload = slow\n"
+            "from lora_merge.entry import main; sys.exit(main())")
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and recorded(s3, "killed/merged") < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    left = objects(s3, "killed/merged")
+    assert len(left) >= 2 and "model.safetensors.index.json" not in left and "README.md" not in left
+    run_failing(args, capsys, f"{out}: already holds objects", "pass --resume to continue")
+    assert main([*args, "--resume"]) == 0
+    assert "kept from an earlier run" in capsys.readouterr().out
+    assert not s3.exists("models/killed/merged.manifests")
+    assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
+
+
+def test_files_go_up_as_they_complete_so_the_local_disk_holds_a_few(s3, tmp_path, monkeypatch):
+    """At most 2 × UPLOADS complete files wait locally for their upload (the writer waits beyond): here one upload
+    at a time, each slowed, so the writer outruns it."""
+    monkeypatch.setattr(remote, "UPLOADS", 1)
+    upload_file = remote._upload
+    monkeypatch.setattr(remote, "_upload", lambda *a, **k: (time.sleep(0.1), upload_file(*a, **k))[1])
+    waiting = []
+    place = PartsDir.place
+
+    def placing(self, name):
+        place(self, name)
+        waiting.append(len([p for p in self.files.rglob("*.safetensors") if p.is_file()]))
+
+    monkeypatch.setattr(PartsDir, "place", placing)
+    out = "s3://models/stream/merged"
+    result = api.merge(**local_inputs(), out=out, max_shard_size=SHARD, warn=quiet)
+    shards = [f for f in result.files if f.endswith(".safetensors")]
+    assert len(waiting) == len(shards) >= 6
+    assert max(waiting) <= 2 * remote.UPLOADS + 1  # the files waiting, and the one just placed
+    assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
+
+
+@pytest.mark.parametrize("to_url", [True, False])
+def test_an_input_object_replaced_during_the_run_is_refused_before_publishing(s3, tmp_path, monkeypatch, to_url):
+    """Ranged reads are not pinned to an object's version: the inputs are listed again before anything is
+    published, and an object whose size or ETag changed stops the run."""
+    key = f"changed-{to_url}"
+    url = upload(s3, FIXTURE, key)
+    lora_file = next(n for n in objects(s3, f"{key}/lora") if n.endswith(".pt"))
+    from lora_merge.runs import to_hf
+
+    build_plan = to_hf.build_plan
+
+    def replacing(*args, **kwargs):  # once the headers are read: another training run writes the file again
+        data = bytearray(s3.cat_file(f"models/{key}/lora/{lora_file}"))
+        data[len(data) // 2] ^= 1
+        s3.pipe_file(f"models/{key}/lora/{lora_file}", bytes(data))
+        return build_plan(*args, **kwargs)
+
+    monkeypatch.setattr(to_hf, "build_plan", replacing)
+    out = f"s3://models/{key}-out/merged" if to_url else out_dir(tmp_path, "o", "merged")
+    with pytest.raises(api.MergeError, match=rf"{url}/lora/{lora_file}: was written again \(its size or ETag "
+                                             r"differs\) while this run read it; nothing was published"):
+        api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, warn=quiet)
+    if to_url:
+        assert not s3.exists(f"models/{key}-out")
+    else:
+        assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_url_inputs_are_one_plan_across_part_runs_until_an_object_changes(s3, tmp_path):
+    """Each run fetches the inputs into a shadow of its own; parts agree by URL, size and ETag."""
+    url = upload(s3, FIXTURE, "agree")
+    out = out_dir(tmp_path, "o", "merged")
+    api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="0/3", warn=quiet)
+    api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="2/3", warn=quiet)
+    config = "models/agree/hf_ref/config.json"
+    s3.pipe_file(config, s3.cat_file(config) + b"\n")
+    with pytest.raises(api.MergeError, match=r"part 0/3 differs from this run \(--part 1/3\) in .*the input files"):
+        api.merge(**url_inputs(url), out=out, max_shard_size=SHARD, part="1/3", warn=quiet)
+
+
+def test_an_output_url_that_cannot_be_written_is_named_before_the_run(s3, tmp_path, monkeypatch):
+    from lora_merge.runs import to_hf
+
+    monkeypatch.setattr(to_hf, "build_plan", lambda *a, **k: pytest.fail("the run began"))
+    with pytest.raises(api.MergeError, match=r"^s3://no-such-bucket/m/merged.manifests: cannot be written "
+                                             r"\(.*\); the output's parts are recorded there$"):
+        api.merge(**local_inputs(), out="s3://no-such-bucket/m/merged", warn=quiet)
+    assert "no-such-bucket" not in s3.ls("")  # a typo in the URL is not a new bucket
