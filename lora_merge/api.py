@@ -11,6 +11,7 @@ progress through `progress(done_bytes, total_bytes)` when given. The command lin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect as _signature
 import math
@@ -135,6 +136,7 @@ def _through_urls(*inputs: str, output: str | None = None, resumable: bool = Fal
                         raise
                     if to_url and run.output is not None and not getattr(result, "dry_run", False):
                         run.publish()
+                    result = _named(result, run.named)
                     if to_url:
                         result.out = url
                     return result
@@ -143,6 +145,23 @@ def _through_urls(*inputs: str, output: str | None = None, resumable: bool = Fal
                     raise
         return call
     return wrap
+
+
+def _named(value, named: Callable[[str], str]):
+    """A result whose texts (an input's description, verify's baseline, ...) name each local shadow or staging
+    directory of a run with URLs by its URL; what is not text is left as it is."""
+    if isinstance(value, str):
+        return named(value)
+    if isinstance(value, list):
+        return [_named(v, named) for v in value]
+    if isinstance(value, dict):
+        return {k: _named(v, named) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a result (not its plan or inputs)
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            if isinstance(item, (str, list, dict, VerifyReport)):
+                setattr(value, field.name, _named(item, named))
+    return value
 
 
 def _path(value, name: str = "path", what: str = "a directory") -> Path | None:

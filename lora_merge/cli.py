@@ -386,9 +386,9 @@ def print_plan(console: Console, opts, result: MergeResult) -> None:
     free = shutil.disk_usage(out_dir.parent if out_dir.parent.is_dir() else Path.cwd()).free
     out = console.result
     out("plan (dry run: nothing is written)")
-    out(f"  base:   {inp.base.describe()}")
+    out(f"  base:   {result.base}")  # (as the result names it: a URL input by its URL)
     if inp.lora is not None and inp.lora is not inp.base:
-        out(f"  lora:   {inp.lora.describe()}")
+        out(f"  lora:   {result.lora}")
     heads = f"{s.heads} heads, {s.mla}" if s.mla else f"{s.heads} heads / {s.groups} kv heads x {s.head_dim}"
     out(f"  model:  {s.model_type}, {s.num_layers} layers, hidden {s.hidden}, {heads}, ffn {s.ffn}, vocab {s.vocab}, "
         f"{'tied' if s.tied else 'untied'} embeddings" + "".join(f", {m}" for m in s.mechanics()))

@@ -49,6 +49,17 @@ def finished_report(data: dict, hashes: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
+def _with_urls(value):
+    """Every path below an input URL's local shadow, named by the URL instead (files/remote.py)."""
+    if isinstance(value, str):
+        return remote.shown_text(value)
+    if isinstance(value, dict):
+        return {k: _with_urls(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_with_urls(v) for v in value]
+    return value
+
+
 def report_data(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict, verify: VerifyReport | None,
                 reference_files=None) -> dict:
     """inputs, LoRA settings, every output tensor with its source and status, every file's sha256. Tensors by the
@@ -86,7 +97,7 @@ def report_data(inp, hf_ref: Path | None, plan: MergePlan | None, file_of: dict,
         "verify": None if verify is None else {"ok": verify.ok, "baseline": verify.baseline,
                                                "problems": verify.problems, "notes": verify.notes},
     }
-    return report
+    return _with_urls(report)
 
 
 def write_report(path: Path, text: str, force: bool = False) -> None:

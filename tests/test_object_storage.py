@@ -225,3 +225,35 @@ def test_an_upload_stopped_by_a_signal_leaves_nothing_and_a_file_url_output_work
     local = out_dir(tmp_path, "local", "merged")
     lora_merge.merge(base=fixture / "base", lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=local, warn=quiet)
     assert files(target / "merged") == files(local)
+
+
+def test_reports_name_url_inputs_by_their_urls(tmp_path):
+    """The merge's and verify's reports say where the inputs were: the URLs, never a local shadow."""
+    import fsspec
+
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    fsspec.filesystem("memory").put(str(fixture), "/reports", recursive=True)
+    urls = dict(base="memory://reports/base", lora="memory://reports/lora", hf_ref="memory://reports/hf_ref")
+    out = tmp_path / "merged"
+    lora_merge.merge(**urls, out=out, report=tmp_path / "merge.json", warn=quiet)
+    lora_merge.verify(out, **urls, report=tmp_path / "verify.json", warn=quiet)
+    for name in ("merge.json", "verify.json"):
+        report = json.loads((tmp_path / name).read_text())
+        assert report["inputs"]["base"]["path"] == urls["base"] and report["inputs"]["lora"]["path"] == urls["lora"]
+        assert report["inputs"]["hf_ref"] == urls["hf_ref"]
+        assert "lora-merge-remote-" not in (tmp_path / name).read_text()
+
+
+def test_what_the_command_prints_names_url_inputs_by_their_urls(tmp_path, capsys):
+    import fsspec
+
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    fsspec.filesystem("memory").put(str(fixture), "/printed", recursive=True)
+    given = ["--base", "memory://printed/base", "--lora", "memory://printed/lora", "--hf-ref", "memory://printed/hf_ref",
+             "--no-progress", "-v"]
+    assert main([*given, "--out", str(tmp_path / "o"), "--verify"]) == 0
+    assert main([*given, "--out", str(tmp_path / "p"), "--dry-run"]) == 0
+    assert main([*given, "--out", str(tmp_path / "q"), "--to", "megatron"]) == 0
+    assert main(["verify", str(tmp_path / "o"), *given[:6]]) == 0
+    printed = capsys.readouterr()
+    assert "memory://printed/base" in printed.out and "lora-merge-remote-" not in printed.out + printed.err

@@ -262,6 +262,13 @@ def source_name(path) -> str:
     return listing.url if listing is not None else os.path.realpath(path)
 
 
+def shown_text(text: str) -> str:
+    """`text` with every input URL's local shadow directory named by the URL (what a report says)."""
+    for shadow, listing in sorted(_SHADOWS.items(), key=lambda item: -len(item[0])) if _SHADOWS else ():
+        text = text.replace(shadow, listing.url)
+    return text
+
+
 def listed_files(path) -> list | None:
     """Every object under a shadow's URL as [URL, path below it, size, version], sorted; None for a local
     directory."""
