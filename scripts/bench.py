@@ -183,9 +183,31 @@ def drop_page_cache() -> None:
                     os.close(fd)
 
 
-def measure(cmd: list[str], allow_failure: bool = False) -> dict:
+def allocated_bytes(dirs: list[Path]) -> int:
+    """Disk blocks held by the files under `dirs` (a sparse file counts what is written, not its size)."""
+    total = 0
+    for top in dirs:
+        for root, _, names in os.walk(top):
+            for name in names:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def measure(cmd: list[str], allow_failure: bool = False, disk_of: list[Path] | None = None) -> dict:
     """Run cmd in a fresh process; wall seconds, its CPU seconds (user + system) and its own peak RSS, and
-    for a lora-merge run the CPU seconds of each of its stages. With --cold, from an empty page cache."""
+    for a lora-merge run the CPU seconds of each of its stages. With --cold, from an empty page cache.
+    `disk_of`: also the peak of the local disk the files under these directories held (sampled every 0.2 s)."""
+    import threading
+
+    peak_disk = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            peak_disk[0] = max(peak_disk[0], allocated_bytes(disk_of))
     stage_file = Path(f"/tmp/lora-merge-bench-stages-{os.getpid()}.json")
     stage_file.unlink(missing_ok=True)
     if COLD:
@@ -193,8 +215,14 @@ def measure(cmd: list[str], allow_failure: bool = False) -> dict:
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "LORA_MERGE_STAGE_TIMES": str(stage_file)})
+    sampler = threading.Thread(target=sample, daemon=True) if disk_of else None
+    if sampler is not None:
+        sampler.start()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - start
+    done.set()
+    if sampler is not None:
+        sampler.join()
     err = proc.stderr.read().decode()
     proc.stderr.close()
     code = os.waitstatus_to_exitcode(status)
@@ -204,6 +232,8 @@ def measure(cmd: list[str], allow_failure: bool = False) -> dict:
     if code != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{err[-2000:]}")
     result = {"seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+    if disk_of:
+        result["peak_disk_mb"] = peak_disk[0] / 1e6
     if stage_file.exists():
         result["stages"] = json.loads(stage_file.read_text())
         stage_file.unlink()
@@ -647,10 +677,14 @@ def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qw
                  sys.executable]
         runs = [[] for _ in variants]
         out_bytes = 0
+        # the local disk each route holds: its staging and shadows (TMPDIR), the download, the local output
+        tmp = root / "tmp"
+        tmp.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(tmp)
         for _ in range(repeat):
             for i, (_, cmd) in enumerate(variants):
                 subprocess.run(clean, check=True)
-                runs[i].append(measure(cmd))
+                runs[i].append(measure(cmd, disk_of=[tmp, dl, root / "merged"]))
                 if (root / "merged").exists():
                     out_bytes = dir_bytes(root / "merged")
         subprocess.run(clean, check=True)
@@ -672,12 +706,12 @@ def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qw
 
 def print_object_storage(r: dict) -> None:
     print(f"input {r['input_gb']:.2f} GB, output {r['output_gb']:.2f} GB, generated in {r['generate_seconds']:.0f} s")
-    print("| route | seconds (runs) | CPU s | peak RSS MB | input GB/s | output GB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| route | seconds (runs) | CPU s | peak RSS MB | peak local disk MB | input GB/s | output GB/s |")
+    print("|---|---|---|---|---|---|---|")
     for label, m in r["runs"].items():
         runs = ", ".join(f"{s:.1f}" for s in m["all_seconds"])
         print(f"| {label} | {m['seconds']:.1f} ({runs}) | {m['cpu_seconds']:.1f} | {m['peak_rss_mb']:.0f} | "
-              f"{m['read_gb_per_s']:.2f} | {m['write_gb_per_s']:.2f} |")
+              f"{m.get('peak_disk_mb', 0):.0f} | {m['read_gb_per_s']:.2f} | {m['write_gb_per_s']:.2f} |")
 
 
 def print_targets(title: str, r: dict) -> None:

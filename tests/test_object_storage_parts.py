@@ -144,9 +144,10 @@ def test_a_killed_run_to_a_url_is_continued_with_resume(s3, tmp_path, capsys):
 
 
 def test_files_go_up_as_they_complete_so_the_local_disk_holds_a_few(s3, tmp_path, monkeypatch):
-    """At most 2 × UPLOADS complete files wait locally for their upload (the writer waits beyond): here one upload
-    at a time, each slowed, so the writer outruns it."""
+    """At most LOCAL_FILES complete files (those uploading and one waiting) are held locally (the writer waits
+    beyond): here one upload at a time, each slowed, so the writer outruns it."""
     monkeypatch.setattr(remote, "UPLOADS", 1)
+    monkeypatch.setattr(remote, "LOCAL_FILES", 2)
     upload_file = remote._upload
     monkeypatch.setattr(remote, "_upload", lambda *a, **k: (time.sleep(0.1), upload_file(*a, **k))[1])
     waiting = []
@@ -161,7 +162,7 @@ def test_files_go_up_as_they_complete_so_the_local_disk_holds_a_few(s3, tmp_path
     result = api.merge(**local_inputs(), out=out, max_shard_size=SHARD, warn=quiet)
     shards = [f for f in result.files if f.endswith(".safetensors")]
     assert len(waiting) == len(shards) >= 6
-    assert max(waiting) <= 2 * remote.UPLOADS + 1  # the files waiting, and the one just placed
+    assert max(waiting) <= remote.LOCAL_FILES + 1  # uploading or waiting, and the one just placed
     assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
 
 

@@ -55,6 +55,8 @@ FETCH_THREADS = 4
 UPLOAD_PART_BYTES = 16 << 20
 MAX_PARTS = 9000
 UPLOADS = 4  # files uploaded at once
+# Complete output files held locally until uploaded: those uploading and one waiting (the writer waits beyond)
+LOCAL_FILES = UPLOADS + 1
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Published after every other object, in this order: what says the model is complete
 LAST = ("model.safetensors.index.json", "adapter_config.json", "latest_checkpointed_iteration.txt", "README.md")
@@ -474,7 +476,8 @@ def output_mirror(out) -> "RemoteOutput | None":
 
 class RemoteOutput:
     """An output URL written as a shared parts directory is: each file uploaded to `OUT/NAME` as soon as it is
-    complete (several at once, at most `2 × UPLOADS` complete files waiting locally: the writer waits beyond),
+    complete (`UPLOADS` at once and one more waiting: the writer waits beyond, so the local disk holds a few
+    files, not the model),
     then removed locally; the part manifests at `OUT.manifests/`, each rewritten with the file's ETag once it
     is uploaded; what `finish` writes, last; then the manifests are removed."""
 
@@ -483,7 +486,7 @@ class RemoteOutput:
         self.manifests_remote = remote + ".manifests"
         self.stop = threading.Event()
         self._pool = ThreadPoolExecutor(UPLOADS, thread_name_prefix="lora-merge-upload")
-        self._waiting = threading.BoundedSemaphore(2 * UPLOADS)
+        self._waiting = threading.BoundedSemaphore(LOCAL_FILES)
         self._futures: list = []
         self._lock = threading.Lock()
         self.uploaded: list[str] = []  # by this run, under the output and the manifests
@@ -522,7 +525,7 @@ class RemoteOutput:
 
     def submit(self, path: Path, name: str, done) -> None:
         """Upload the complete local file `path` to `OUT/name` in the background, then remove it and call
-        `done(version)`. Waits while `2 × UPLOADS` files are waiting or uploading; an earlier upload's failure
+        `done(version)`. Waits while `LOCAL_FILES` files are uploading or waiting; an earlier upload's failure
         is raised here, so a run whose output cannot be written stops at its next file."""
         self._raise_failed()
         self._waiting.acquire()

@@ -183,7 +183,7 @@ class PartRun:
         pending = sorted((sizes[i] for i in self.pending), reverse=True)
         if self.staging.mirror is None:
             return sum(pending)
-        return sum(pending[:2 * remote.UPLOADS + (workers or default_workers()) + 1])
+        return sum(pending[:remote.LOCAL_FILES + (workers or default_workers()) + 1])
 
     def files(self, arriving: frozenset[str]) -> "PartFiles":
         return PartFiles(self.staging, self.part, self.pending, arriving, self.manifest)
