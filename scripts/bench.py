@@ -636,7 +636,8 @@ def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qw
     import socket
 
     root = work / f"s3-L{layers}"
-    # TP 8 and 500 MB shards: moto's server fails to complete multipart uploads of objects past ~1 GB
+    # TP 8: moto's server fails to complete multipart uploads of objects past ~1 GB; 200 MB shards: twenty files,
+    # so that an output streamed to s3:// holds a few of them locally at a time, not all
     generate_seconds = synthetic_dense(root, layers, preset, tp=8)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -657,15 +658,15 @@ def bench_object_storage(layers: int, work: Path, repeat: int, preset: str = "qw
             subprocess.run([sys.executable, "-c", S3_PUT, str(root / name), f"bench/in/{name}"], check=True)
         url = "s3://bench/in"
         remote_in = ["--base", f"{url}/base", "--lora", f"{url}/lora", "--hf-ref", f"{url}/hf_ref", "--no-progress",
-                     "--max-shard-size", "500MB"]
+                     "--max-shard-size", "200MB"]
         local_in = ["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
-                    "--no-progress", "--max-shard-size", "500MB"]
+                    "--no-progress", "--max-shard-size", "200MB"]
         dl = root / "downloaded"
         today = ["sh", "-c", f'"$0" -c "$1" bench/in "{dl}" && "$0" -m lora_merge --base "{dl}/base" --lora "{dl}/lora" '
-                 f'--hf-ref "{dl}/hf_ref" --out "{root}/merged" --no-progress -q --max-shard-size 500MB && "$0" -c "$2" "{root}/merged" '
+                 f'--hf-ref "{dl}/hf_ref" --out "{root}/merged" --no-progress -q --max-shard-size 200MB && "$0" -c "$2" "{root}/merged" '
                  f'bench/today/merged', sys.executable, S3_GET, S3_PUT]
         file_in = ["--base", f"file://{root}/base", "--lora", f"file://{root}/lora", "--hf-ref", f"file://{root}/hf_ref",
-                   "--no-progress", "--max-shard-size", "500MB"]
+                   "--no-progress", "--max-shard-size", "200MB"]
         variants = [("local disk -> local disk", LORA_MERGE + local_in + ["--out", str(root / "merged")]),
                     ("file:// (ranged reads through fsspec, no server) -> local disk",
                      LORA_MERGE + file_in + ["--out", str(root / "merged")]),
