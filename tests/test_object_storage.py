@@ -257,3 +257,36 @@ def test_what_the_command_prints_names_url_inputs_by_their_urls(tmp_path, capsys
     assert main(["verify", str(tmp_path / "o"), *given[:6]]) == 0
     printed = capsys.readouterr()
     assert "memory://printed/base" in printed.out and "lora-merge-remote-" not in printed.out + printed.err
+
+
+def test_the_input_check_before_publishing_is_the_runs_own(tmp_path):
+    """API calls in two threads: an input of one run rewritten stops that run, not a run in another thread."""
+    import threading
+
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    mem.pipe("/own/a/config.json", b"{}")
+    outcome = {}
+    opened, changed = threading.Event(), threading.Event()
+
+    def other_run():
+        with remote.RemoteRun() as run:
+            run.input("memory://own/a")
+            opened.set()
+            changed.wait(10)
+            try:
+                remote.check_inputs_unchanged()
+            except lora_merge.MergeError as exc:
+                outcome["other"] = str(exc)
+
+    thread = threading.Thread(target=other_run)
+    thread.start()
+    opened.wait(10)
+    mem.pipe("/own/a/config.json", b'{"changed": 1}')
+    with remote.RemoteRun() as mine:
+        mine.input("memory://own/a")  # listed after the change: this run read the new object
+        remote.check_inputs_unchanged()
+    changed.set()
+    thread.join()
+    assert outcome["other"].startswith("memory://own/a/config.json: was written again")

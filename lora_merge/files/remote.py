@@ -280,10 +280,15 @@ def listed_files(path) -> list | None:
     return [[listing.url, rel, size, version] for rel, (size, version) in sorted(listing.objects.items())]
 
 
+_OPEN = threading.local()  # the RemoteRuns open in this thread: a run's inputs (API calls in other threads have theirs)
+
+
 def check_inputs_unchanged() -> None:
-    """Before anything is published: every input URL still holds the objects this run listed (size and ETag),
-    so a model is never made of two versions of a file (ranged reads are not pinned to a version)."""
-    for listing in list(_SHADOWS.values()):
+    """Before anything is published: every input URL of the runs open in this thread still holds the objects they
+    listed (size and ETag), so a model is never made of two versions of a file (ranged reads are not pinned to a
+    version)."""
+    listings = [_SHADOWS[shadow] for run in getattr(_OPEN, "runs", ()) for shadow in run._shadows if shadow in _SHADOWS]
+    for listing in listings:
         now = _objects(listing.fs, listing.remote, listing.url)
         for rel, identity in sorted(listing.objects.items()):
             info = now.get(rel)
@@ -302,6 +307,7 @@ class RemoteRun:
         self.root = Path(tempfile.mkdtemp(prefix="lora-merge-remote-", dir=local_dir))
         self._lazies: list[_Lazy] = []
         self._shadows: list[str] = []
+        _OPEN.runs = [*getattr(_OPEN, "runs", ()), self]
         self._count = 0
         self.output: tuple | None = None  # (fs, remote root, url, local staging dir): staged whole, `publish`
         self.mirror: RemoteOutput | None = None  # or each file uploaded once complete, as parts write theirs
@@ -314,6 +320,7 @@ class RemoteRun:
         self.close()
 
     def close(self) -> None:
+        _OPEN.runs = [run for run in getattr(_OPEN, "runs", ()) if run is not self]
         for lazy in self._lazies:
             _LAZY.pop(os.fspath(lazy.path), None)
             lazy.close()
