@@ -117,7 +117,8 @@ def _through_urls(*inputs: str, output: str | None = None, resumable: bool = Fal
                             else run.input(value)
                     url = kw.get(output) if to_url else None
                     if to_url and resumable and (continued or streamed):
-                        kw[output] = run.output_parts(url, fresh=streamed, finishing=fn.__name__ == "finish")
+                        kw[output] = run.output_parts(url, fresh=streamed, finishing=fn.__name__ == "finish",
+                                                      dry_run=bool(kw.get("dry_run")))
                         if streamed:
                             kw["resume"] = True  # (from nothing: part 0/1, finished at once)
                     elif to_url:

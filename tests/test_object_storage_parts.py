@@ -6,9 +6,12 @@ anything is published. Each output is compared byte for byte with a one-process 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -115,7 +118,7 @@ def test_finish_at_a_url_refuses_a_missing_part_a_replaced_object_and_another_pl
     assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
 
 
-def test_a_killed_run_to_a_url_is_continued_with_resume(s3, tmp_path, capsys):
+def test_a_killed_run_to_a_url_is_continued_with_resume(s3, tmp_path, capsys, monkeypatch):
     """Killed (SIGKILL: nothing is cleaned up) once some files are up: the objects stay, without an index or card;
     a plain rerun is refused and says --resume; --resume keeps what its manifest records and the object still
     holds, and gives the one-process bytes."""
@@ -127,7 +130,10 @@ def test_a_killed_run_to_a_url_is_continued_with_resume(s3, tmp_path, capsys):
             "def slow(*a, **k):\n    time.sleep(0.4); upload(*a, **k)\n"
             "remote._upload = slow\n"
             "from lora_merge.entry import main; sys.exit(main())")
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True)
+    local = tmp_path / "tmp"
+    local.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(local)})
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline and recorded(s3, "killed/merged") < 2:
         time.sleep(0.05)
@@ -136,7 +142,10 @@ def test_a_killed_run_to_a_url_is_continued_with_resume(s3, tmp_path, capsys):
     assert proc.returncode == -signal.SIGKILL
     left = objects(s3, "killed/merged")
     assert len(left) >= 2 and "model.safetensors.index.json" not in left and "README.md" not in left
+    assert [p.name[:len(remote.ROOT_PREFIX)] for p in local.iterdir()] == [remote.ROOT_PREFIX]  # what it left
+    monkeypatch.setattr(tempfile, "tempdir", str(local))
     run_failing(args, capsys, f"{out}: already holds objects", "pass --resume to continue")
+    assert not list(local.iterdir())  # the killed run's local directory (fetched ranges, files not uploaded) removed
     assert main([*args, "--resume"]) == 0
     assert "kept from an earlier run" in capsys.readouterr().out
     assert not s3.exists("models/killed/merged.manifests")
@@ -214,3 +223,124 @@ def test_an_output_url_that_cannot_be_written_is_named_before_the_run(s3, tmp_pa
                                              r"\(.*\); the output's parts are recorded there$"):
         api.merge(**local_inputs(), out="s3://no-such-bucket/m/merged", warn=quiet)
     assert "no-such-bucket" not in s3.ls("")  # a typo in the URL is not a new bucket
+
+
+def test_two_runs_to_one_url_at_once_never_leave_a_broken_model(tmp_path, monkeypatch):
+    """Both find the prefix empty before either writes. The first publishes; the second, whose uploads carry on
+    after that (the same names, the same bytes), then fails. It must not remove the first's files, and neither
+    publishes over the other: what is there is the one-process bytes, or no index and card at all."""
+    import fsspec
+
+    barrier = threading.Barrier(2, timeout=60)
+    output_parts = remote.RemoteRun.output_parts
+    mirrors = {}
+
+    def both_find_it_empty(self, *args, **kwargs):
+        local = output_parts(self, *args, **kwargs)
+        mirrors[threading.current_thread()] = self.mirror
+        barrier.wait()
+        return local
+
+    monkeypatch.setattr(remote.RemoteRun, "output_parts", both_find_it_empty)
+    first_done, outcome = threading.Event(), {}
+    submit = remote.RemoteOutput.submit
+    submitted = []
+
+    def second_goes_on_then_fails(self, path, name, done):
+        if self is mirrors.get(threading.main_thread()):
+            first_done.wait(60)  # the first has published by now
+            submitted.append(name)
+            if len(submitted) == 4:  # three uploaded over the first's objects
+                self.wait()
+                raise api.MergeError("stopped")
+        return submit(self, path, name, done)
+
+    monkeypatch.setattr(remote.RemoteOutput, "submit", second_goes_on_then_fails)
+
+    def first():
+        try:
+            api.merge(**local_inputs(), out="memory://dup/merged", max_shard_size=SHARD, warn=quiet)
+            outcome["first"] = "published"
+        except api.MergeError as exc:
+            outcome["first"] = str(exc)
+        first_done.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    with pytest.raises(api.MergeError, match="stopped"):
+        api.merge(**local_inputs(), out="memory://dup/merged", max_shard_size=SHARD, warn=quiet)
+    thread.join()
+    assert len(submitted) == 4
+    mem = fsspec.filesystem("memory")
+    if mem.exists("/dup/merged/README.md"):
+        got = {p.split("/dup/merged/", 1)[1]: mem.cat_file(p) for p in mem.find("/dup/merged")}
+        assert got == one_process(tmp_path), outcome
+    else:
+        assert not mem.exists("/dup/merged/model.safetensors.index.json"), outcome
+
+
+def test_a_failure_after_publishing_leaves_the_published_model(tmp_path, monkeypatch):
+    """A report beside the output that cannot be published after the model was: the error says so, and the
+    model at the URL stays (as a local output does)."""
+    import fsspec
+
+    from lora_merge.files.staged_dir import SideFile
+
+    def failing(self, force):
+        raise api.MergeError(f"{self.final}: appeared while this run was writing")
+
+    monkeypatch.setattr(SideFile, "publish", failing)
+    with pytest.raises(api.MergeError, match="appeared while this run was writing") as caught:
+        api.merge(**local_inputs(), out="memory://late/merged", max_shard_size=SHARD, warn=quiet,
+                  report=tmp_path / "report.json")
+    assert "removed" not in str(caught.value)
+    mem = fsspec.filesystem("memory")
+    got = {p.split("/late/merged/", 1)[1]: mem.cat_file(p) for p in mem.find("/late/merged")}
+    assert got == one_process(tmp_path)
+
+
+def test_a_write_check_left_by_a_killed_run_and_messages_name_the_url(tmp_path, capsys):
+    """A run checks the output URL by writing a temporary object; one a killed run left there is skipped by the
+    parts and by finish. Messages say where the files are: under the URL, not in a local OUT.parts."""
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    mem.pipe("/left/merged.manifests/.write-check.host-1-abcd.tmp", b"lora-merge")
+    out = "memory://left/merged"
+    api.merge(**local_inputs(), out=out, max_shard_size=SHARD, part="0/2", warn=quiet)
+    with pytest.raises(api.MergeError, match=rf"part 0/2 of a split into 2, this is --part 1/3; finish or remove {out} "
+                                             rf"and {out}.manifests before splitting differently"):
+        api.merge(**local_inputs(), out=out, max_shard_size=SHARD, part="1/3", warn=quiet)
+    api.merge(**local_inputs(), out=out, max_shard_size=SHARD, part="1/2", warn=quiet)
+    api.finish(out)
+    got = {p.split("/left/merged/", 1)[1]: mem.cat_file(p) for p in mem.find("/left/merged")}
+    assert got == one_process(tmp_path)
+
+
+def test_a_dry_run_writes_nothing_at_the_url(tmp_path):
+    target = tmp_path / "store"
+    for flags in ({}, {"part": "0/2"}, {"resume": True}):
+        api.merge(**local_inputs(), out=f"file://{target}/merged", dry_run=True, warn=quiet, **flags)
+    assert not target.exists()
+
+
+def test_abandoned_local_directories_of_killed_url_runs_are_removed(tmp_path, monkeypatch):
+    """A run with URLs keeps fetched ranges and files not yet uploaded under TMPDIR; a killed one's directory is
+    removed by the next run there, one whose run is alive (its lock held) is not."""
+    import fcntl
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    abandoned, alive = tmp_path / f"{remote.ROOT_PREFIX}old", tmp_path / f"{remote.ROOT_PREFIX}alive"
+    for root in (abandoned, alive):
+        root.mkdir()
+        (root / "1").mkdir()
+        (root / "1" / "model.safetensors").write_bytes(b"x" * 1000)
+        (root / remote.ROOT_LOCK).write_bytes(b"")
+    held = os.open(alive / remote.ROOT_LOCK, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        with remote.RemoteRun() as run:
+            assert not abandoned.exists() and alive.exists() and run.root.is_dir()
+        assert not run.root.exists()
+    finally:
+        os.close(held)

@@ -111,7 +111,8 @@ class PartsDir:
         name = manifest_name(index, count)
         temporary = self.manifests / f".{name}.{self.token}.tmp"
         with open(temporary, "x") as f:
-            f.write(json.dumps({MANIFEST_KEY: MANIFEST_FORMAT, **manifest}, indent=1) + "\n")
+            # (`writer`: which run wrote it last, so that a run at a URL can tell another run wrote the output too)
+            f.write(json.dumps({MANIFEST_KEY: MANIFEST_FORMAT, **manifest, "writer": self.token}, indent=1) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, self.manifests / name)
@@ -184,12 +185,12 @@ class PartsDir:
             else:
                 path.unlink()
 
-    def publish(self, force: bool, kind: str) -> None:
+    def publish(self, force: bool, kind: str, recorded: dict) -> None:
         """The files directory becomes the output (with `force`, swapped with an earlier output of this kind,
         which is then removed); then the manifests go. At a URL: what finish wrote is uploaded, the index and card
-        last."""
+        last, and the parts' files (`recorded`: their manifest entries) are checked to be there still."""
         if self.mirror is not None:
-            self.mirror.publish(self.files)
+            self.mirror.publish(self.files, recorded)
             return
         _fsync_tree(self.files)  # what finish wrote (the shards are flushed as they are placed)
         if force and self.out.is_dir() and not self.out.is_symlink():

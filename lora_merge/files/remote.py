@@ -33,7 +33,9 @@ from __future__ import annotations
 import io
 import os
 import re
+import secrets
 import shutil
+import socket
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +45,7 @@ from lora_merge import interrupts
 from lora_merge.errors import MergeError, UsageError
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")  # as files/parts_dir.py names a file being written
 # Files fetched by ranges; anything else is fetched whole when the shadow is made
 DATA_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".distcp")
 # One ranged GET, and how many run at once: 4 × 64 MB in flight at most. Fewer, larger requests cost less where
@@ -298,13 +301,46 @@ def check_inputs_unchanged() -> None:
                                  "once the input is complete")
 
 
+ROOT_PREFIX = "lora-merge-remote-"
+ROOT_LOCK = ".lora-merge-run.lock"
+
+
+def _hold_root(root: Path) -> int | None:
+    """A lock on this run's local directory, held while the run lives: what tells a later run it is not
+    abandoned (files/staged_dir.py's locks, as for a local output's staging)."""
+    from lora_merge.files.staged_dir import _create_locked
+
+    try:
+        return _create_locked(root / f"{ROOT_LOCK}.new", root / ROOT_LOCK)
+    except OSError:
+        return None
+
+
+def _remove_abandoned_roots(parent: Path) -> None:
+    """The local directories that killed runs left (fetched input ranges, output files not yet uploaded: up to
+    a model's size): those whose lock nobody holds. One without a lock (just being made) is left alone."""
+    from lora_merge.files.staged_dir import _lock_if_abandoned
+
+    for path in parent.glob(f"{ROOT_PREFIX}*"):
+        if path.is_symlink() or not path.is_dir():
+            continue
+        fd = _lock_if_abandoned(path / ROOT_LOCK)
+        if fd is not None:
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+
 class RemoteRun:
     """The URLs of one run: each input's shadow directory, the output's staging directory, and publishing.
     A context manager: on exit the shadows are closed and the local directory removed."""
 
     def __init__(self, storage_options: dict | None = None, local_dir: str | None = None):
         self.storage_options = storage_options
-        self.root = Path(tempfile.mkdtemp(prefix="lora-merge-remote-", dir=local_dir))
+        self.root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX, dir=local_dir))
+        self._lock = _hold_root(self.root)
+        _remove_abandoned_roots(self.root.parent)
         self._lazies: list[_Lazy] = []
         self._shadows: list[str] = []
         _OPEN.runs = [*getattr(_OPEN, "runs", ()), self]
@@ -321,6 +357,9 @@ class RemoteRun:
 
     def close(self) -> None:
         _OPEN.runs = [run for run in getattr(_OPEN, "runs", ()) if run is not self]
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
         for lazy in self._lazies:
             _LAZY.pop(os.fspath(lazy.path), None)
             lazy.close()
@@ -391,11 +430,11 @@ class RemoteRun:
         self.names[str(local)] = url.rstrip("/")
         return local
 
-    def output_parts(self, url: str, fresh: bool, finishing: bool = False) -> Path:
+    def output_parts(self, url: str, fresh: bool, finishing: bool = False, dry_run: bool = False) -> Path:
         """The local directory standing for an output `url` that is written as parts are (files/parts_dir.py):
         its parts' manifests fetched from `OUT.manifests/`, each file uploaded once complete. `fresh`: a run that
         must start from nothing (a one-process run: nothing at the URL yet); else a part, a resumed run or
-        `finishing`, which continue what the manifests record."""
+        `finishing`, which continue what the manifests record. A `dry_run` writes nothing there."""
         fs, remote = filesystem(url, self.storage_options)
         url, remote = url.rstrip("/"), remote.rstrip("/")
         local = self._slot() / last_component(url)
@@ -413,13 +452,13 @@ class RemoteRun:
                                 "another prefix"))
         (local.parent / f"{local.name}.manifests").mkdir()
         (local.parent / f"{local.name}.parts").mkdir()
-        if not finishing:
+        if not finishing and not dry_run:
             mirror.check_writable()
         mirror.fetch_manifests(local.parent / f"{local.name}.manifests")
         self.mirror = mirror
         _MIRRORS[str(local)] = mirror
-        for suffix in ("", ".parts", ".manifests"):
-            self.names[str(local) + suffix] = url + suffix
+        # (the files a parts directory holds are under the URL itself)
+        self.names.update({str(local): url, f"{local}.parts": url, f"{local}.manifests": f"{url}.manifests"})
         return local
 
     def discard_output(self) -> bool:
@@ -497,6 +536,8 @@ class RemoteOutput:
         self._futures: list = []
         self._lock = threading.Lock()
         self.uploaded: list[str] = []  # by this run, under the output and the manifests
+        self.written_manifests: dict[str, bytes] = {}  # each manifest as this run last wrote it
+        self.published = False
 
     def manifest_objects(self) -> dict[str, dict]:
         return _objects(self.fs, self.manifests_remote, self.url + ".manifests")
@@ -504,7 +545,8 @@ class RemoteOutput:
     def check_writable(self) -> None:
         """A small object written and removed: a missing bucket or a denied write is named before the run, not
         after it has merged everything."""
-        probe = f"{self.manifests_remote}/.write-check-{os.getpid()}-{threading.get_ident()}"
+        # (named as a temporary file: a run or finish that lists the manifests meanwhile, or after a kill, skips it)
+        probe = f"{self.manifests_remote}/.write-check.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
             _put_bytes(self.fs, probe, b"lora-merge")
             self.fs.rm_file(probe)
@@ -514,6 +556,8 @@ class RemoteOutput:
 
     def fetch_manifests(self, local_dir: Path) -> None:
         for rel in sorted(self.manifest_objects()):
+            if TEMPORARY.fullmatch(rel):  # another run's write check
+                continue
             if "/" in rel:
                 raise MergeError(f"{self.url}.manifests/{rel}: not a part manifest of lora-merge; the prefix is "
                                  "removed once the output is published: move it away")
@@ -523,6 +567,7 @@ class RemoteOutput:
                 raise MergeError(f"{self.url}.manifests/{rel}: cannot read ({type(exc).__name__}: {exc})") from None
 
     def put_manifest(self, name: str, data: bytes) -> None:
+        self.written_manifests[name] = data
         try:
             _put_bytes(self.fs, f"{self.manifests_remote}/{name}", data)  # (one PUT: the old or the new is seen)
         except Exception as exc:  # noqa: BLE001
@@ -612,8 +657,36 @@ class RemoteOutput:
         """Objects under the output that no part recorded and finish does not write (someone else's)."""
         return sorted(rel for rel in _objects(self.fs, self.remote, self.url) if rel not in keep and rel not in ours)
 
-    def publish(self, files: Path) -> None:
-        """Upload what `finish` wrote into `files` (the index and card last), then remove the manifests."""
+    def still_ours(self) -> bool:
+        """Whether every manifest this run wrote is still at the URL as it wrote it (each names its writer): not
+        so when another run writes the same output at the same time."""
+        for name, data in self.written_manifests.items():
+            try:
+                self.fs.invalidate_cache(f"{self.manifests_remote}/{name}")
+                if self.fs.cat_file(f"{self.manifests_remote}/{name}") != data:
+                    return False
+            except FileNotFoundError:
+                return False
+        return True
+
+    def published_by_another(self) -> bool:
+        """Whether the output holds an object that says it is complete (index, tracker, card) which this run did
+        not upload: another run published the same output."""
+        mine = set(self.uploaded)
+        for tail in LAST:
+            rpath = f"{self.remote}/{tail}"
+            self.fs.invalidate_cache(rpath)
+            if rpath not in mine and self.fs.exists(rpath):
+                return True
+        return False
+
+    def publish(self, files: Path, recorded: dict) -> None:
+        """Upload what `finish` wrote into `files` (the index and card last), then check that every file the parts
+        recorded is still the object they uploaded (another run at the same URL could have removed it meanwhile:
+        then what this run uploaded is removed again), then remove the manifests."""
+        if not self.still_ours():  # (a one-process run: two of them at once must not publish each other's files)
+            raise MergeError(f"{self.url}: another run wrote to it while this one did ({self.url}.manifests changed); "
+                             "nothing was published: run one at a time")
         names = sorted(p.relative_to(files).as_posix() for p in files.rglob("*") if p.is_file())
         last = [name for tail in LAST for name in names if name == tail or name.endswith("/" + tail)]
         done = []
@@ -625,6 +698,11 @@ class RemoteOutput:
                     done.append(rpath)
                     with self._lock:
                         self.uploaded.append(rpath)
+                gone = [name for name, entry in sorted(recorded.items()) if not self.still_there(name, entry, False)]
+                if gone:
+                    raise MergeError(f"{self.url}/{gone[0]}: changed or removed while this run published the output "
+                                     "(another run writing it at the same time?); the index and card were removed: "
+                                     "run one at a time")
         except BaseException as exc:
             for rpath in done:  # no index or card without the rest: the parts' files stay, finish can run again
                 try:
@@ -635,27 +713,34 @@ class RemoteOutput:
                 raise MergeError(f"{self.url}: upload failed ({type(exc).__name__}: {exc}); the index and card were "
                                  "not written") from None
             raise
+        self.published = True
         try:
             self.fs.rm(self.manifests_remote, recursive=True)
         except Exception:  # noqa: BLE001 - the model is complete; what is left is named where it is found again
             pass
+        _prune_dirs(self.fs, self.manifests_remote)
 
     def discard(self) -> bool:
-        """Remove what this run uploaded; whether there was anything."""
+        """Remove what this run uploaded; whether it was. Nothing once published (a failure after it is not the
+        output's), nor where another run has written the output since or published it (the same names: its
+        files)."""
         self.stop.set()
         self._pool.shutdown(wait=True)
+        if self.published or not self.still_ours():
+            self.uploaded = []
+            return False
         removed = bool(self.uploaded)
         for rpath in dict.fromkeys(self.uploaded):
+            if self.published_by_another():  # (checked before each: its files have the names this run's had)
+                removed = False
+                break
             try:
                 self.fs.rm_file(rpath)
             except Exception:  # noqa: BLE001 - best effort: the error that stopped the run is the one reported
                 pass
         self.uploaded = []
-        try:
-            if self.fs.isdir(self.manifests_remote) and not self.fs.find(self.manifests_remote):
-                self.fs.rmdir(self.manifests_remote)  # (a file system's empty directory; stores have none)
-        except Exception:  # noqa: BLE001
-            pass
+        _prune_dirs(self.fs, self.remote)
+        _prune_dirs(self.fs, self.manifests_remote)
         return removed
 
     def close(self) -> None:
@@ -667,17 +752,41 @@ class _Stopped(Exception):
     pass
 
 
+def _is_local(fs) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return bool({"file", "local"} & set(protocols))
+
+
+def _prune_dirs(fs, top: str) -> None:
+    """On a local file system: the empty directories at and below `top` removed (what uploads made and a
+    failure emptied; object stores have no directories)."""
+    if not _is_local(fs):
+        return
+    path = fs._strip_protocol(top)
+    for root, _, _ in sorted(os.walk(path), key=lambda item: -len(item[0])):
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+
+
 def _make_parent(fs, rpath: str) -> None:
     """A local file system needs the directories of what is written; an object store has none, and s3fs's
     makedirs would create a missing bucket (a typo in the URL must be an error, not a new bucket)."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    if {"file", "local"} & set(protocols):
+    if _is_local(fs):
         fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
 
 
 def _put_bytes(fs, rpath: str, data: bytes) -> None:
+    """One object written whole (a reader sees the old one or the new one: on a local file system, by a rename)."""
     _make_parent(fs, rpath)
-    fs.pipe_file(rpath, data)
+    if not _is_local(fs):
+        fs.pipe_file(rpath, data)
+        return
+    parent, name = rpath.rsplit("/", 1)
+    written = f"{parent}/.{name}.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fs.pipe_file(written, data)
+    fs.mv(written, rpath)
 
 
 def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) -> None:
@@ -686,15 +795,22 @@ def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) ->
     discarded (the multipart upload aborted), not committed by closing, and what a backend without discard
     wrote is removed. `stop` set: abandoned at the next 8 MB."""
     _make_parent(fs, rpath)
+    # a local file system shows a file as it is written: written under a temporary name and renamed (an object
+    # store shows an object once its upload completes)
+    parent, name = rpath.rsplit("/", 1)
+    written = f"{parent}/.{name}.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.tmp" \
+        if _is_local(fs) else rpath
     with open(local, "rb") as src:
         part = max(UPLOAD_PART_BYTES, -(-os.fstat(src.fileno()).st_size // MAX_PARTS // (1 << 20)) << 20)
-        dst = fs.open(rpath, "wb", block_size=part)
+        dst = fs.open(written, "wb", block_size=part)
         try:
             for chunk in iter(lambda: src.read(8 << 20), b""):
                 if stop is not None and stop.is_set():
                     raise _Stopped()
                 dst.write(chunk)
             dst.close()  # the last part, and the upload completed
+            if written != rpath:
+                fs.mv(written, rpath)
         except BaseException:
             try:
                 discard = getattr(dst, "discard", None)
@@ -704,8 +820,8 @@ def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) ->
             except Exception:  # noqa: BLE001 - a backend without discard (file://, memory://): removed below
                 pass
             try:
-                if fs.exists(rpath):
-                    fs.rm_file(rpath)
+                if fs.exists(written):
+                    fs.rm_file(written)
             except Exception:  # noqa: BLE001 - best effort; the first error is the one to report
                 pass
             raise

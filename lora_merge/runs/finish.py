@@ -163,7 +163,7 @@ def _run_finish(out: Path, force: bool, workers: int | None, rehash: bool, open_
     try:
         check_inputs_unchanged()  # (the reference, where it is at a URL)
         ignore_signals()  # the point of no return, as for a one-process run
-        staging.publish(force, kind)
+        staging.publish(force, kind, checked)
     except BaseException:
         if report is not None:
             report.discard()

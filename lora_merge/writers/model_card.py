@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lora_merge.version import __version__
 from lora_merge.errors import MergeError
+from lora_merge.files import remote
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub names repositories
 # huggingface_hub's cache: HF_HOME/hub/models--ORG--NAME/snapshots/REVISION/ (a repo id never holds "--").
@@ -74,8 +75,11 @@ def resolve_base_model(explicit: str | None, dirs, hf_config: dict, recorded=())
     for source in (*recorded, hf_config.get("_name_or_path")):
         if isinstance(source, str) and HUB_ID.match(source) and not os.path.isabs(source) and valid_hub_id(source):
             return source, None
-    shown = next((str(d) for d in dirs if d is not None), "the reference")
-    return None, (f"{shown} is a local directory that names no Hub model (not an HF cache snapshot, no "
+    shown = next((d for d in dirs if d is not None), None)
+    url = shown is not None and remote.is_url(remote.source_name(shown))  # (an input at a URL: named by it)
+    what = "the reference" if shown is None else remote.source_name(shown) if url else str(shown)
+    kind = "a URL" if url else "a local directory"
+    return None, (f"{what} is {kind} that names no Hub model (not an HF cache snapshot, no "
                   "_name_or_path): the model card gets no base_model; pass --base-model-id ORG/NAME to set it")
 
 
