@@ -278,8 +278,10 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
     has run (any order, any host sharing the directory). `resume`: keep the files that a killed run of this
     part (or, without `part`, of this merge) completed, checked by their sha256.
 
-    `base`, `lora`, `hf_ref` and `out` may be URLs (s3://…, or any fsspec URL), read by byte ranges and published
-    whole (files/remote.py); `storage_options` go to the URL's filesystem."""
+    `base`, `lora`, `hf_ref` and `out` may be URLs (s3://…, or any fsspec URL), read by byte ranges, each output
+    file uploaded once complete and the index and card last (files/remote.py); `storage_options` go to the URL's
+    filesystem. A dry run's `plan` and `inputs` then refer to local copies removed when it returns (its other
+    fields name the URLs)."""
     if lora is None and base is None:
         raise MergeError("merge: give lora (a LoRA to merge) or base (a Megatron checkpoint to convert), or both")
     loras, weights = _loras(lora, lora_weights)
