@@ -319,17 +319,11 @@ def _hold_root(root: Path) -> int | None:
 def _remove_abandoned_roots(parent: Path) -> None:
     """The local directories that killed runs left (fetched input ranges, output files not yet uploaded: up to
     a model's size): those whose lock nobody holds. One without a lock (just being made) is left alone."""
-    from lora_merge.files.staged_dir import _lock_if_abandoned
+    from lora_merge.files.staged_dir import remove_if_abandoned
 
     for path in parent.glob(f"{ROOT_PREFIX}*"):
-        if path.is_symlink() or not path.is_dir():
-            continue
-        fd = _lock_if_abandoned(path / ROOT_LOCK)
-        if fd is not None:
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-            finally:
-                os.close(fd)
+        if not path.is_symlink() and path.is_dir():
+            remove_if_abandoned(path, ROOT_LOCK)
 
 
 class RemoteRun:

@@ -414,12 +414,18 @@ def remove_abandoned_staging(out: Path, inputs: InputPaths) -> None:
     for path in out.parent.glob(f"{_prefix(glob_escape(out.name))}*"):
         if path.is_symlink() or not path.is_dir() or inputs.conflict(path) is not None:
             continue
-        fd = _lock_if_abandoned(path / STAGING_LOCK)
-        if fd is not None:
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-            finally:
-                os.close(fd)
+        remove_if_abandoned(path, STAGING_LOCK)
+
+
+def remove_if_abandoned(directory: Path, lock: str) -> None:
+    """Delete `directory` when the run that made it is gone: its lock file `lock` is there and nobody holds it
+    (held for this, so that no other cleanup runs into this one)."""
+    fd = _lock_if_abandoned(directory / lock)
+    if fd is not None:
+        try:
+            shutil.rmtree(directory, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def remove_abandoned_side_files(target: Path, inputs: InputPaths) -> None:
