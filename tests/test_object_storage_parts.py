@@ -344,3 +344,61 @@ def test_abandoned_local_directories_of_killed_url_runs_are_removed(tmp_path, mo
         assert not run.root.exists()
     finally:
         os.close(held)
+
+
+def test_a_failed_manifest_write_still_removes_everything_the_run_uploaded(monkeypatch):
+    """The manifest at the URL is then an older one of this run's: still its own, so the run removes what it
+    uploaded (and on a local file system leaves no temporary file)."""
+    import fsspec
+
+    put = remote._put_bytes
+    writes = []
+
+    def failing(fs, rpath, data):
+        if rpath.endswith(".json"):
+            writes.append(rpath)
+            if len(writes) == 4:
+                raise OSError("connection reset")
+        return put(fs, rpath, data)
+
+    monkeypatch.setattr(remote, "_put_bytes", failing)
+    with pytest.raises(api.MergeError, match="connection reset.*the objects uploaded were removed"):
+        api.merge(**local_inputs(), out="memory://mput/merged", max_shard_size=SHARD, warn=quiet)
+    assert not fsspec.filesystem("memory").find("/mput")
+
+
+def test_on_a_local_file_system_a_failed_write_leaves_no_temporary_file_and_a_killed_ones_is_removed(tmp_path,
+                                                                                                       monkeypatch):
+    import fsspec
+
+    fs = fsspec.filesystem("file")
+    pipe = type(fs).pipe_file
+
+    def short(self, path, value, *args, **kwargs):
+        pipe(self, path, value[:3])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(fs), "pipe_file", short)
+    with pytest.raises(OSError, match="No space"):
+        remote._put_bytes(fs, f"{tmp_path}/m/part.json", b"{}" * 10)
+    assert not list((tmp_path / "m").iterdir())
+    monkeypatch.undo()
+    monkeypatch.setattr(options, "MIN_SHARD_BYTES", 1)
+    # what a run killed mid-upload leaves: a temporary file under the output; finish removes it
+    out = f"file://{tmp_path}/store/merged"
+    api.merge(**local_inputs(), out=out, max_shard_size=SHARD, part="0/2", warn=quiet)
+    left = tmp_path / "store" / "merged" / ".model-00008-of-00008.safetensors.host-123-abcd1234.tmp"
+    left.write_bytes(b"partial")
+    api.merge(**local_inputs(), out=out, max_shard_size=SHARD, part="1/2", warn=quiet)
+    api.finish(out)
+    assert not left.exists()
+    assert files(tmp_path / "store" / "merged") == one_process(tmp_path)
+
+
+def test_a_write_check_left_by_a_killed_run_does_not_block_a_new_run():
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    mem.pipe("/probe/merged.manifests/.write-check.host-1-abcd.tmp", b"lora-merge")
+    api.merge(**local_inputs(), out="memory://probe/merged", max_shard_size=SHARD, warn=quiet)
+    assert mem.exists("/probe/merged/README.md")

@@ -31,6 +31,7 @@ backends take them: for S3 the standard AWS variables (`AWS_ACCESS_KEY_ID`, `AWS
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import secrets
@@ -433,7 +434,7 @@ class RemoteRun:
         url, remote = url.rstrip("/"), remote.rstrip("/")
         local = self._slot() / last_component(url)
         mirror = RemoteOutput(fs, remote, url, local)
-        manifests = mirror.manifest_objects()
+        manifests = {rel: info for rel, info in mirror.manifest_objects().items() if not TEMPORARY.fullmatch(rel)}
         objects = _objects(fs, remote, url)
         if fresh and (objects or manifests):
             held = f"{url}.manifests" if manifests and not objects else url
@@ -530,7 +531,8 @@ class RemoteOutput:
         self._futures: list = []
         self._lock = threading.Lock()
         self.uploaded: list[str] = []  # by this run, under the output and the manifests
-        self.written_manifests: dict[str, bytes] = {}  # each manifest as this run last wrote it
+        self.written_manifests: dict[str, bool] = {}  # the manifests this run wrote (they name it as `writer`)
+        self.writer: str | None = None
         self.published = False
 
     def manifest_objects(self) -> dict[str, dict]:
@@ -561,7 +563,8 @@ class RemoteOutput:
                 raise MergeError(f"{self.url}.manifests/{rel}: cannot read ({type(exc).__name__}: {exc})") from None
 
     def put_manifest(self, name: str, data: bytes) -> None:
-        self.written_manifests[name] = data
+        self.written_manifests[name] = True
+        self.writer = json.loads(data).get("writer")  # (the same for every manifest of one run)
         try:
             _put_bytes(self.fs, f"{self.manifests_remote}/{name}", data)  # (one PUT: the old or the new is seen)
         except Exception as exc:  # noqa: BLE001
@@ -648,18 +651,32 @@ class RemoteOutput:
         return digest.hexdigest() == entry["sha256"]
 
     def foreign(self, keep: set[str], ours: set[str]) -> list[str]:
-        """Objects under the output that no part recorded and finish does not write (someone else's)."""
-        return sorted(rel for rel in _objects(self.fs, self.remote, self.url) if rel not in keep and rel not in ours)
+        """Objects under the output that no part recorded and finish does not write (someone else's). What a
+        killed run left under a temporary name (a local file system's upload in progress) is removed."""
+        found = []
+        for rel in sorted(_objects(self.fs, self.remote, self.url)):
+            if TEMPORARY.fullmatch(rel.rsplit("/", 1)[-1]):
+                try:
+                    self.fs.rm_file(f"{self.remote}/{rel}")
+                except Exception:  # noqa: BLE001 - best effort: a leftover temporary file harms nothing
+                    pass
+            elif rel not in keep and rel not in ours:
+                found.append(rel)
+        return found
 
     def still_ours(self) -> bool:
-        """Whether every manifest this run wrote is still at the URL as it wrote it (each names its writer): not
-        so when another run writes the same output at the same time."""
-        for name, data in self.written_manifests.items():
+        """Whether every manifest this run wrote still names this run as its writer: not so when another run
+        writes the same output at the same time (or finished it, removing the manifests). A write of ours that
+        failed leaves our earlier manifest, still ours."""
+        for name in self.written_manifests:
             try:
                 self.fs.invalidate_cache(f"{self.manifests_remote}/{name}")
-                if self.fs.cat_file(f"{self.manifests_remote}/{name}") != data:
-                    return False
+                writer = json.loads(self.fs.cat_file(f"{self.manifests_remote}/{name}")).get("writer")
             except FileNotFoundError:
+                return False
+            except (ValueError, AttributeError):
+                return False
+            if writer != self.writer:
                 return False
         return True
 
@@ -720,12 +737,19 @@ class RemoteOutput:
         files)."""
         self.stop.set()
         self._pool.shutdown(wait=True)
-        if self.published or not self.still_ours():
-            self.uploaded = []
+        try:
+            if self.published or not self.still_ours():
+                self.uploaded = []
+                return False
+        except Exception:  # noqa: BLE001 - the store cannot say: leave it (the error that stopped the run is reported)
             return False
         removed = bool(self.uploaded)
         for rpath in dict.fromkeys(self.uploaded):
-            if self.published_by_another():  # (checked before each: its files have the names this run's had)
+            try:
+                if self.published_by_another():  # (checked before each: its files have the names this run's had)
+                    removed = False
+                    break
+            except Exception:  # noqa: BLE001 - as above
                 removed = False
                 break
             try:
@@ -779,8 +803,20 @@ def _put_bytes(fs, rpath: str, data: bytes) -> None:
         return
     parent, name = rpath.rsplit("/", 1)
     written = f"{parent}/.{name}.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    fs.pipe_file(written, data)
-    fs.mv(written, rpath)
+    try:
+        fs.pipe_file(written, data)
+        _rename_local(fs, written, rpath)
+    except BaseException:
+        try:
+            fs.rm_file(written)
+        except Exception:  # noqa: BLE001 - best effort; the first error is the one to report
+            pass
+        raise
+
+
+def _rename_local(fs, src: str, dst: str) -> None:
+    """A rename on a local file system (fsspec's mv would move a file into `dst` where that is a directory)."""
+    os.replace(fs._strip_protocol(src), fs._strip_protocol(dst))
 
 
 def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) -> None:
@@ -804,7 +840,7 @@ def _upload(fs, local: Path, rpath: str, stop: threading.Event | None = None) ->
                 dst.write(chunk)
             dst.close()  # the last part, and the upload completed
             if written != rpath:
-                fs.mv(written, rpath)
+                _rename_local(fs, written, rpath)
         except BaseException:
             try:
                 discard = getattr(dst, "discard", None)
