@@ -44,6 +44,7 @@ from pathlib import Path
 
 from lora_merge import interrupts
 from lora_merge.errors import MergeError, UsageError
+from lora_merge.files.run_locks import create_locked, remove_if_abandoned
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")  # as files/parts_dir.py names a file being written
@@ -308,11 +309,9 @@ ROOT_LOCK = ".lora-merge-run.lock"
 
 def _hold_root(root: Path) -> int | None:
     """A lock on this run's local directory, held while the run lives: what tells a later run it is not
-    abandoned (files/staged_dir.py's locks, as for a local output's staging)."""
-    from lora_merge.files.staged_dir import _create_locked
-
+    abandoned (files/run_locks.py, as for a local output's staging)."""
     try:
-        return _create_locked(root / f"{ROOT_LOCK}.new", root / ROOT_LOCK)
+        return create_locked(root / f"{ROOT_LOCK}.new", root / ROOT_LOCK)
     except OSError:
         return None
 
@@ -320,8 +319,6 @@ def _hold_root(root: Path) -> int | None:
 def _remove_abandoned_roots(parent: Path) -> None:
     """The local directories that killed runs left (fetched input ranges, output files not yet uploaded: up to
     a model's size): those whose lock nobody holds. One without a lock (just being made) is left alone."""
-    from lora_merge.files.staged_dir import remove_if_abandoned
-
     for path in parent.glob(f"{ROOT_PREFIX}*"):
         if not path.is_symlink() and path.is_dir():
             remove_if_abandoned(path, ROOT_LOCK)

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import shutil
 import socket
-import stat
 import tempfile
 from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
 from lora_merge.files import remote
+from lora_merge.files.run_locks import create_locked, lock_if_abandoned, remove_if_abandoned
 from lora_merge.interrupts import ignore_signals
 from lora_merge.readers.detect import what_is
 from lora_merge.files.ownership import MERGED_MODEL, check_replaceable, report_refusal
@@ -116,45 +115,6 @@ def check_free_space(out: Path, tensor_bytes: int, copied_bytes: int = 0,
                          f"{gigabytes(free)} are free")
 
 
-def _create_locked(new: Path, final: Path) -> int:
-    """Create the file `final`, already locked by this process: created and locked under `new` (a name no
-    cleanup looks at), then renamed, so that no other run can find it at `final` unlocked while we live.
-    Where the file system offers no locks it is left unlocked, and then no other run ever takes it for
-    abandoned (it cannot prove that)."""
-    fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pass
-        os.rename(new, final)
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(new)
-        except OSError:
-            pass
-        raise
-    return fd
-
-
-def _lock_if_abandoned(path: Path) -> int | None:
-    """An fd holding the lock of the regular file `path` when its run is gone (nobody holds it), else None:
-    held by a live run, not a regular file, or a file system without locks (nothing can be proven there)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _same_file(fd: int, path: Path) -> bool:
     try:
         a, b = os.fstat(fd), os.lstat(path)
@@ -172,7 +132,7 @@ class SideFile:
         self.tmp = final.parent / f"{_prefix(final.name)}{os.getpid()}-{os.urandom(4).hex()}"
         new = final.parent / f"{_prefix(final.name, 'new')}{os.getpid()}-{os.urandom(4).hex()}"
         try:
-            self._fd: int | None = _create_locked(new, self.tmp)
+            self._fd: int | None = create_locked(new, self.tmp)
         except OSError as exc:
             raise _named(exc, final) from exc
 
@@ -255,7 +215,7 @@ class StagedOutput:
         self.dir = Path(tempfile.mkdtemp(prefix=f"{_prefix(self.out.name)}{os.getpid()}-", dir=self.out.parent))
         try:
             os.chmod(self.dir, 0o777 & ~current_umask())  # mkdtemp's 0700 would make the result private by accident
-            self._lock = _create_locked(self.dir / f"{STAGING_LOCK}.new", self.dir / STAGING_LOCK)
+            self._lock = create_locked(self.dir / f"{STAGING_LOCK}.new", self.dir / STAGING_LOCK)
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
@@ -417,23 +377,12 @@ def remove_abandoned_staging(out: Path, inputs: InputPaths) -> None:
         remove_if_abandoned(path, STAGING_LOCK)
 
 
-def remove_if_abandoned(directory: Path, lock: str) -> None:
-    """Delete `directory` when the run that made it is gone: its lock file `lock` is there and nobody holds it
-    (held for this, so that no other cleanup runs into this one)."""
-    fd = _lock_if_abandoned(directory / lock)
-    if fd is not None:
-        try:
-            shutil.rmtree(directory, ignore_errors=True)
-        finally:
-            os.close(fd)
-
-
 def remove_abandoned_side_files(target: Path, inputs: InputPaths) -> None:
     """Delete the hidden side files (reports being written) of killed runs next to `target`, as above."""
     for path in target.parent.glob(f"{_prefix(glob_escape(target.name))}*"):
         if path.is_symlink() or inputs.conflict(path) is not None:
             continue
-        fd = _lock_if_abandoned(path)
+        fd = lock_if_abandoned(path)
         if fd is not None:
             try:
                 if _same_file(fd, path):
