@@ -402,3 +402,28 @@ def test_a_write_check_left_by_a_killed_run_does_not_block_a_new_run():
     mem.pipe("/probe/merged.manifests/.write-check.host-1-abcd.tmp", b"lora-merge")
     api.merge(**local_inputs(), out="memory://probe/merged", max_shard_size=SHARD, warn=quiet)
     assert mem.exists("/probe/merged/README.md")
+
+
+@pytest.mark.parametrize("fixture", ["qwen3moe_dist_ep2", "deepseek_v3_mtp_tp2etp1_ep2"])
+def test_moe_and_deepseek_from_urls_in_parts_to_a_url(tmp_path, fixture):
+    """The same for an MoE (torch_dist) and a DeepSeek-V3 (MLA, MTP, EP) fixture, inputs and output at URLs:
+    seven parts, run in reverse order, then finish give the one-process local bytes."""
+    import fsspec
+
+    from helpers import fixture_info, fixture_root
+
+    root = fixture_root(fixture)
+    given = dict(lora=root / "lora", hf_ref=root / "hf_ref")
+    if fixture_info(root)["lora"] == "filtered":
+        given["base"] = root / "base"
+    mem = fsspec.filesystem("memory")
+    mem.put(str(root), f"/in-{fixture}", recursive=True)
+    urls = {k: f"memory://in-{fixture}/{v.name}" for k, v in given.items()}
+    local = out_dir(tmp_path, "local", "merged")
+    api.merge(**given, out=local, max_shard_size=SHARD, warn=quiet)
+    out = f"memory://out-{fixture}/merged"
+    for index in reversed(range(7)):
+        api.merge(**urls, out=out, max_shard_size=SHARD, part=f"{index}/7", warn=quiet)
+    api.finish(out)
+    got = {p.split(f"/out-{fixture}/merged/", 1)[1]: mem.cat_file(p) for p in mem.find(f"/out-{fixture}/merged")}
+    assert got == files(local)
