@@ -427,3 +427,25 @@ def test_moe_and_deepseek_from_urls_in_parts_to_a_url(tmp_path, fixture):
     api.finish(out)
     got = {p.split(f"/out-{fixture}/merged/", 1)[1]: mem.cat_file(p) for p in mem.find(f"/out-{fixture}/merged")}
     assert got == files(local)
+
+
+def test_where_locks_are_per_process_a_run_never_removes_another_threads_directory(tmp_path, monkeypatch):
+    """NFS emulates flock with POSIX locks, which belong to the process: another open of a lock file in the same
+    process takes it. A run must still not take the directory of a live run in another thread for abandoned."""
+    import fcntl
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    flock = fcntl.flock
+    held: set[int] = set()
+
+    def per_process(fd, op):  # as POSIX locks behave: this process always gets them
+        if op & fcntl.LOCK_UN:
+            held.discard(os.fstat(fd).st_ino)
+        else:
+            held.add(os.fstat(fd).st_ino)
+
+    monkeypatch.setattr(fcntl, "flock", per_process)
+    with remote.RemoteRun() as first:
+        with remote.RemoteRun() as second:
+            assert first.root.is_dir() and second.root.is_dir()
+    monkeypatch.setattr(fcntl, "flock", flock)

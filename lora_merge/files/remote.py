@@ -44,7 +44,7 @@ from pathlib import Path
 
 from lora_merge import interrupts
 from lora_merge.errors import MergeError, UsageError
-from lora_merge.files.run_locks import create_locked, remove_if_abandoned
+from lora_merge.files.run_locks import create_locked, release, remove_if_abandoned
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")  # as files/parts_dir.py names a file being written
@@ -350,7 +350,7 @@ class RemoteRun:
     def close(self) -> None:
         _OPEN.runs = [run for run in getattr(_OPEN, "runs", ()) if run is not self]
         if self._lock is not None:
-            os.close(self._lock)
+            release(self._lock)
             self._lock = None
         for lazy in self._lazies:
             _LAZY.pop(os.fspath(lazy.path), None)

@@ -11,6 +11,11 @@ import shutil
 import stat
 from pathlib import Path
 
+# The lock files this process holds (device, inode) until `release`. On a file system where flock is emulated with
+# POSIX locks (NFS), a lock is the process's: another open of the file in this process takes it again, so a live
+# run of another thread would look abandoned. This process never takes one it holds for abandoned.
+_OURS: set[tuple[int, int]] = set()
+
 
 def create_locked(new: Path, final: Path) -> int:
     """Create the file `final`, already locked by this process: created and locked under `new` (a name no
@@ -24,6 +29,8 @@ def create_locked(new: Path, final: Path) -> int:
         except OSError:
             pass
         os.rename(new, final)
+        info = os.fstat(fd)
+        _OURS.add((info.st_dev, info.st_ino))
     except BaseException:
         os.close(fd)
         try:
@@ -34,16 +41,29 @@ def create_locked(new: Path, final: Path) -> int:
     return fd
 
 
+def release(fd: int) -> None:
+    """Let go of a lock `create_locked` made (its file may then be taken for abandoned, even by this process)."""
+    try:
+        info = os.fstat(fd)
+        _OURS.discard((info.st_dev, info.st_ino))
+    finally:
+        os.close(fd)
+
+
 def lock_if_abandoned(path: Path) -> int | None:
     """An fd holding the lock of the regular file `path` when its run is gone (nobody holds it), else None:
-    held by a live run, not a regular file, or a file system without locks (nothing can be proven there)."""
+    held by a live run, one of this process's, not a regular file, or a file system without locks (nothing can be
+    proven there)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
+        if (info.st_dev, info.st_ino) in _OURS:
+            raise OSError(errno.EBUSY, "this process's own")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)

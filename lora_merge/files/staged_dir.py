@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lora_merge.errors import MergeError, OutputConflict
 from lora_merge.files import remote
-from lora_merge.files.run_locks import create_locked, lock_if_abandoned, remove_if_abandoned
+from lora_merge.files.run_locks import create_locked, lock_if_abandoned, release, remove_if_abandoned
 from lora_merge.interrupts import ignore_signals
 from lora_merge.readers.detect import what_is
 from lora_merge.files.ownership import MERGED_MODEL, check_replaceable, report_refusal
@@ -187,7 +187,7 @@ class SideFile:
 
     def _release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            release(self._fd)
             self._fd = None
 
 
@@ -299,7 +299,7 @@ class StagedOutput:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
-            os.close(self._lock)
+            release(self._lock)
             self._lock = None
 
 
