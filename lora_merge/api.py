@@ -81,12 +81,12 @@ def _storage_options(value) -> dict:
     return value
 
 
-def _through_urls(*inputs: str, output: str | None = None, resumable: bool = False):
+def _through_urls(*inputs: str, output: str | None = None, resumable: bool = False, finishes: bool = False):
     """Let the decorated function take URLs (s3://…, any fsspec URL; files/remote.py) for `inputs` and `output`:
     inputs are read through local shadow directories. A `resumable` function's output at a URL is written as
     parts are (each file uploaded once complete, `--part`/`--resume`/`finish` at the URL); where the run checks its
     output before publishing it (`verify`, `sha256=False`) or cannot be resumed, the output is staged locally
-    whole and published once complete."""
+    whole and published once complete. `finishes`: the function publishes the parts already at `output`."""
     def wrap(fn):
         signature = _signature.signature(fn)
 
@@ -106,7 +106,7 @@ def _through_urls(*inputs: str, output: str | None = None, resumable: bool = Fal
             if to_url and kw.get("force"):
                 raise UsageError(f"{argument_name('force')} with {argument_name(output)} {kw[output]}: an output at a "
                                  "URL is never written over (remove its objects first)")
-            continued = kw.get("part") is not None or bool(kw.get("resume")) or fn.__name__ == "finish"
+            continued = kw.get("part") is not None or bool(kw.get("resume")) or finishes
             streamed = to_url and resumable and not continued and not kw.get("verify") and kw.get("sha256", True) \
                 and not kw.get("dry_run")
             with remote.RemoteRun(options) as run:
@@ -117,7 +117,7 @@ def _through_urls(*inputs: str, output: str | None = None, resumable: bool = Fal
                             else run.input(value)
                     url = kw.get(output) if to_url else None
                     if to_url and resumable and (continued or streamed):
-                        kw[output] = run.output_parts(url, fresh=streamed, finishing=fn.__name__ == "finish",
+                        kw[output] = run.output_parts(url, fresh=streamed, finishing=finishes,
                                                       dry_run=bool(kw.get("dry_run")))
                         if streamed:
                             kw["resume"] = True  # (from nothing: part 0/1, finished at once)
@@ -300,7 +300,7 @@ def merge(*, hf_ref, out, lora=None, base=None, dtype: str = "auto", max_shard_s
     return run_merge(opts)
 
 
-@_through_urls(output="out", resumable=True)
+@_through_urls(output="out", resumable=True, finishes=True)
 def finish(out, *, force: bool = False, workers: int | None = None, rehash: bool = True,
            storage_options: dict | None = None) -> FinishResult:
     """Publish a merge run in parts (`merge(..., part="I/N")`) at `out`: every part of one plan must have
