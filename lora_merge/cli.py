@@ -29,6 +29,7 @@ from lora_merge.options import MAX_WORKERS
 from lora_merge.options import (DEFAULT_SHARD_BYTES, DTYPE_NAMES, EXPERT_FORMATS,
                                 VLLM_DEFAULT_MAX_LORA_RANK, parse_size)
 from lora_merge.files.parts_dir import STAGED
+from lora_merge.files.prefetch import start_early_reads, stop_early_reads
 from lora_merge.files.staged_dir import PUBLISHED
 
 if TYPE_CHECKING:
@@ -569,6 +570,17 @@ def what_was_written() -> str:
 
 
 def _run(command: str, opts, console: Console) -> int:
+    if command == "merge" and not (opts.dry_run or opts.part or opts.resume):
+        # the disk would idle while torch and transformers are imported (~2 s): their input files are read then
+        # (a part or a resumed run reads only some of them)
+        start_early_reads([opts.base], list(opts.lora or ()))
+    try:
+        return _run_command(command, opts, console)
+    finally:
+        stop_early_reads()  # a run that failed before its merge began
+
+
+def _run_command(command: str, opts, console: Console) -> int:
     from lora_merge import api  # torch, transformers, safetensors: only once the arguments are understood
 
     raise_if_received()  # a signal an import swallowed still stops the run

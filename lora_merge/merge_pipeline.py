@@ -27,6 +27,7 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
+from lora_merge.files.prefetch import Prefetcher, stop_early_reads
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows, scale_shape
 from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock, SlabBlock
 from lora_merge.lora import StackedExpertsDelta
@@ -156,10 +157,12 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
         raise MergeError(f"workers={workers!r}: expected a whole number from 1 to {MAX_WORKERS}")
     started = time.thread_time()
-    checker = pool = None
+    checker = pool = prefetcher = None
     _single_threaded_torch(True)
     try:  # the caller's thread count comes back however this ends, a checker that fails to start included
-        checker = RecordChecker(list(_crc_jobs(plan)))
+        jobs = list(_crc_jobs(plan))
+        prefetcher = Prefetcher(((due, refs) for due, refs, _ in jobs), read_early=stop_early_reads())
+        checker = RecordChecker(jobs)
         pool = OrderedPool(workers)
 
         quantizers: dict[str, BlockQuantizer] = {}  # FP8 output: a weight's rows quantized as they come, in order
@@ -184,7 +187,8 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
 
         due = 0
         for task in plan.tasks:
-            checker.advance(due)  # the CRC32 checker may run ahead of the pieces being computed
+            prefetcher.advance(due)  # bytes are read into the page cache ahead of the CRC32 checker,
+            checker.advance(due)  # which may run ahead of the pieces being computed
             due += sum(ref.nbytes for ref in task.pieces)
             for name, job in _task_jobs(plan, task, chunk_bytes(workers), quantizers, write):
                 if name is None:  # a call in order: an FP8 weight's scales, once its rows are written
@@ -203,6 +207,8 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
                 if checker is not None:
                     checker.stop()
             finally:
+                if prefetcher is not None:
+                    prefetcher.stop()
                 _single_threaded_torch(False)
                 charge("dispatch", time.thread_time() - started)  # planning pieces, handing them to the writer
 

@@ -159,6 +159,11 @@ def _lazy(path) -> _Lazy | None:
     return _LAZY.get(os.fspath(path)) if _LAZY else None
 
 
+def is_shadow(path) -> bool:
+    """Whether `path` is the shadow file of an object at a URL (its bytes fetched on first use)."""
+    return _lazy(path) is not None
+
+
 def ensure(path, start: int, nbytes: int) -> None:
     """Make bytes [start, start + nbytes) of `path` readable: fetched first if `path` is a shadow file."""
     lazy = _lazy(path)

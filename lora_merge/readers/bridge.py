@@ -385,7 +385,8 @@ def _ref(where, shape, dtype, loader, parts):
     from lora_merge.readers.checkpoint import TensorRef
 
     return TensorRef(where=where, shape=tuple(shape), dtype=dtype, loader=loader,
-                     records=lambda: tuple(rec for p in parts for rec in p.records()))
+                     records=lambda: tuple(rec for p in parts for rec in p.records()),
+                     spans=lambda: tuple(span for p in parts for span in p.byte_spans()))
 
 
 class DoraMagnitudes:

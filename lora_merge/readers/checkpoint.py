@@ -36,6 +36,9 @@ class TensorRef:
     # The archive members (torch_archive.Record) its bytes come from, whose CRC32 must be checked when it
     # is read; a function, because a torch_dist chunk's member is known only once its archive is opened.
     records: Callable[[], tuple] = tuple
+    # The byte ranges (MappedFile, start, nbytes) load() reads, for reading them ahead (files/prefetch.py);
+    # None: those of `records`.
+    spans: Callable[[], tuple] | None = None
 
     @classmethod
     def of(cls, where: str, tensor: torch.Tensor, mapped: bool, record=None) -> "TensorRef":
@@ -48,6 +51,11 @@ class TensorRef:
 
     def load(self) -> torch.Tensor:
         return self.loader()
+
+    def byte_spans(self) -> tuple:
+        if self.spans is not None:
+            return self.spans()
+        return tuple((r.file, r.start, r.size) for r in self.records() if r is not None)
 
     def release(self) -> None:
         if self.mapped:
@@ -83,7 +91,8 @@ def joined_ref(refs: list[TensorRef], dim: int | None) -> TensorRef:
             r.release()
         return out
     return TensorRef(where=f"{refs[0].where} (+{len(refs) - 1} pieces)", shape=tuple(shape), dtype=refs[0].dtype,
-                     loader=load, records=lambda: tuple(rec for r in refs for rec in r.records()))
+                     loader=load, records=lambda: tuple(rec for r in refs for rec in r.records()),
+                     spans=lambda: tuple(span for r in refs for span in r.byte_spans()))
 
 
 # What split a parameter into its pieces.

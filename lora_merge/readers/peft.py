@@ -572,7 +572,7 @@ def parameter_factors(pairs: dict[str, dict[str, TensorRef]], config: dict, arch
 def _derived(ref: TensorRef, what: str, shape: tuple[int, ...], take) -> TensorRef:
     """A part of a factor, cut out when loaded."""
     return TensorRef(where=f"{ref.where} ({what})", shape=shape, dtype=ref.dtype, loader=lambda: take(ref.load()),
-                     records=ref.records)
+                     records=ref.records, spans=ref.byte_spans)
 
 
 # ------------------------------------------------------------------------------------ several adapters at once

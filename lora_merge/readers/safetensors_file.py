@@ -158,7 +158,8 @@ def tensor_refs(path: Path, what: str, fp8: bool = False, mxfp4: bool = False) -
         # A misaligned tensor is loaded as a copy, which is not the mapping: `mapped` is what lets release()
         # hand its pages back (madvise), and on a copy's heap memory that would zero live data.
         refs[name] = TensorRef(where=where, shape=entry.shape, dtype=dtype, mapped=offset % dtype.itemsize == 0,
-                               loader=_view(mapped, offset, entry.end - entry.begin, dtype, entry.shape))
+                               loader=_view(mapped, offset, entry.end - entry.begin, dtype, entry.shape),
+                               spans=lambda span=(mapped, offset, entry.end - entry.begin): (span,))
     return refs
 
 
