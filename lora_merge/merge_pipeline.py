@@ -149,10 +149,15 @@ class OrderedPool:
             raise interrupted
 
 
-def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -> None:
+def execute(plan: MergePlan, write, progress=None, workers: int | None = None,
+            lanes: list[list[Task]] | None = None) -> None:
     """Run the plan, calling `write(name, rows, then)` for each HF tensor in plan order, in row pieces;
     `then` (or None) is to be called once those rows are written. The CRC32 of every archive member read
-    is checked alongside; a mismatch fails the run (before the caller publishes anything)."""
+    is checked alongside; a mismatch fails the run (before the caller publishes anything).
+
+    `lanes`: the plan's tasks cut into runs of consecutive tasks whose outputs go to files no other run
+    writes (runs/lanes.py). Their pieces are then handed out in turn, each run at the same pace through its
+    input bytes, so that several output files are written (and hashed) at once; within a run, in plan order."""
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
         raise MergeError(f"workers={workers!r}: expected a whole number from 1 to {MAX_WORKERS}")
@@ -160,7 +165,8 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
     checker = pool = prefetcher = None
     _single_threaded_torch(True)
     try:  # the caller's thread count comes back however this ends, a checker that fails to start included
-        jobs = list(_crc_jobs(plan))
+        runs = [_Lane(tasks) for tasks in (lanes or [plan.tasks]) if tasks]
+        jobs = list(_crc_jobs(plan, _started_in_turn(runs)))
         prefetcher = Prefetcher(((due, refs) for due, refs, _ in jobs), read_early=stop_early_reads())
         checker = RecordChecker(jobs)
         pool = OrderedPool(workers)
@@ -185,17 +191,24 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
             if progress is not None:
                 progress(piece.numel() if quantizer is not None else piece.nbytes)  # FP8: its bytes as written
 
-        due = 0
-        for task in plan.tasks:
-            prefetcher.advance(due)  # bytes are read into the page cache ahead of the CRC32 checker,
-            checker.advance(due)  # which may run ahead of the pieces being computed
-            due += sum(ref.nbytes for ref in task.pieces)
-            for name, job in _task_jobs(plan, task, chunk_bytes(workers), quantizers, write):
-                if name is None:  # a call in order: an FP8 weight's scales, once its rows are written
-                    pool.submit_in_order(job)
-                else:
-                    pool.submit(job, partial(deliver, name))
-            pool.submit_in_order(partial(_release_task, task))
+        chunk = chunk_bytes(workers)
+        streams = [run.jobs(plan, chunk, quantizers, write) for run in runs]
+        active = list(range(len(runs)))
+        while active:
+            lane = min(active, key=lambda i: runs[i].pace)  # the run furthest behind, by its share of input bytes
+            item = next(streams[lane], None)
+            if item is None:
+                active.remove(lane)
+                continue
+            name, job = item
+            if job is _STARTED:
+                due = sum(run.reached for run in runs)
+                prefetcher.advance(due)  # bytes are read into the page cache ahead of the CRC32 checker,
+                checker.advance(due)  # which may run ahead of the pieces being computed
+            elif name is None:  # a call in order: an FP8 weight's scales once its rows are written; a task's release
+                pool.submit_in_order(job)
+            else:
+                pool.submit(job, partial(deliver, name))
         pool.drain()
         checker.finish()
     finally:  # each step runs even if a second interrupt arrives during the one before
@@ -211,6 +224,63 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None) -
                     prefetcher.stop()
                 _single_threaded_torch(False)
                 charge("dispatch", time.thread_time() - started)  # planning pieces, handing them to the writer
+
+
+_STARTED = object()  # a lane's marker: its next task begins (the checkers are told how far the merge has come)
+
+
+def _input_bytes(task: Task) -> int:
+    return sum(ref.nbytes for ref in task.pieces)
+
+
+class _Lane:
+    """A run of consecutive tasks, and how far through its input bytes its pieces have been handed out."""
+
+    def __init__(self, tasks: list[Task]):
+        self.tasks = tasks
+        self.total = max(1, sum(_input_bytes(task) for task in tasks))
+        self.reached = 0.0  # input bytes of the tasks begun before the current one, and the current one's share
+
+    @property
+    def pace(self) -> float:
+        return self.reached / self.total
+
+    def jobs(self, plan: MergePlan, chunk: int, quantizers: dict, write):
+        """(name, job) as _task_jobs yields them, a task's release after its pieces, and (None, _STARTED)
+        before each task."""
+        begun = 0
+        for task in self.tasks:
+            size = _input_bytes(task)
+            self.reached = begun
+            yield None, _STARTED
+            pieces = max(1, _pieces_expected(task, chunk))
+            for name, job in _task_jobs(plan, task, chunk, quantizers, write):
+                yield name, job
+                self.reached = min(begun + size, self.reached + size / pieces)
+            yield None, partial(_release_task, task)
+            begun += size
+            self.reached = begun
+
+
+def _pieces_expected(task: Task, chunk: int) -> int:
+    """About how many pieces the task's outputs are cut into (float32 rows of `chunk` bytes a piece)."""
+    rows = 1 if task.rows is None else (task.rows[1] - task.rows[0]) / max(1, task.outputs[0].shape[0])
+    return sum(max(1, math.ceil(rows * math.prod(t.shape) * 4 / chunk)) for t in task.outputs)
+
+
+def _started_in_turn(runs: list[_Lane]) -> list[Task]:
+    """The tasks in the order the lanes begin them: each next from the lane least far through its input bytes."""
+    order, begun, at = [], [0] * len(runs), [0] * len(runs)
+    active = [i for i, run in enumerate(runs) if run.tasks]
+    while active:
+        i = min(active, key=lambda k: begun[k] / runs[k].total)
+        task = runs[i].tasks[at[i]]
+        order.append(task)
+        begun[i] += _input_bytes(task)
+        at[i] += 1
+        if at[i] == len(runs[i].tasks):
+            active.remove(i)
+    return order
 
 
 # torch's intra-op thread count is process-wide: the first of overlapping runs saves the caller's value and
@@ -234,12 +304,12 @@ def _single_threaded_torch(entering: bool) -> None:
                 torch.set_num_threads(_saved_threads)
 
 
-def _crc_jobs(plan: MergePlan):
+def _crc_jobs(plan: MergePlan, tasks: list[Task]):
     replicas = {}
     for pair in plan.replicas:
         replicas.setdefault(id(pair[0]), []).append(pair)
     due = 0
-    for task in plan.tasks:
+    for task in tasks:
         refs = (task.lora.refs if task.lora is not None else ()) + task.pieces.refs
         yield due, refs, [pair for ref in refs for pair in replicas.pop(id(ref), [])]
         due += sum(ref.nbytes for ref in task.pieces)

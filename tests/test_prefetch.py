@@ -16,7 +16,7 @@ from lora_merge.files import prefetch
 from lora_merge.readers.checkpoint import joined_ref
 from lora_merge.readers.detect import open_checkpoint
 from lora_merge.readers.safetensors_file import tensor_refs
-from tests.helpers import FIXTURES, fixture_root, merge_args
+from helpers import FIXTURES, fixture_root, merge_args
 
 
 def _bytes_at(span) -> bytes:
@@ -136,7 +136,7 @@ def test_prefetcher_reads_ahead_in_plan_order_within_its_lead(tmp_path, monkeypa
     monkeypatch.setattr(prefetch, "CHUNK_BYTES", 64)
     path = _touch(tmp_path / "input", 1000)
     f = _File(path)
-    read, lock, cond = [], threading.Lock(), threading.Condition()
+    read, cond = [], threading.Condition()
     real = os.preadv
 
     def preadv(fd, buffers, offset):

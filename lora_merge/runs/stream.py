@@ -17,10 +17,11 @@ from lora_merge.writers.sink import Sink
 
 
 def stream_into(sink: Sink, directory: Path, plan: MergePlan, progress=None, total: int = 0,
-                workers: int | None = None) -> list[str]:
+                workers: int | None = None, lanes=None) -> list[str]:
     """Write the plan's tensors into `sink` started in `directory`; return the files it wrote. `progress`:
-    called with (done, total) bytes."""
-    return _drive(sink, directory, lambda write, update: execute(plan, write, update, workers=workers),
+    called with (done, total) bytes; `lanes`: the plan's tasks in lanes written at once (runs/lanes.py), for a
+    sink that writes them so."""
+    return _drive(sink, directory, lambda write, update: execute(plan, write, update, workers=workers, lanes=lanes),
                   progress, total)
 
 

@@ -93,9 +93,11 @@ class ShardedSafetensorsWriter:
         """`single_file`: the name of the file when all fits in one (PEFT's adapter_model.safetensors).
         `part`: write only some of the files (a `--part` of the run; see FilePart)."""
         self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
         self.shards = split_into_shards(tensors, max_shard_bytes)
         self.file_names = shard_file_names(len(self.shards), single_file)
         self.metadata = metadata or {"format": "pt"}
+        self.single_file = single_file
         self.part = part
         self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard
                        if part is None or t.name in part.arriving]
@@ -106,8 +108,10 @@ class ShardedSafetensorsWriter:
         self.sha256: dict[str, str] = {}  # file name -> digest, hashed as written (no second read)
         self._hash = None
         # sha256 runs at ~1.8 GB/s a core: on the writing thread it made writing the slowest stage of a
-        # merge, so it is a stage of its own, a short queue behind the writes
-        self._hasher = OrderedWorker("lora-merge-sha256", depth=2) if hash_files else None
+        # merge, so it is a stage of its own, a short queue behind the writes (started with the first file:
+        # a writer whose files ShardLanes writes never starts one)
+        self.hash_files = hash_files
+        self._hasher = None
 
     @property
     def total_bytes(self) -> int:
@@ -167,6 +171,8 @@ class ShardedSafetensorsWriter:
         self._file = OutputFile(self.directory / (name if self.part is None else self.part.temporary(name)))
         header = header_bytes(self.shards[shard_index], self.metadata)
         self._file.write(header)
+        if self.hash_files and self._hasher is None:
+            self._hasher = OrderedWorker("lora-merge-sha256", depth=2)
         self._hash = hashlib.sha256(header) if self._hasher is not None else None
 
     def _close_file(self) -> None:
@@ -198,6 +204,10 @@ class ShardedSafetensorsWriter:
             self._hasher.close()  # every digest recorded
         if self.part is not None:  # the index is written once every part's files are (`lora-merge finish`)
             return [self.file_names[i] for i in sorted(self.part.files)]
+        return self._with_index()
+
+    def _with_index(self) -> list[str]:
+        """Write the index (for several shards); every file of the output."""
         files = list(self.file_names)
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
@@ -214,3 +224,64 @@ class ShardedSafetensorsWriter:
             self._file = None
         if self._hasher is not None:
             self._hasher.stop()
+
+
+class _LaneFiles:
+    """What one lane of a `ShardLanes` writes (the writer's `FilePart`): its files, under their own names."""
+
+    def __init__(self, files: frozenset[int], arriving: frozenset[str]):
+        self.files, self.arriving = files, arriving
+
+    def temporary(self, name: str) -> str:
+        return name
+
+    def written(self, name: str, sha256: str) -> None:
+        pass  # in the lane's writer's sha256, gathered at finish
+
+
+class ShardLanes:
+    """A writer's shards written as groups of consecutive files at once (a sink, runs/lanes.py): each group
+    by a writer of its own, with its own file, I/O thread and sha256 thread, so that hashing, the slowest
+    single-threaded stage, runs on several cores. Pieces go to the group whose files hold their tensor, each
+    group's in plan order; each file is written front to back as a one-group writer writes it, and the index
+    once every group is complete."""
+
+    def __init__(self, writer: ShardedSafetensorsWriter, lane_of_file: list[int]):
+        self.writer = writer
+        tensors = [t for shard in writer.shards for t in shard]
+        self.lane_of = {t.name: lane_of_file[i] for i, shard in enumerate(writer.shards) for t in shard}
+        self.lanes = []
+        for lane in range(max(lane_of_file) + 1):
+            files = frozenset(i for i, owner in enumerate(lane_of_file) if owner == lane)
+            names = frozenset(t.name for i in files for t in writer.shards[i])
+            self.lanes.append(ShardedSafetensorsWriter(
+                writer.directory, tensors, writer.max_shard_bytes, writer.metadata, writer.hash_files,
+                writer.single_file, part=_LaneFiles(files, names)))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.writer.total_bytes
+
+    def start(self, directory: Path) -> None:
+        self.writer.start(directory)
+        for lane in self.lanes:
+            lane.start(directory)
+
+    def write(self, name: str, piece: torch.Tensor, then=None) -> None:
+        self.lanes[self.lane_of[name]].write(name, piece, then)
+
+    def finish(self) -> list[str]:
+        for lane in self.lanes:
+            lane.finish()
+            self.writer.sha256.update(lane.sha256)
+        return self.writer._with_index()
+
+    def abort(self) -> None:
+        failed = None
+        for lane in self.lanes:  # every lane's file closed, whichever fails
+            try:
+                lane.abort()
+            except BaseException as exc:  # noqa: BLE001 - raised once the others are closed too
+                failed = failed or exc
+        if failed is not None:
+            raise failed
