@@ -141,7 +141,7 @@ LORA_MERGE = [sys.executable, "-m", "lora_merge"]
 os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
 # --workers values measured for every input: "default" is the tool's own choice
 WORKER_SETTINGS = ["1", "default"]
-STAGES = ("merge", "dispatch", "writer", "io", "sha256", "crc32")
+STAGES = ("merge", "dispatch", "writer", "io", "sha256", "crc32", "prefetch", "early-reads")
 
 
 def merge_variants(cmd: list[str], no_sha256: bool = False) -> list[tuple[str, list[str]]]:
