@@ -147,3 +147,34 @@ def test_a_failure_in_a_later_lane_stops_the_run_and_publishes_nothing(tmp_path,
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
     assert not [t for t in threading.enumerate() if t.name.startswith(("lora-merge-merge", "lora-merge-sha256",
                                                                        "lora-merge-io"))]
+
+
+def test_a_lane_holding_only_an_empty_tensor_still_writes_its_file(tmp_path):
+    """A shard may hold nothing but a zero-byte tensor; the lane that has only it writes it all the same."""
+    import json
+
+    import torch
+
+    from lora_merge.writers.safetensors_stream import PlannedTensor, ShardedSafetensorsWriter, ShardLanes
+
+    data = {"a.weight": torch.ones(10, 10), "e.bias": torch.zeros(0, 3), "b.weight": torch.ones(10, 10),
+            "c.weight": torch.ones(10, 10)}
+    planned = [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in data.items()]
+    outputs = {}
+    for lanes in (False, True):
+        out = tmp_path / f"lanes{lanes}"
+        out.mkdir()
+        writer = ShardedSafetensorsWriter(out, planned, max_shard_bytes=100, hash_files=True)
+        assert [[t.name for t in shard] for shard in writer.shards] == [["a.weight"], ["e.bias"], ["b.weight"],
+                                                                         ["c.weight"]]
+        sink = ShardLanes(writer, [0, 1, 2, 3]) if lanes else writer
+        sink.start(out)
+        for name, tensor in data.items():
+            if tensor.numel():  # the merge yields no rows for an empty tensor
+                sink.write(name, tensor)
+        files = sink.finish()
+        assert all((out / f).is_file() for f in files)
+        assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["e.bias"] == \
+            "model-00002-of-00004.safetensors"
+        outputs[lanes] = (_digests(out), writer.sha256)
+    assert outputs[True] == outputs[False]

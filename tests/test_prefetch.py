@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +200,80 @@ def test_a_merge_reads_its_inputs_early_and_stops_before_merging(tmp_path, monke
     assert cli.main([*merge_args(fixture, tmp_path / "dry"), "--dry-run", "-q"]) == 0
     assert cli.main([*merge_args(fixture, tmp_path / "part"), "--part", "0/2", "-q"]) == 0
     assert started == []  # a dry run reads nothing; a part reads only its own share
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_readers_keep_few_files_open_whatever_the_number_of_input_files(tmp_path, monkeypatch):
+    """A checkpoint may have more files than the process may open (ulimit -n 1024; TP×PP×EP rank files)."""
+    monkeypatch.setattr(prefetch, "CHUNK_BYTES", 64)
+    files = [_touch(tmp_path / f"f{i:03d}", 100) for i in range(300)]
+    before = _open_fds()
+    seen = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        seen.append(_open_fds())
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(prefetch.os, "preadv", preadv)
+    reads = prefetch.EarlyReads(files, budget=1 << 30).start()
+    reads._thread.join(timeout=60)
+    assert reads.stop() == dict.fromkeys(files, 100)  # every file read whole
+    jobs = [(0, [_Ref(*((_File(f), 0, 100) for f in files))])]
+    fetcher = prefetch.Prefetcher(iter(jobs))
+    fetcher._thread.join(timeout=60)
+    fetcher.stop()
+    assert seen and max(seen) <= before + prefetch.OPEN_FILES + 2  # (+ the listing's own descriptor)
+    assert _open_fds() == before
+
+
+def test_files_that_cannot_be_found_early_are_left_to_the_readers(tmp_path, capsys):
+    """A damaged index is the reader's to name in one line: finding the files to read early says nothing."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    for bad in ('{"weight_map": {"a": ["x"]}}', '{"weight_map": {"a": 3}}', "[" * 100000):
+        (base / "model.safetensors.index.json").write_text(bad)
+        prefetch.start_early_reads([base], [])
+        assert prefetch.stop_early_reads() == {}
+
+
+def test_a_shadow_file_is_fetched_a_few_ranges_at_a_time_and_a_stop_waits_for_those_only(tmp_path, monkeypatch):
+    from lora_merge.files import remote
+
+    shadow = _touch(tmp_path / "shadow", 10)
+    monkeypatch.setattr(remote, "FETCH_BYTES", 100)
+    monkeypatch.setattr(remote, "FETCH_THREADS", 2)
+    calls, gate = [], threading.Event()
+
+    def ensure(path, start, nbytes):
+        calls.append((start, nbytes))
+        gate.wait(timeout=30)
+    monkeypatch.setattr(remote, "is_shadow", lambda p: str(p) == shadow)
+    monkeypatch.setattr(remote, "ensure", ensure)
+    fetcher = prefetch.Prefetcher(iter([(0, [_Ref((_File(shadow), 50, 1000))])]))
+    while not calls:
+        threading.Event().wait(0.01)
+    stopper = threading.Thread(target=fetcher.stop)
+    stopper.start()
+    gate.set()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive()
+    assert calls == [(50, 200)]  # the first two GETs' worth; the other 800 bytes not asked for after the stop
+
+
+def test_an_fp8_weights_spans_are_its_bytes_and_its_scales(tmp_path):
+    from lora_merge.readers.hf_model import read_hf_model
+    from test_fp8 import fp8_release, hf_base
+
+    fp8, _ = fp8_release(hf_base(FIXTURES / "tp2_fp32_filtered", tmp_path / "hf"), tmp_path / "release")
+    model = read_hf_model(fp8)
+    quantized = [ref for ref in model.tensors.values() if hasattr(ref, "scale")]
+    assert quantized
+    for ref in quantized:
+        spans = ref.byte_spans()
+        assert len(spans) == 2 and spans[1] == ref.scale.byte_spans()[0]
+        assert {Path(s[0].path).name for s in spans} == {"model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"}

@@ -21,11 +21,13 @@ import json
 import os
 import stat
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from lora_merge.stage_clock import charge_thread
 
 CHUNK_BYTES = 16 << 20
+OPEN_FILES = 8  # files a reader keeps open at once
 # How far ahead of the merge, in input bytes of the plan; the CRC32 checker runs 1 GB ahead
 # (integrity.LEAD_BYTES), and it should find its bytes cached.
 LEAD_BYTES = 3 << 29
@@ -39,7 +41,8 @@ class _Reader:
     def __init__(self, name: str):
         self._stopped = False
         self._cond = threading.Condition()
-        self._fds: dict[str, int | None] = {}
+        self._fds: OrderedDict[str, int] = OrderedDict()  # the files open now, least recently read first
+        self._unreadable: set[str] = set()
         self._buffer = None
         self._thread = threading.Thread(target=self._run, name=f"lora-merge-{name}", daemon=True)
         self._stage = name
@@ -52,8 +55,7 @@ class _Reader:
             pass
         finally:
             for fd in self._fds.values():
-                if fd is not None:
-                    os.close(fd)
+                os.close(fd)
             self._fds.clear()
             charge_thread(self._stage)
 
@@ -61,19 +63,30 @@ class _Reader:
         raise NotImplementedError
 
     def _fd(self, path: str) -> int | None:
-        if path not in self._fds:
-            fd = None
-            try:  # O_NONBLOCK: a FIFO put where a checkpoint file belongs must not hang this thread
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.close(fd)
-                    fd = None
-            except OSError:
-                if fd is not None:
-                    os.close(fd)
+        """`path` open for reading, or None if it cannot be read (not a regular file, missing, denied). At most
+        OPEN_FILES are open at once: a checkpoint may have more files than the process may open."""
+        if path in self._fds:
+            self._fds.move_to_end(path)
+            return self._fds[path]
+        if path in self._unreadable:
+            return None
+        fd = None
+        try:  # O_NONBLOCK: a FIFO put where a checkpoint file belongs must not hang this thread
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
                 fd = None
-            self._fds[path] = fd
-        return self._fds[path]
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
+        if fd is None:
+            self._unreadable.add(path)
+            return None
+        self._fds[path] = fd
+        while len(self._fds) > OPEN_FILES:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
 
     def _read(self, path: str, start: int, end: int) -> int:
         """Read [start, end) of `path`; returns where reading stopped (end, the file's end, or a stop)."""
@@ -129,14 +142,22 @@ class Prefetcher(_Reader):
                         continue
                     seen.add((path, start))
                     if remote.is_shadow(path):  # a URL input: its bytes fetched ahead instead
-                        try:
-                            remote.ensure(path, start, nbytes)
-                        except Exception:  # noqa: BLE001 - the merge's own fetch of them reports
-                            pass
+                        self._fetch(remote, path, start, nbytes)
                         continue
                     begin = max(start, self._read_early.get(path, 0))
                     if begin < start + nbytes:
                         self._read(path, begin, start + nbytes)
+
+    def _fetch(self, remote, path: str, start: int, nbytes: int) -> None:
+        """A shadow file's range fetched a few ranged GETs at a time, so that a stop waits for those only."""
+        step = remote.FETCH_BYTES * remote.FETCH_THREADS
+        for at in range(start, start + nbytes, step):
+            if self._stopped:
+                return
+            try:
+                remote.ensure(path, at, min(step, start + nbytes - at))
+            except Exception:  # noqa: BLE001 - the merge's own fetch of them reports
+                return
 
     def advance(self, due: int) -> None:
         with self._cond:
@@ -159,9 +180,12 @@ class EarlyReads(_Reader):
     def _read_all(self) -> None:
         sizes = {}
         for path in self._files:
-            fd = self._fd(path)
-            if fd is not None:
-                sizes[path] = os.fstat(fd).st_size
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes[path] = st.st_size
         left = self._budget
         while sizes and left > 0 and not self._stopped:
             for path, size in list(sizes.items()):
@@ -186,12 +210,14 @@ _EARLY: list[EarlyReads] = []
 
 def start_early_reads(inputs: list, loras: list) -> None:
     """Read the files of local input dirs while the process starts (LoRA dirs first: the merge needs them
-    from its first piece on). URL inputs are left to their shadows' fetching."""
-    files = [f for path in loras for f in input_files(path)] + [f for path in inputs for f in input_files(path)]
-    if not files:
+    from its first piece on). URL inputs are left to their shadows' fetching. Whatever goes wrong in finding
+    them (a damaged index, say) is left for the readers to report: nothing is read early then."""
+    try:
+        files = [f for path in loras for f in input_files(path)] + [f for path in inputs for f in input_files(path)]
+        budget = min(EARLY_LIMIT, _available_memory() // 4)
+    except Exception:  # noqa: BLE001 - reading early is an optimisation
         return
-    budget = min(EARLY_LIMIT, _available_memory() // 4)
-    if budget > 0:
+    if files and budget > 0:
         _EARLY.append(EarlyReads(list(dict.fromkeys(files)), budget).start())
 
 
@@ -252,12 +278,42 @@ def _named(directory: Path, wanted, dirs: bool = False) -> list[str]:
 
 
 def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); 0 where it cannot be read (then nothing is read early)."""
+    """MemAvailable from /proc/meminfo, or less where this process's memory cgroup (a container's limit) leaves
+    less (bytes); 0 where it cannot be read (then nothing is read early)."""
+    available = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return 0
+    room = _cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def _cgroup_room() -> int | None:
+    """The memory this process's cgroup may still use (its limit less its usage), or None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            base = Path("/sys/fs/cgroup") / path.lstrip("/")
+            files = base / "memory.max", base / "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            files = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            limit, usage = (f.read_text().strip() for f in files)
+            if limit == "max" or int(limit) >= 1 << 60:
+                return None
+            return max(0, int(limit) - int(usage))
+        except (OSError, ValueError):
+            return None
+    return None

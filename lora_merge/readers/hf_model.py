@@ -145,7 +145,7 @@ def _pair_mxfp4_weights(model: HfModel) -> None:
         check_mxfp4_scales(scales.load(), scales.where)
         scales.release()
         model.tensors[base] = Mxfp4Ref(blocks.where, shape, torch.float32, blocks.loader, blocks.mapped, blocks=blocks,
-                                       scales=scales)
+                                       scales=scales, spans=lambda b=blocks, s=scales: b.byte_spans() + s.byte_spans())
     strays = [n for n, r in model.tensors.items() if r.dtype == torch.uint8]
     if strays:
         raise MergeError(f"{model.tensors[strays[0]].where}: MXFP4 {strays[0]} without its blocks")
@@ -196,7 +196,7 @@ def _pair_fp8_weights(model: HfModel) -> None:
         check_scales(scale.load(), scale.where, pow2=model.fp8.pow2)
         scale.release()
         model.tensors[name] = Fp8Ref(ref.where, ref.shape, torch.float32, ref.loader, ref.mapped, scale=scale,
-                                     block=block)
+                                     block=block, spans=lambda r=ref, s=scale: r.byte_spans() + s.byte_spans())
     strays = [n for n in model.tensors if n.endswith(SCALE_SUFFIX)]
     if strays:
         raise MergeError(f"{model.tensors[strays[0]].where}: FP8 scales without an FP8 weight {strays[0].removesuffix(SCALE_SUFFIX)}")

@@ -192,7 +192,9 @@ class ShardedSafetensorsWriter:
 
     def finish(self) -> list[str]:
         """Close the last shard and write the index; returns the files written."""
-        if self._order and self._next < len(self._order) and self._done_bytes == self._order[self._next][1].nbytes:
+        # the last tensor written is complete (an empty one is never written: _skip_empty opens its shard, which
+        # may be the only thing a lane's writer has to write)
+        if self._order and self._next < len(self._order) and 0 < self._done_bytes == self._order[self._next][1].nbytes:
             self._next += 1
             self._done_bytes = 0
         self._skip_empty()
