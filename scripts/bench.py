@@ -35,7 +35,8 @@ for DeepSeek, whose lora-merge run writes torch_dist).
 --gpt-oss: gpt-oss-20b shapes, an MXFP4 HF base + a PEFT adapter on every expert (synthetic_gpt_oss_checkpoint.py).
 --cold (with any of the above): the page cache is dropped before every measured run (copy and merge alike), so
 the inputs come from the disk, as on a user's first run (drop_caches where it may be written, else every file
-under the workdir evicted with posix_fadvise DONTNEED).
+under the workdir evicted with posix_fadvise DONTNEED). --cold inputs: only the files under the workdir are
+evicted, the way a fresh checkpoint is cold while Python's and torch's libraries are cached (the tool ran before).
 
 --parts N [N ...]: 32B layer shapes merged by one process, and as N parts run as N processes side by side
 (--workers 1 each) followed by `lora-merge finish`.
@@ -156,7 +157,7 @@ def merge_variants(cmd: list[str], no_sha256: bool = False) -> list[tuple[str, l
     return variants
 
 
-COLD = []  # [True] with --cold: the page cache is dropped before every measured run
+COLD: list[str] = []  # ["all"] or ["inputs"] with --cold: the page cache is dropped before every measured run
 
 
 COLD_ROOTS: list[Path] = []  # where the inputs live (the workdir), for the per-file eviction
@@ -168,11 +169,12 @@ def drop_page_cache() -> None:
     workdir evicted with posix_fadvise(DONTNEED), which drops a file's clean cached pages (a container's root
     cannot write /proc/sys, but may do this to its own files)."""
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return
-    except OSError:
-        pass
+    if COLD != ["inputs"]:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return
+        except OSError:
+            pass
     for root in COLD_ROOTS:
         for path in root.rglob("*"):
             if path.is_file() and not path.is_symlink():
@@ -785,15 +787,16 @@ def main() -> None:
                    "a DoRA one, and three weighted ones (32B layer shapes)")
     p.add_argument("--parts", type=int, nargs="+", metavar="N", help="32B layer shapes merged by one process and as "
                    "N parts side by side (each --workers 1) + finish, for each N")
-    p.add_argument("--cold", action="store_true", help="drop the page cache before every measured run, copies "
-                   "included (root: writes /proc/sys/vm/drop_caches), so inputs come from the disk")
+    p.add_argument("--cold", nargs="?", const="all", choices=["all", "inputs"],
+                   help="drop the page cache before every measured run, copies included (all, the default: "
+                   "/proc/sys/vm/drop_caches where root may write it; inputs: only the workdir's files evicted)")
     p.add_argument("--object-storage", action="store_true", help="32B layer shapes on an S3 server on this host "
                    "(moto): s3:// in and out against download + merge + upload and against local disk")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     if args.cold:
         COLD_ROOTS.append(args.workdir)
-        COLD.append(True)
+        COLD.append(args.cold)
     WORKER_SETTINGS[:] = args.workers
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.scaling:
