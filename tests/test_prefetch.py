@@ -277,3 +277,57 @@ def test_an_fp8_weights_spans_are_its_bytes_and_its_scales(tmp_path):
         assert len(spans) == 2 and spans[1] == ref.scale.byte_spans()[0]
         assert {Path(s[0].path).name for s in spans} == {"model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"}
+
+
+def test_url_inputs_keep_no_descriptor_per_object(tmp_path):
+    """A URL input's data objects are sparse shadow files fetched by ranges: none is held open between fetches,
+    so a model of more objects than the process may open still runs; a failure names the URL, not the shadow."""
+    import fsspec
+
+    from lora_merge.files import remote
+
+    mem = fsspec.filesystem("memory")
+    for i in range(60):
+        mem.pipe(f"/many/m/model-{i:05d}.safetensors", b"x" * 5000)
+    before = _open_fds()
+    with remote.RemoteRun() as run:
+        shadow = run.input("memory://many/m")
+        assert _open_fds() < before + 10
+        for i in range(60):
+            remote.ensure(shadow / f"model-{i:05d}.safetensors", 100, 200)
+        assert _open_fds() < before + 10
+        assert (shadow / "model-00007.safetensors").read_bytes()[100:300] == b"x" * 200
+        assert run.names[str(shadow)] == "memory://many/m"
+
+
+def _cgroup(tmp_path, membership: str, files: dict) -> tuple:
+    root = tmp_path / "sys"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (tmp_path / "cgroup").write_text(membership)
+    return root, tmp_path / "cgroup"
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("membership, files, room", [
+    # v2 in its own namespace (a container): the limit at the mount point, page cache partly reclaimable
+    ("0::/\n", {"memory.max": f"{4 * GIB}", "memory.current": f"{3 * GIB}",
+                "memory.stat": f"anon 1\ninactive_file {2 * GIB}\n"}, 3 * GIB),
+    # Docker on cgroup v1: /proc says /docker/ID, the container's own cgroup is mounted at the mount point
+    ("12:memory:/docker/abc\n0::/\n", {"memory/memory.limit_in_bytes": f"{2 * GIB}",
+                                       "memory/memory.usage_in_bytes": f"{GIB}",
+                                       "memory/memory.stat": "total_inactive_file 0\n"}, GIB),
+    # a limit on a parent (a Slurm job, a systemd slice); the process's own cgroup says max
+    ("0::/job_1/step_0\n", {"job_1/memory.max": f"{8 * GIB}", "job_1/memory.current": f"{5 * GIB}",
+                            "job_1/memory.stat": "", "job_1/step_0/memory.max": "max",
+                            "job_1/step_0/memory.current": "0"}, 3 * GIB),
+    # no limit anywhere; v1's "no limit" is a huge number; lines that are not cgroup lines are skipped
+    ("garbage\n4:memory:/x\n", {"memory/x/memory.limit_in_bytes": "9223372036854771712",
+                                "memory/x/memory.usage_in_bytes": "1"}, None),
+])
+def test_the_early_read_budget_heeds_a_memory_cgroup_wherever_its_limit_is(tmp_path, membership, files, room):
+    root, proc = _cgroup(tmp_path, membership, files)
+    assert prefetch._cgroup_room(root, proc) == room

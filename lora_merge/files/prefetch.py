@@ -292,28 +292,50 @@ def _available_memory() -> int:
     return available if room is None else min(available, room)
 
 
-def _cgroup_room() -> int | None:
-    """The memory this process's cgroup may still use (its limit less its usage), or None without a limit."""
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_room(root: Path = CGROUP, membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The least memory any memory cgroup holding this process may still take: its limit less its usage, less
+    the inactive file pages the kernel reclaims first (usage counts page cache); None without a limit. Looked
+    for at the process's own cgroup and each one above it, and at the mount point, which is the process's own
+    where a container has its cgroup namespace (Docker, Kubernetes), cgroup v2 and v1 alike."""
+    places = []
     try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
+        lines = membership.read_text().splitlines()
     except OSError:
-        return None
+        lines = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2
-            base = Path("/sys/fs/cgroup") / path.lstrip("/")
-            files = base / "memory.max", base / "memory.current"
-        elif "memory" in controllers.split(","):  # v1
-            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            files = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            base, v2 = root, True
+        elif "memory" in controllers.split(","):
+            base, v2 = root / "memory", False
         else:
             continue
-        try:
-            limit, usage = (f.read_text().strip() for f in files)
-            if limit == "max" or int(limit) >= 1 << 60:
-                return None
-            return max(0, int(limit) - int(usage))
-        except (OSError, ValueError):
+        inside = Path(path.lstrip("/"))
+        places += [(base / inside, v2)] + [(base / above, v2) for above in inside.parents]
+    places += [(root, True), (root / "memory", False)]
+    rooms = [room for room in (_room_in(d, v2) for d, v2 in dict.fromkeys(places)) if room is not None]
+    return min(rooms) if rooms else None
+
+
+def _room_in(directory: Path, v2: bool) -> int | None:
+    names = ("memory.max", "memory.current", "inactive_file") if v2 else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    try:
+        limit = (directory / names[0]).read_text().strip()
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
             return None
-    return None
+        usage = int((directory / names[1]).read_text().strip())
+        inactive = 0
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == names[2]:
+                inactive = int(value)
+        return max(0, int(limit) - max(0, usage - inactive))
+    except (OSError, ValueError):
+        return None

@@ -86,7 +86,6 @@ class _Lazy:
         self.fs, self.remote, self.url, self.size, self.path = fs, remote, url, size, path
         self.have: list[list[int]] = []  # fetched [start, end) page ranges, sorted and disjoint
         self.lock = threading.Lock()
-        self.fd = os.open(path, os.O_RDWR)
 
     def _missing(self, start: int, end: int) -> list[tuple[int, int]]:
         gaps, at = [], start
@@ -124,8 +123,12 @@ class _Lazy:
         if len(data) != b - a:
             raise MergeError(f"{self.url}: bytes {a}-{b} came back as {len(data)} bytes (changed while being read?)")
         view = memoryview(data)
-        while view:
-            view = view[os.pwrite(self.fd, view, a + (b - a - len(view))):]
+        fd = os.open(self.path, os.O_WRONLY)  # opened per fetch: a model may have more objects than a process may open
+        try:
+            while view:
+                view = view[os.pwrite(fd, view, a + (b - a - len(view))):]
+        finally:
+            os.close(fd)
 
     def _add(self, a: int, b: int) -> None:
         merged = []
@@ -135,9 +138,6 @@ class _Lazy:
             else:
                 merged.append([x, y])
         self.have = merged
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -359,7 +359,6 @@ class RemoteRun:
             self._lock = None
         for lazy in self._lazies:
             _LAZY.pop(os.fspath(lazy.path), None)
-            lazy.close()
         self._lazies = []
         for shadow in self._shadows:
             _SHADOWS.pop(shadow, None)
@@ -384,6 +383,7 @@ class RemoteRun:
             raise MergeError(f"{url}: no objects under it (expected a model or checkpoint directory)")
         shadow = self._slot() / last_component(url)
         shadow.mkdir()
+        self.names[str(shadow)] = url.rstrip("/")  # (a failure while the shadow is made names the URL)
         for rel, info in sorted(objects.items()):
             parts = rel.split("/")
             if any(p in ("", ".", "..") for p in parts):
@@ -406,7 +406,6 @@ class RemoteRun:
                     raise MergeError(f"{url.rstrip('/')}/{rel}: {len(data)} bytes read where the listing said {size} "
                                      "(changed while being read?)")
                 path.write_bytes(data)
-        self.names[str(shadow)] = url.rstrip("/")
         _SHADOWS[str(shadow)] = _Listing(fs, remote, url.rstrip("/"), {rel: _identity(info)
                                                                          for rel, info in objects.items()})
         self._shadows.append(str(shadow))
