@@ -178,3 +178,37 @@ def test_a_lane_holding_only_an_empty_tensor_still_writes_its_file(tmp_path):
             "model-00002-of-00004.safetensors"
         outputs[lanes] = (_digests(out), writer.sha256)
     assert outputs[True] == outputs[False]
+
+
+def test_parts_and_resumed_runs_write_in_lanes_the_one_process_bytes(tmp_path, monkeypatch, lanes_used):
+    """A part's files (and a --resume run's, part 0/1) are written in lanes too, balanced over the files that
+    run writes: the bytes of a one-process, one-lane run, the part manifests' sha256 as the card's."""
+    monkeypatch.setattr(merge_pipeline, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(options, "MIN_SHARD_BYTES", 1)
+    writing = []  # how many files each lane of each run writes
+    real_finish = safetensors_stream.ShardLanes.finish
+
+    def finish(self):
+        writing.append([len(lane.part.files) for lane in self.lanes])
+        return real_finish(self)
+    monkeypatch.setattr(safetensors_stream.ShardLanes, "finish", finish)
+    root = fixture_root("tp2pp2_fp32_filtered")
+    given = dict(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", max_shard_size="40KB",
+                 warn=lambda m: None)
+    for where in ("one", "parts", "resumed"):
+        (tmp_path / where).mkdir()
+    one = tmp_path / "one" / "merged"  # (the card names the output directory: the same name everywhere)
+    lora_merge.merge(out=one, workers=1, **given)
+    assert not lanes_used
+    parts = tmp_path / "parts" / "merged"
+    for index in (1, 0):
+        lora_merge.merge(out=parts, workers=3, part=f"{index}/2", **given)
+    assert len(lanes_used) == 2 and min(lanes_used) >= 2
+    lora_merge.finish(parts)
+    resumed = tmp_path / "resumed" / "merged"
+    lora_merge.merge(out=resumed, workers=4, resume=True, **given)
+    assert len(lanes_used) == 3 and lanes_used[-1] >= 3
+    assert len(writing) == 3 and all(min(files) >= 1 for files in writing), writing  # no lane idle
+    for out in (parts, resumed):
+        assert _digests(out) == _digests(one)
+        assert _card_hashes(out) == _card_hashes(one)

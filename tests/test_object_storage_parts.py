@@ -22,6 +22,7 @@ from lora_merge import api, options
 from lora_merge.cli import main
 from lora_merge.files import remote
 from lora_merge.files.parts_dir import PartsDir
+from lora_merge.writers.safetensors_stream import ShardLanes
 
 FIXTURE = FIXTURES / "tp2_fp32_filtered"
 SHARD = 96 << 10  # the fixture's ~0.7 MB model: eight shards
@@ -167,11 +168,16 @@ def test_files_go_up_as_they_complete_so_the_local_disk_holds_a_few(s3, tmp_path
         waiting.append(len([p for p in self.files.rglob("*.safetensors") if p.is_file()]))
 
     monkeypatch.setattr(PartsDir, "place", placing)
+    lanes = []
+    real = ShardLanes.__init__
+    monkeypatch.setattr(ShardLanes, "__init__", lambda self, writer, of: (lanes.append(max(of) + 1),
+                                                                           real(self, writer, of))[1])
     out = "s3://models/stream/merged"
-    result = api.merge(**local_inputs(), out=out, max_shard_size=SHARD, warn=quiet)
+    result = api.merge(**local_inputs(), out=out, max_shard_size=SHARD, workers=2, warn=quiet)
     shards = [f for f in result.files if f.endswith(".safetensors")]
     assert len(waiting) == len(shards) >= 6
-    assert max(waiting) <= remote.LOCAL_FILES + 1  # uploading or waiting, and the one just placed
+    assert lanes == [2]  # two files written at once
+    assert max(waiting) <= remote.LOCAL_FILES + 2  # uploading or waiting, and each lane's one just placed
     assert downloaded(s3, out, tmp_path / "got") == one_process(tmp_path)
 
 

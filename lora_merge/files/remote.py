@@ -518,8 +518,8 @@ def output_mirror(out) -> "RemoteOutput | None":
 
 class RemoteOutput:
     """An output URL written as a shared parts directory is: each file uploaded to `OUT/NAME` as soon as it is
-    complete (`UPLOADS` at once and one more waiting: the writer waits beyond, so the local disk holds a few
-    files, not the model),
+    complete (`UPLOADS` at once and one more waiting: each lane's writer waits beyond, so the local disk holds a
+    few files, not the model),
     then removed locally; the part manifests at `OUT.manifests/`, each rewritten with the file's ETag once it
     is uploaded; what `finish` writes, last; then the manifests are removed."""
 

@@ -9,8 +9,8 @@ ShardLanes). Every file is still written front to back from the same pieces: the
 number of lanes.
 
 A lane boundary can only fall where no task writes on both sides of it (q, k and v of one fused QKV may
-straddle two files); where no such boundary lies near an even split, there are fewer lanes. Used by one-process
-HF outputs (runs/to_hf.py); a part's writer (runs/parts.py) writes its files one at a time.
+straddle two files); where no such boundary lies near an even split, there are fewer lanes. Used by every HF
+output: one process (runs/to_hf.py), and a part of a run, balanced over the files it writes (runs/parts.py).
 """
 
 from __future__ import annotations

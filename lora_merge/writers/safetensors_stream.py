@@ -229,16 +229,20 @@ class ShardedSafetensorsWriter:
 
 
 class _LaneFiles:
-    """What one lane of a `ShardLanes` writes (the writer's `FilePart`): its files, under their own names."""
+    """What one lane of a `ShardLanes` writes (the writer's `FilePart`): its files, under their own names, or, in
+    a part of a run (`part`), those of them that are the part's, as the part names and records them."""
 
-    def __init__(self, files: frozenset[int], arriving: frozenset[str]):
-        self.files, self.arriving = files, arriving
+    def __init__(self, files: frozenset[int], arriving: frozenset[str], part: "FilePart | None"):
+        self.part = part
+        self.files = files if part is None else files & part.files
+        self.arriving = arriving if part is None else arriving & part.arriving
 
     def temporary(self, name: str) -> str:
-        return name
+        return name if self.part is None else self.part.temporary(name)
 
     def written(self, name: str, sha256: str) -> None:
-        pass  # in the lane's writer's sha256, gathered at finish
+        if self.part is not None:  # (a one-process run's digests are in the lane's writer, gathered at finish)
+            self.part.written(name, sha256)
 
 
 class ShardLanes:
@@ -249,6 +253,7 @@ class ShardLanes:
     once every group is complete."""
 
     def __init__(self, writer: ShardedSafetensorsWriter, lane_of_file: list[int]):
+        """`writer`: the whole output's (or a part's: its `part` then says which files are written)."""
         self.writer = writer
         tensors = [t for shard in writer.shards for t in shard]
         self.lane_of = {t.name: lane_of_file[i] for i, shard in enumerate(writer.shards) for t in shard}
@@ -258,7 +263,7 @@ class ShardLanes:
             names = frozenset(t.name for i in files for t in writer.shards[i])
             self.lanes.append(ShardedSafetensorsWriter(
                 writer.directory, tensors, writer.max_shard_bytes, writer.metadata, writer.hash_files,
-                writer.single_file, part=_LaneFiles(files, names)))
+                writer.single_file, part=_LaneFiles(files, names, writer.part)))
 
     @property
     def total_bytes(self) -> int:
@@ -276,6 +281,8 @@ class ShardLanes:
         for lane in self.lanes:
             lane.finish()
             self.writer.sha256.update(lane.sha256)
+        if self.writer.part is not None:  # the index is written by `lora-merge finish`
+            return [self.writer.file_names[i] for i in sorted(self.writer.part.files)]
         return self.writer._with_index()
 
     def abort(self) -> None:
