@@ -136,11 +136,13 @@ class Killed(BaseException):
 def kill_after(monkeypatch, files: int) -> None:
     placed = parts_module.PartFiles.written
     count = [0]
+    lock = threading.Lock()  # (each lane's sha256 thread records its files)
 
     def written(self, name, sha256):
-        if count[0] == files:
-            raise Killed
-        count[0] += 1
+        with lock:
+            if count[0] >= files:
+                raise Killed
+            count[0] += 1
         placed(self, name, sha256)
     monkeypatch.setattr(parts_module.PartFiles, "written", written)
 

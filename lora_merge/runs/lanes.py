@@ -32,7 +32,7 @@ def split_into_lanes(plan: MergePlan, file_of: dict[str, int], sizes: list[int],
     """`count` lanes (or fewer) of the plan, for an output whose tensor `name` is in file `file_of[name]` and
     whose files have `sizes`; None where the run is one lane. Quantized outputs (FP8, MXFP4) stay one lane:
     their scales are written by calls beside their weights', not as a task's outputs."""
-    count = min(count, MAX_LANES, len(sizes))
+    count = min(count, MAX_LANES, sum(1 for size in sizes if size))  # (a part's: the files it writes)
     if count < 2 or plan.quantized or plan.mxfp4 or not plan.tasks:
         return None
     spans = []  # the first and last file of each task's outputs
