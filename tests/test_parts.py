@@ -332,11 +332,14 @@ def test_an_interrupted_part_says_what_it_keeps_for_resume(tmp_path, monkeypatch
     out = tmp_path / "merged"
     placed = parts_module.PartFiles.written
     count = [0]
+    lock = threading.Lock()  # (each lane's sha256 thread records its files)
 
     def written(self, name, sha256):
         placed(self, name, sha256)
-        count[0] += 1
-        if count[0] == 2:
+        with lock:
+            count[0] += 1
+            now = count[0] == 2
+        if now:
             os.kill(os.getpid(), signal.SIGTERM)
     monkeypatch.setattr(parts_module.PartFiles, "written", written)
     code = main(["--base", str(root / "base"), "--lora", str(root / "lora"), "--hf-ref", str(root / "hf_ref"),
