@@ -312,7 +312,7 @@ def _crc_jobs(plan: MergePlan, tasks: list[Task]):
     for task in tasks:
         refs = (task.lora.refs if task.lora is not None else ()) + task.pieces.refs
         yield due, refs, [pair for ref in refs for pair in replicas.pop(id(ref), [])]
-        due += sum(ref.nbytes for ref in task.pieces)
+        due += _input_bytes(task)
     yield due, [], [pair for pairs in replicas.values() for pair in pairs]  # copies of skipped tensors
 
 

@@ -16,8 +16,13 @@ output: one process (runs/to_hf.py), and a part of a run, balanced over the file
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from lora_merge.merge_plan import MergePlan, Task
+from lora_merge.merge_pipeline import default_workers
+from lora_merge.merge_plan import MergePlan, Task, planned_outputs
+from lora_merge.runs.stream import stream_into
+from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter, ShardLanes
+from lora_merge.writers.sink import RenamedSink
 
 MAX_LANES = 4  # four sha256 threads hash ~7 GB/s: more than a disk writes
 
@@ -63,3 +68,19 @@ def split_into_lanes(plan: MergePlan, file_of: dict[str, int], sizes: list[int],
     for task, (first, _) in zip(plan.tasks, spans):
         tasks[lane_of_file[first]].append(task)
     return Lanes(lane_of_file, tasks)
+
+
+def stream_into_shards(writer: ShardedSafetensorsWriter, plan: MergePlan, names, directory: Path, progress,
+                       total: int, workers: int | None) -> list[str]:
+    """Write the plan into an HF output's shards (a part's files, where the writer has a part), in lanes where the
+    plan can be cut, balanced over the files this run writes; under a release's own names (`names`) where it has
+    them. Returns the files written."""
+    index = {t.name: i for i, shard in enumerate(writer.shards) for t in shard}
+    stored = (lambda name: name) if names is None else names.stored
+    sizes = [sum(t.nbytes for t in shard) if writer.part is None or i in writer.part.files else 0
+             for i, shard in enumerate(writer.shards)]  # (another part's files, or kept ones, count nothing)
+    lanes = split_into_lanes(plan, {t.name: index[stored(t.name)] for t in planned_outputs(plan.tasks)}, sizes,
+                             workers or default_workers())
+    sink = writer if lanes is None else ShardLanes(writer, lanes.lane_of_file)
+    sink = sink if names is None else RenamedSink(sink, names.stored)
+    return stream_into(sink, directory, plan, progress, total, workers, None if lanes is None else lanes.tasks)

@@ -35,14 +35,12 @@ from lora_merge.merge_pipeline import default_workers
 from lora_merge.merge_plan import planned_outputs
 from lora_merge.options import argument_name
 from lora_merge.report import report_data
-from lora_merge.runs.lanes import split_into_lanes
+from lora_merge.runs.lanes import stream_into_shards
 from lora_merge.runs.stream import stream_into
 from lora_merge.shown import shown
 from lora_merge.version import __version__
 from lora_merge.writers.model_card import model_card_head
-from lora_merge.writers.safetensors_stream import (ShardedSafetensorsWriter, ShardLanes, shard_file_names,
-                                                   split_into_shards)
-from lora_merge.writers.sink import RenamedSink
+from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter, shard_file_names, split_into_shards
 
 MAX_PARTS = 99999  # the manifests' names have five digits
 
@@ -280,7 +278,6 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
         raise MergeError(f"--no-sha256 with {given}: finish and --resume check every file by its sha256")
     stored, shards, file_names, sizes, mine = hf_files_of_part(writer_plan, names, opts.max_shard_size, part)
     file_of = {t.name: file_names[i] for i, shard in enumerate(shards) for t in shard}
-    file_index = {t.name: i for i, shard in enumerate(shards) for t in shard}
     inside = opts.report is not None and os.path.realpath(opts.report.parent) == os.path.realpath(opts.out)
     card = model_card_head(opts.out.name, inp.base, inp.lora, hf_config, inp.settings, dtype_name,
                            plan.merged_modules, base_model)
@@ -306,15 +303,8 @@ def run_part(opts, inp, plan, writer_plan, names, hf_config: dict, dtype: torch.
                      ref_files.total_bytes if part.index == 0 else 0)
     writer = ShardedSafetensorsWriter(run.staging.files, stored, opts.max_shard_size, hash_files=True,
                                       part=run.files(arriving))
-    part_plan = replace(plan, tasks=tasks)
-    # lanes balanced over the files this run writes (another part's, or one kept by --resume, count nothing)
-    lanes = split_into_lanes(part_plan, {t.name: file_index[_stored(names, t.name)] for t in planned_outputs(tasks)},
-                             [size if i in run.pending else 0 for i, size in enumerate(sizes)],
-                             opts.workers or default_workers())
-    sink = writer if lanes is None else ShardLanes(writer, lanes.lane_of_file)
-    sink = sink if names is None else RenamedSink(sink, names.stored)
-    stream_into(sink, run.staging.files, part_plan, opts.progress, sum(t.nbytes for t in planned_outputs(tasks)),
-                opts.workers, None if lanes is None else lanes.tasks)
+    stream_into_shards(writer, replace(plan, tasks=tasks), names, run.staging.files, opts.progress,
+                       sum(t.nbytes for t in planned_outputs(tasks)), opts.workers)
     run.complete()
     return run.written(sum(len(shards[i]) for i in mine), sum(sizes[i] for i in mine))
 

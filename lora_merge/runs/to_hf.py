@@ -11,21 +11,18 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.lora import LoraSettings
-from lora_merge.merge_pipeline import default_workers
 from lora_merge.merge_plan import MergePlan, build_plan, plan_fp8_output, plan_mxfp4_output
 from lora_merge.report import hash_files, report_text
 from lora_merge.runs.inputs import (baseline_dir, card_base_model, check_input_dirs, given_paths, input_paths,
                                     inside_dir, open_inputs, output_dtype)
 from lora_merge.runs.options import FP8, MXFP4, MergeOptions
 from lora_merge.runs.finish import run_finish
-from lora_merge.runs.lanes import split_into_lanes
+from lora_merge.runs.lanes import stream_into_shards
 from lora_merge.runs.parts import hf_files_of_part, run_part, stale_parts_warning
-from lora_merge.runs.stream import stream_into
 from lora_merge.verification import VerifyReport, check_output_files, verify_output
 from lora_merge.writers.hf_files import ReferenceFiles, copy_reference_files, reference_files
 from lora_merge.writers.model_card import checked_base_model_id, model_card
-from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter, ShardLanes
-from lora_merge.writers.sink import RenamedSink
+from lora_merge.writers.safetensors_stream import ShardedSafetensorsWriter
 from lora_merge.files.staged_dir import (StagedOutput, check_free_space, check_output_target,
                                            remove_abandoned_side_files, remove_abandoned_staging)
 from lora_merge.files.targets import check_report_path
@@ -179,14 +176,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         names = getattr(inp.base, "names", None)  # a multimodal release: written under its own names
         writer = ShardedSafetensorsWriter(staging, writer_plan if names is None else [
             replace(t, name=names.stored(t.name)) for t in writer_plan], opts.max_shard_size, hash_files=opts.sha256)
-        index_of = {t.name: i for i, shard in enumerate(writer.shards) for t in shard}
-        lanes = split_into_lanes(plan, {t.name: index_of[t.name if names is None else names.stored(t.name)]
-                                        for t in writer_plan}, [sum(t.nbytes for t in shard) for shard in writer.shards],
-                                 opts.workers or default_workers())
-        sink = writer if lanes is None else ShardLanes(writer, lanes.lane_of_file)
-        sink = sink if names is None else RenamedSink(sink, names.stored)
-        files = stream_into(sink, staging, plan, opts.progress, writer.total_bytes, opts.workers,
-                            None if lanes is None else lanes.tasks)
+        files = stream_into_shards(writer, plan, names, staging, opts.progress, writer.total_bytes, opts.workers)
         files += copy_reference_files(opts.hf_ref, staging, hf_config, dtype)
         if opts.verify:
             reference = baseline_dir(inp, opts.hf_ref)
