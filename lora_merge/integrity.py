@@ -56,7 +56,7 @@ def same_stored_member(first, other) -> bool:
     if any(len(r) != 1 or r[0] is None for r in records):
         return False
     (a,), (b,) = records
-    return a.size == b.size and a.crc == b.crc and all(_whole_member(ref.load(), rec) for ref, rec in
+    return a.size == b.size and a.crc == b.crc and all(_whole_member(ref.unread(), rec) for ref, rec in
                                                        ((first, a), (other, b)))
 
 

@@ -6,6 +6,7 @@ transferred); a failed upload leaves nothing; what cannot be done with a URL is 
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,45 @@ def test_only_the_bytes_a_run_reads_are_transferred(s3, tmp_path, monkeypatch):
     assert fetched and not [f for f in fetched if "distrib_optim" in f[0]]
     data = sum(p.stat().st_size for p in (root / "base").rglob("model_optim_rng.pt"))
     assert sum(b - a for _, (a, b) in fetched if "/base/" in _) <= data
+
+
+def test_optimizer_state_inside_a_legacy_rank_file_is_never_fetched(s3, tmp_path, monkeypatch):
+    """Without the distributed optimizer, Megatron saves the optimizer state in model_optim_rng.pt itself (here 48 MB
+    per rank beside a few KB of weights): only the members of the tensors merged are fetched, and only once."""
+    import torch
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tp2_fp32_filtered", root)
+    model_bytes = 0
+    for rank_file in (root / "base").rglob("model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)
+        model_bytes += sum(t.nbytes for t in state["model"].values() if isinstance(t, torch.Tensor))
+        state["optimizer"] = {"optimizer": {"state": {i: {"exp_avg": torch.randn(1 << 20), "exp_avg_sq": torch.randn(1 << 20)}
+                                                      for i in range(6)}}}
+        torch.save(state, rank_file)
+    url = upload(s3, root, "optimizer-inside")
+    fetched = []
+    original = remote._Lazy._fetch
+    monkeypatch.setattr(remote._Lazy, "_fetch", lambda self, piece: (fetched.append((self.url, piece)),
+                                                                     original(self, piece))[1])
+    got = out_dir(tmp_path, "got", "merged")
+    lora_merge.merge(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref", out=got, warn=quiet)
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", out=local, warn=quiet)
+    assert files(got) == files(local)
+    base = [(name, piece) for name, piece in fetched if "/base/" in name]
+    assert len(base) == len(set(base))  # nothing fetched twice
+    for rank_file in (root / "base").rglob("model_optim_rng.pt"):
+        # each 4 MB optimizer member: at most the pages at its ends, and the file's last 64 KB (where zip readers
+        # look for the central directory's end)
+        with zipfile.ZipFile(rank_file) as archive:
+            for info in archive.infolist():
+                if info.file_size >= 1 << 20:
+                    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+                    ranges = [piece for name, piece in base if name.endswith(str(rank_file.relative_to(root)))]
+                    overlap = sum(max(0, min(b, start + info.file_size) - max(a, start)) for a, b in ranges)
+                    assert overlap <= 2 * remote.PAGE + (64 << 10), (rank_file, info.filename, overlap)
+    assert sum(b - a for _, (a, b) in base) < model_bytes + (1 << 20)
 
 
 def test_a_failed_upload_leaves_no_object_and_says_so(s3, tmp_path, monkeypatch):

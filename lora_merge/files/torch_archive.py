@@ -65,9 +65,11 @@ class MappedFile:
                 self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.size)
         return self._storage
 
-    def bytes_view(self, start: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor viewing [start, start + nbytes) of the file (no copy)."""
-        remote.ensure(self.path, start, nbytes)
+    def bytes_view(self, start: int, nbytes: int, fetch: bool = True) -> torch.Tensor:
+        """A uint8 tensor viewing [start, start + nbytes) of the file (no copy); `fetch`: made readable first,
+        where the file is at a URL."""
+        if fetch:
+            remote.ensure(self.path, start, nbytes)
         return torch.empty(0, dtype=torch.uint8).set_(self.storage(), start, (nbytes,))
 
     def pread(self, start: int, nbytes: int) -> bytes:
@@ -93,6 +95,10 @@ class Record:
     @property
     def key(self) -> tuple[str, int]:
         return str(self.file.path), self.start
+
+    def ensure(self) -> None:
+        """Make the member's bytes readable (fetched first where the file is at a URL)."""
+        remote.ensure(self.file.path, self.start, self.size)
 
     def check_crc(self, stop=lambda: False) -> None:
         """Recompute the CRC32 through the mapping, a chunk at a time (pages handed back as it goes)."""
@@ -140,8 +146,13 @@ class _FileSlice(io.RawIOBase):
 class TorchArchive:
     """A torch.save zip archive at [offset, offset + length) of a mapped file."""
 
-    def __init__(self, file: MappedFile, offset: int = 0, length: int | None = None, where: str | None = None):
+    def __init__(self, file: MappedFile, offset: int = 0, length: int | None = None, where: str | None = None,
+                 fetch_members: bool = True):
         self.file = file
+        # Where the file is at a URL, whether a member's bytes are fetched as its storage is unpickled. A reader
+        # that reaches every tensor through a TensorRef carrying its record (which fetches first) says no: a
+        # legacy rank file's optimizer state is then never fetched, and its weights are as the merge reaches them.
+        self.fetch_members = fetch_members
         self.offset = offset
         self.length = file.size - offset if length is None else length
         self.where = where or str(file.path)
@@ -229,7 +240,8 @@ class TorchArchive:
             if nbytes != record.size:
                 raise DamagedInput(f"{self.where}: storage {key} declares {nbytes} bytes but its member holds "
                                  f"{record.size}")
-            remote.ensure(self.file.path, record.start, nbytes)
+            if self.fetch_members:
+                remote.ensure(self.file.path, record.start, nbytes)
             storage = self.file.storage()[record.start: record.start + nbytes]
             if nbytes:
                 self._by_storage[storage.data_ptr()] = record

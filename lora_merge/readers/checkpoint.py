@@ -39,11 +39,21 @@ class TensorRef:
     # The byte ranges (MappedFile, start, nbytes) load() reads, for reading them ahead (files/prefetch.py);
     # None: those of `records`.
     spans: Callable[[], tuple] | None = None
+    # The tensor load() returns, without making its bytes readable first (a view into an input at a URL whose
+    # range is not fetched yet): for its layout, and for handing its pages back; None: load()'s.
+    view: Callable[[], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, where: str, tensor: torch.Tensor, mapped: bool, record=None) -> "TensorRef":
-        return cls(where, tuple(tensor.shape), tensor.dtype, lambda: tensor, mapped,
-                   (lambda: (record,)) if record is not None else tuple)
+        """A tensor already made, e.g. a view into a torch archive's mapping, whose `record` (the member its bytes
+        live in) is fetched first where the file is at a URL."""
+        if record is None:
+            return cls(where, tuple(tensor.shape), tensor.dtype, lambda: tensor, mapped)
+
+        def load():
+            record.ensure()
+            return tensor
+        return cls(where, tuple(tensor.shape), tensor.dtype, load, mapped, lambda: (record,), view=lambda: tensor)
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +67,13 @@ class TensorRef:
             return self.spans()
         return tuple((r.file, r.start, r.size) for r in self.records() if r is not None)
 
+    def unread(self) -> torch.Tensor:
+        """The tensor's shape, strides and storage, its bytes not necessarily read (nor fetched)."""
+        return self.view() if self.view is not None else self.loader()
+
     def release(self) -> None:
         if self.mapped:
-            release_pages(self.loader())
+            release_pages(self.unread())
 
 
 # The dtypes a weight, norm, bias or LoRA factor may have in any input: W + s·B·A is exact only on floats.

@@ -97,8 +97,9 @@ def _load_rank(rank_dir: Path) -> tuple[dict, TorchArchive]:
     path = rank_dir / RANK_FILE
     if not path.is_file():
         raise MergeError(f"{rank_dir}: missing {RANK_FILE}")
-    archive = TorchArchive(MappedFile(path))
-    state = load_archive(archive)  # memory-mapped: only the pickle is read now
+    # memory-mapped: only the pickle is read now; each tensor's member is fetched (at a URL) when its ref loads it
+    archive = TorchArchive(MappedFile(path), fetch_members=False)
+    state = load_archive(archive)
     if not isinstance(state, dict):
         raise MergeError(f"{path}: expected a dict with 'model' and 'args', found {type(state).__name__}")
     return state, archive

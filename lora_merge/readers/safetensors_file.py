@@ -159,15 +159,16 @@ def tensor_refs(path: Path, what: str, fp8: bool = False, mxfp4: bool = False) -
         # hand its pages back (madvise), and on a copy's heap memory that would zero live data.
         refs[name] = TensorRef(where=where, shape=entry.shape, dtype=dtype, mapped=offset % dtype.itemsize == 0,
                                loader=_view(mapped, offset, entry.end - entry.begin, dtype, entry.shape),
+                               view=_view(mapped, offset, entry.end - entry.begin, dtype, entry.shape, fetch=False),
                                spans=lambda span=(mapped, offset, entry.end - entry.begin): (span,))
     return refs
 
 
-def _view(mapped: MappedFile, offset: int, nbytes: int, dtype: torch.dtype, shape):
+def _view(mapped: MappedFile, offset: int, nbytes: int, dtype: torch.dtype, shape, fetch: bool = True):
     def load() -> torch.Tensor:
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
-        data = mapped.bytes_view(offset, nbytes)
+        data = mapped.bytes_view(offset, nbytes, fetch)
         if offset % dtype.itemsize:  # safetensors does not promise aligned data: a copy then
             data = data.clone()
         return data.view(dtype).reshape(shape)
