@@ -326,7 +326,9 @@ class BlockQuantizer:
         self._scales: list[torch.Tensor] = []
 
     def add(self, rows: torch.Tensor) -> torch.Tensor | None:
-        self._pending.append(rows.float())
+        # a copy even of float32 rows: they may view an input whose pages are handed back once the piece is
+        # delivered (files/handback.py), while they wait here for the rest of their block
+        self._pending.append(rows.to(torch.float32, copy=True))
         self._pending_rows += rows.shape[0]
         last = self.rows_done + self._pending_rows == self.shape[0]
         ready = self._pending_rows if last else self._pending_rows // self.block[0] * self.block[0]

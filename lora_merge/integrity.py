@@ -94,8 +94,9 @@ class RecordChecker:
     The merge reports its position with `advance(due)`, which also raises a failure found so far.
     """
 
-    def __init__(self, jobs: list[tuple[int, list]]):
+    def __init__(self, jobs: list[tuple[int, list]], reads: list | None = None):
         self._jobs = jobs
+        self._reads = reads  # each job's counted reads of inputs at a URL (files/handback.py), done after it
         self._progress = 0
         self._stopped = False
         self._error: BaseException | None = None
@@ -112,7 +113,7 @@ class RecordChecker:
     def _check_all(self) -> None:
         seen = set()
         try:
-            for due, refs, replicas in self._jobs:
+            for i, (due, refs, replicas) in enumerate(self._jobs):
                 with self._cond:
                     while not self._stopped and due > self._progress + LEAD_BYTES:
                         self._cond.wait()
@@ -126,6 +127,8 @@ class RecordChecker:
                             record.check_crc(stop=lambda: self._stopped)
                 for pair in compared:
                     check_replica(*pair)
+                if self._reads is not None and self._reads[i] is not None:
+                    self._reads[i].done()
         except BaseException as exc:  # handed to the merging thread
             self._error = exc
 

@@ -27,6 +27,8 @@ import torch
 
 from lora_merge.errors import MergeError
 from lora_merge.integrity import RecordChecker, check_finite
+from lora_merge.files import remote
+from lora_merge.files.handback import Handback
 from lora_merge.files.prefetch import Prefetcher, stop_early_reads
 from lora_merge.fp8 import SCALE_SUFFIX, BlockQuantizer, quantize_rows, scale_shape
 from lora_merge.model.layout import Mxfp4RowBlock, QuantizedRowBlock, SlabBlock
@@ -162,18 +164,24 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None,
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
         raise MergeError(f"workers={workers!r}: expected a whole number from 1 to {MAX_WORKERS}")
     started = time.thread_time()
-    checker = pool = prefetcher = None
+    checker = pool = prefetcher = handback = crc_reads = None
     _single_threaded_torch(True)
     try:  # the caller's thread count comes back however this ends, a checker that fails to start included
         runs = [_Lane(tasks) for tasks in (lanes or [plan.tasks]) if tasks]
         jobs = list(_crc_jobs(plan, _started_in_turn(runs)))
+        if remote.reading_urls():  # every planned read of an input at a URL counted, to hand its bytes back after
+            handback = Handback()
+            for run in runs:
+                run.reads = {id(task): _TaskReads(handback.reads(_task_refs(task))) for task in run.tasks}
+            crc_reads = [handback.reads([*refs, *(ref for pair in replicas for ref in pair)])
+                         for _, refs, replicas in jobs]
         prefetcher = Prefetcher(((due, refs) for due, refs, _ in jobs), read_early=stop_early_reads())
-        checker = RecordChecker(jobs)
+        checker = RecordChecker(jobs, crc_reads)
         pool = OrderedPool(workers)
 
         quantizers: dict[str, BlockQuantizer] = {}  # FP8 output: a weight's rows quantized as they come, in order
 
-        def deliver(name: str, result) -> None:
+        def deliver(name: str, write, result) -> None:
             piece, then = result
             quantizer = quantizers.get(name)
             if isinstance(piece, tuple):  # quantized on a worker: its fp8 rows, and the scales of its block rows
@@ -192,7 +200,7 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None,
                 progress(piece.numel() if quantizer is not None else piece.nbytes)  # FP8: its bytes as written
 
         chunk = chunk_bytes(workers)
-        streams = [run.jobs(plan, chunk, quantizers, write) for run in runs]
+        streams = [run.jobs(plan, chunk, quantizers, write) for run in runs]  # (each task's writes its run's `write`)
         active = list(range(len(runs)))
         while active:
             lane = min(active, key=lambda i: runs[i].pace)  # the run furthest behind, by its share of input bytes
@@ -208,9 +216,11 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None,
             elif name is None:  # a call in order: an FP8 weight's scales once its rows are written; a task's release
                 pool.submit_in_order(job)
             else:
-                pool.submit(job, partial(deliver, name))
+                pool.submit(job, partial(deliver, name, runs[lane].write))
         pool.drain()
         checker.finish()
+        if handback is not None:
+            handback.close()
     finally:  # each step runs even if a second interrupt arrives during the one before
         try:
             if pool is not None:
@@ -222,6 +232,8 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None,
             finally:
                 if prefetcher is not None:
                     prefetcher.stop()
+                if handback is not None:
+                    handback.close()
                 _single_threaded_torch(False)
                 charge("dispatch", time.thread_time() - started)  # planning pieces, handing them to the writer
 
@@ -240,6 +252,8 @@ class _Lane:
         self.tasks = tasks
         self.total = max(1, sum(_input_bytes(task) for task in tasks))
         self.reached = 0.0  # input bytes of the tasks begun before the current one, and the current one's share
+        self.reads: dict[int, _TaskReads] = {}  # by id(task), where inputs at a URL are read
+        self.write = None  # the current task's
 
     @property
     def pace(self) -> float:
@@ -252,12 +266,14 @@ class _Lane:
         for task in self.tasks:
             size = _input_bytes(task)
             self.reached = begun
+            reads = self.reads.get(id(task))
+            self.write = write if reads is None else reads.counted(write)
             yield None, _STARTED
             pieces = max(1, _pieces_expected(task, chunk))
-            for name, job in _task_jobs(plan, task, chunk, quantizers, write):
+            for name, job in _task_jobs(plan, task, chunk, quantizers, self.write):
                 yield name, job
                 self.reached = min(begun + size, self.reached + size / pieces)
-            yield None, partial(_release_task, task)
+            yield None, partial(_release_task, task, reads)
             begun += size
             self.reached = begun
 
@@ -505,10 +521,53 @@ def _write_scales(write, name: str, quantizers: dict, scales_name: str | None = 
     write(scales_name or name + SCALE_SUFFIX, scales, None)
 
 
-def _release_task(task: Task) -> None:
-    delta = tuple(ref for f in (task.delta or {}).values() for ref in (f.a, f.b))
-    for ref in task.pieces.refs + (task.lora.refs if task.lora is not None else ()) + delta:
+def _task_refs(task: Task) -> tuple:
+    """Every tensor reference the task reads: its pieces, its LoRA factors (a PEFT adapter's, by HF name)."""
+    delta = tuple(ref for f in (task.delta or {}).values() for ref in (f.a, f.b, getattr(f, "magnitude", None)) if ref is not None)
+    return task.pieces.refs + (task.lora.refs if task.lora is not None else ()) + delta
+
+
+def _release_task(task: Task, reads: "_TaskReads | None" = None) -> None:
+    for ref in _task_refs(task):
         ref.release()  # replicated copies on other ranks, and the LoRA factors' pages
+    if reads is not None:
+        reads.issued()
+
+
+class _TaskReads:
+    """A task's counted reads of inputs at a URL (files/handback.py), done once all its pieces are handed to the
+    writer (`issued`) and the writer is through with each (a write's `then`: it may keep a view of the input
+    until then, e.g. unchanged rows hashed on its sha256 thread)."""
+
+    def __init__(self, reads):
+        self._reads, self._left, self._lock = reads, 1, threading.Lock()
+
+    def counted(self, write):
+        if self._reads is None:
+            return write
+
+        def counted_write(name, rows, then=None):
+            with self._lock:
+                self._left += 1
+            write(name, rows, partial(self._written, then))
+        return counted_write
+
+    def _written(self, then) -> None:
+        try:
+            if then is not None:
+                then()
+        finally:
+            self._one_done()
+
+    def issued(self) -> None:
+        self._one_done()
+
+    def _one_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._left == 0
+        if done and self._reads is not None:
+            self._reads.done()
 
 
 def _release_all(views) -> None:

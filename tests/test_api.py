@@ -147,7 +147,7 @@ def test_lora_r_and_alpha_are_type_checked(tmp_path, function, kwargs, expected)
 def test_a_failing_merge_restores_torch_threads(tmp_path, monkeypatch):
     from lora_merge import merge_pipeline
 
-    def broken(jobs):
+    def broken(jobs, reads=None):
         raise RuntimeError("checker failed to start")
 
     threads = torch.get_num_threads()

@@ -133,6 +133,8 @@ class Prefetcher(_Reader):
             with self._cond:
                 while not self._stopped and due > self._progress + self._lead:
                     self._cond.wait()
+                if due < self._progress:  # begun by the merge, which reads for itself (and may be done with it)
+                    continue
             for ref in refs:
                 for file, start, nbytes in ref.byte_spans():
                     if self._stopped:
@@ -155,7 +157,7 @@ class Prefetcher(_Reader):
             if self._stopped:
                 return
             try:
-                remote.ensure(path, at, min(step, start + nbytes - at))
+                remote.ensure(path, at, min(step, start + nbytes - at), ahead=True)
             except Exception:  # noqa: BLE001 - the merge's own fetch of them reports
                 return
 

@@ -30,6 +30,7 @@ backends take them: for S3 the standard AWS variables (`AWS_ACCESS_KEY_ID`, `AWS
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import os
@@ -80,16 +81,18 @@ def last_component(url: str) -> str:
 
 
 class _Lazy:
-    """A sparse shadow file whose byte ranges are fetched on first use."""
+    """A sparse shadow file whose byte ranges are fetched on first use, and punched out once handed back."""
 
     def __init__(self, fs, remote: str, url: str, size: int, path: Path):
         self.fs, self.remote, self.url, self.size, self.path = fs, remote, url, size, path
         self.have: list[list[int]] = []  # fetched [start, end) page ranges, sorted and disjoint
+        self.gone: list[list[int]] = []  # ranges handed back (files/handback.py), not fetched ahead again
+        self.punches = True  # until the file system refuses to punch holes
         self.lock = threading.Lock()
 
-    def _missing(self, start: int, end: int) -> list[tuple[int, int]]:
+    def _missing(self, start: int, end: int, have=None) -> list[tuple[int, int]]:
         gaps, at = [], start
-        for a, b in self.have:
+        for a, b in self.have if have is None else have:
             if b <= at:
                 continue
             if a >= end:
@@ -101,12 +104,16 @@ class _Lazy:
             gaps.append((at, end))
         return gaps
 
-    def ensure(self, start: int, nbytes: int) -> None:
+    def ensure(self, start: int, nbytes: int, ahead: bool = False) -> None:
+        """Fetch what is missing of [start, start + nbytes); `ahead`: for a read to come, so not what was handed
+        back (its reads are done)."""
         if nbytes <= 0:
             return
         a, b = max(0, start) // PAGE * PAGE, min(self.size, -(-(start + nbytes) // PAGE) * PAGE)
         with self.lock:
             gaps = self._missing(a, b)
+            if ahead and self.gone:
+                gaps = [g for x, y in gaps for g in self._missing(x, y, self.gone)]
             if not gaps:
                 return
             pieces = [(x, min(y, x + FETCH_BYTES)) for x0, y in gaps for x in range(x0, y, FETCH_BYTES)]
@@ -131,13 +138,54 @@ class _Lazy:
             os.close(fd)
 
     def _add(self, a: int, b: int) -> None:
-        merged = []
-        for x, y in sorted(self.have + [[a, b]]):
-            if merged and x <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], y)
-            else:
-                merged.append([x, y])
-        self.have = merged
+        self.have = _joined(self.have, a, b)
+
+    def hand_back(self, start: int, end: int) -> None:
+        """Punch the whole pages of [start, end) out of the file (its reads are done) and forget them as fetched."""
+        a = -(-start // PAGE) * PAGE
+        b = self.size if end >= self.size else end // PAGE * PAGE
+        if a >= b:
+            return
+        with self.lock:
+            if not self.punches or not self._missing(a, b, self.gone):
+                return
+            if not _punch_hole(self.path, a, b - a):
+                self.punches = False  # (a file system without holes: the bytes stay until the run ends)
+                return
+            self.have = [[x, y] for p, q in self.have for x, y in ((p, min(q, a)), (max(p, b), q)) if x < y]
+            self.gone = _joined(self.gone, a, b)
+
+
+def _joined(ranges: list[list[int]], a: int, b: int) -> list[list[int]]:
+    """Sorted disjoint ranges with [a, b) added."""
+    merged = []
+    for x, y in sorted(ranges + [[a, b]]):
+        if merged and x <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], y)
+        else:
+            merged.append([x, y])
+    return merged
+
+
+try:
+    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+except (OSError, AttributeError):  # not Linux
+    _fallocate = None
+_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def _punch_hole(path: Path, start: int, nbytes: int) -> bool:
+    if _fallocate is None:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        return _fallocate(fd, _PUNCH_HOLE_KEEP_SIZE, start, nbytes) == 0
+    finally:
+        os.close(fd)
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -159,16 +207,30 @@ def _lazy(path) -> _Lazy | None:
     return _LAZY.get(os.fspath(path)) if _LAZY else None
 
 
+def reading_urls() -> bool:
+    """Whether any input is read from a URL (through shadow files) now."""
+    return bool(_LAZY)
+
+
 def is_shadow(path) -> bool:
     """Whether `path` is the shadow file of an object at a URL (its bytes fetched on first use)."""
     return _lazy(path) is not None
 
 
-def ensure(path, start: int, nbytes: int) -> None:
-    """Make bytes [start, start + nbytes) of `path` readable: fetched first if `path` is a shadow file."""
+def ensure(path, start: int, nbytes: int, ahead: bool = False) -> None:
+    """Make bytes [start, start + nbytes) of `path` readable: fetched first if `path` is a shadow file. `ahead`: for
+    reading ahead, which does not fetch a range handed back (`hand_back`) again."""
     lazy = _lazy(path)
     if lazy is not None:
-        lazy.ensure(start, nbytes)
+        lazy.ensure(start, nbytes, ahead)
+
+
+def hand_back(path, start: int, end: int) -> None:
+    """Free the local disk space of [start, end) of a shadow file, whose reads are done (files/handback.py); a
+    later `ensure` fetches it again."""
+    lazy = _lazy(path)
+    if lazy is not None:
+        lazy.hand_back(start, end)
 
 
 def ensure_whole(path) -> None:
@@ -178,13 +240,16 @@ def ensure_whole(path) -> None:
         lazy.ensure(0, lazy.size)
 
 
-def open_read(path):
-    """`open(path, "rb")`, whose reads of a shadow file fetch what they read first."""
+def open_read(path, buffered: bool = True):
+    """`open(path, "rb")`, whose reads of a shadow file fetch what they read first. `buffered=False`: each read reads
+    what it asks for and no more (a reader of a slice of the file: a buffer's 8 KB would reach past the slice, into
+    a neighbour's bytes, fetching them again if they were handed back)."""
     lazy = _lazy(path)
     if lazy is None:
-        return Path(path).open("rb")
-    # unbuffered: a buffer would keep bytes read before their range was fetched
-    return io.BufferedReader(_Fetching(Path(path).open("rb", buffering=0), lazy))
+        return Path(path).open("rb", buffering=-1 if buffered else 0)
+    # the raw file unbuffered: a buffer would keep bytes read before their range was fetched
+    fetching = _Fetching(Path(path).open("rb", buffering=0), lazy)
+    return io.BufferedReader(fetching) if buffered else fetching
 
 
 class _Fetching(io.RawIOBase):

@@ -168,7 +168,7 @@ class TorchArchive:
 
     def _read_directory(self) -> dict[str, Record]:
         try:
-            with remote.open_read(self.file.path) as f:
+            with remote.open_read(self.file.path, buffered=False) as f:  # (an archive may be a slice of the file)
                 end = zipfile._EndRecData(_FileSlice(f, self.offset, self.length))
                 if end and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:
                     raise DamagedInput(f"{self.where}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members; "

@@ -138,7 +138,7 @@ class PiecedRef(TensorRef):
         from lora_merge.readers.checkpoint import joined_ref
 
         joined = joined_ref(refs, dim)
-        ref = cls(joined.where, joined.shape, joined.dtype, joined.loader, False, joined.records)
+        ref = cls(joined.where, joined.shape, joined.dtype, joined.loader, False, joined.records, joined.spans)
         object.__setattr__(ref, "pieces", tuple(refs))
         object.__setattr__(ref, "dim", dim)
         return ref

@@ -193,7 +193,18 @@ def chunk_opener(it_dir: Path, storage: dict, files: dict, key: str, offsets, si
                                      f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
                 cache["t"] = tensor, record
         return cache["t"]
-    return (lambda: opened()[0]), (lambda: tuple(r for r in opened()[1:] if r is not None)), rel, length
+    return (lambda: opened()[0]), ChunkRecords(opened, (file.mapped, off, length)), rel, length
+
+
+class ChunkRecords:
+    """A chunk's archive member for the CRC check (the chunk opened on first call), and the chunk's bytes in
+    its file (known from the metadata: reading ahead and counting reads need not open it)."""
+
+    def __init__(self, opened, span: tuple):
+        self._opened, self.span = opened, span
+
+    def __call__(self) -> tuple:
+        return tuple(r for r in self._opened()[1:] if r is not None)
 
 
 
@@ -220,11 +231,12 @@ def _piece_refs(where, shape, dtype, pieces) -> tuple[list[TensorRef], int | Non
         ordered = sorted(pieces, key=lambda p: p[1][dim].start if dim is not None else 0)
         refs = [TensorRef(where=f"{where}{'' if dim is None else f' piece {i}'}",
                           shape=tuple(r.stop - r.start for r in region), dtype=dtype, loader=get, mapped=True,
-                          records=records)
+                          records=records, spans=lambda records=records: (records.span,))
                 for i, (get, region, records) in enumerate(ordered)]
         return refs, dim
     return [TensorRef(where=where, shape=shape, dtype=dtype, loader=_slice_loader(pieces, shape, dtype),
-                      records=lambda: tuple(rec for _, _, records in pieces for rec in records()))], None
+                      records=lambda: tuple(rec for _, _, records in pieces for rec in records()),
+                      spans=lambda: tuple(dict.fromkeys(records.span for _, _, records in pieces)))], None
 
 
 def read_torch_dist(path: Path) -> Checkpoint:
