@@ -4,10 +4,9 @@ other fsspec URL, read by byte ranges and never downloaded whole.
 An input URL becomes a local *shadow* directory that the readers open as they open any checkpoint: every object
 under the URL is a file there of its real size. Checkpoint data files (safetensors, torch archives, `.distcp`) are
 sparse files whose byte ranges are fetched (ranged GETs of 64 MB, 4 at once) when a reader first touches them, so
-only the bytes a run reads are transferred (a checkpoint's optimizer state never is), and they stay in the sparse
-file until the run ends (the shadow is removed then; punching them out once used would race with another view of
-the same bytes, e.g. a CRC check beside the merge, so it is not done: the local disk needs room for the data a run
-reads); every other file (configs, tokenizers, indexes, metadata) is fetched whole. The readers reach the bytes
+only the bytes a run reads are transferred (a checkpoint's optimizer state never is), and punched out again once
+every read of them the merge planned is done (`hand_back`, counted by files/handback.py: the local disk holds about
+the read-ahead distance); every other file (configs, tokenizers, indexes, metadata) is fetched whole. The readers reach the bytes
 through `MappedFile`, the safetensors header reader and the torch archive reader, each of which asks `ensure`
 first; a range nobody asked for reads as zeros, which the byte-identity tests would see.
 
