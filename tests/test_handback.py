@@ -15,21 +15,9 @@ import lora_merge
 from helpers import FIXTURES, files, out_dir, quiet, random_hf_model, upload
 from lora_merge import integrity, merge_pipeline
 from lora_merge.files import handback, prefetch, remote
+from test_prefetch import _File, _Ref  # a file and a tensor reference as the span readers see them
 
 PAGE = remote.PAGE
-
-
-class _File:
-    def __init__(self, path):
-        self.path, self.in_memory = path, False
-
-
-class _Ref:
-    def __init__(self, *spans):
-        self.spans = spans
-
-    def byte_spans(self):
-        return self.spans
 
 
 def test_a_range_is_handed_back_once_its_last_counted_read_is_done(monkeypatch):
