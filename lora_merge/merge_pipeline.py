@@ -173,8 +173,9 @@ def execute(plan: MergePlan, write, progress=None, workers: int | None = None,
             handback = Handback()
             for run in runs:
                 run.reads = {id(task): _TaskReads(handback.reads(_task_refs(task))) for task in run.tasks}
-            crc_reads = [handback.reads([*refs, *(ref for pair in replicas for ref in pair)])
+            crc_reads = [handback.reads([*refs, *(ref for pair in replicas for ref in pair[:2])])  # (, message)
                          for _, refs, replicas in jobs]
+            handback.release_unread()
         prefetcher = Prefetcher(((due, refs) for due, refs, _ in jobs), read_early=stop_early_reads())
         checker = RecordChecker(jobs, crc_reads)
         pool = OrderedPool(workers)

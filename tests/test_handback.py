@@ -104,6 +104,28 @@ def test_a_handed_back_range_frees_its_disk_and_is_fetched_again_when_read_again
         remote._LAZY.pop(str(lazy.path), None)
 
 
+def test_what_planning_fetched_that_the_merge_will_not_read_is_handed_back_before_it_starts(tmp_path):
+    """A copy compared with its original while planning (a tied embedding's last-stage copy, an unfiltered LoRA
+    checkpoint's own base), headers and pickles: fetched, never counted, handed back before the merge starts; the
+    counted ranges stay for their reads, and a shadow file the merge reads nothing of is not touched."""
+    data = os.urandom(40 * PAGE)
+    lazy = _shadow(tmp_path, data)
+    try:
+        remote.ensure(lazy.path, 0, len(data))  # all of it read while planning
+        back = handback.Handback()
+        f = _File(str(lazy.path))
+        reads = back.reads([_Ref((f, 10 * PAGE + 100, 10 * PAGE))])  # the one tensor the merge reads
+        back.release_unread()
+        # whole pages outside it: [0, 10P) and [21P, 40P); its own pages and the two it shares stay
+        assert lazy.gone == [[0, 10 * PAGE], [21 * PAGE, 40 * PAGE]]
+        assert lazy.have == [[10 * PAGE, 21 * PAGE]]
+        reads.done()
+        back.close()
+        assert lazy.gone == [[0, 40 * PAGE]] and lazy.have == []
+    finally:
+        remote._LAZY.pop(str(lazy.path), None)
+
+
 def test_a_file_system_without_holes_keeps_the_bytes(tmp_path, monkeypatch):
     data = os.urandom(8 * PAGE)
     lazy = _shadow(tmp_path, data)
@@ -204,11 +226,40 @@ def test_what_is_read_again_after_it_was_handed_back_is_fetched_again(s3, tmp_pa
     assert seen["fetched"] > 1.5 * model
 
 
-@pytest.mark.parametrize("fixture", ["tp2_fp32_filtered", "dist_tp2pp2_fp32"])
-def test_megatron_bases_from_s3_are_handed_back(s3, tmp_path, monkeypatch, fixture):
-    """Legacy rank files (a member per tensor) and torch_dist chunks: by the end of the merge, no whole page of a
-    tensor's bytes is left, with the local bytes written. (What stays: pages shared by neighbours, tensors smaller
-    than a page, a legacy file's pickle and the last 64 KB where zip readers look for its directory.)"""
+def _url(path: Path) -> str:
+    return f"file://{path}"  # ranged reads through fsspec, the same shadows as s3://, no server
+
+
+def _no_whole_page_of_a_tensor_left(root: Path, have: dict, which=("base/", "lora/")) -> int:
+    """No whole page of a tensor's bytes is left in the shadows of the files under `which`: legacy members (but those
+    in the last 64 KB, where zip readers look for the directory), `.distcp` chunks (at most the pages at the file's
+    ends). Returns how many tensors were looked at."""
+    checked = 0
+    for name, ranges in have.items():
+        path = root / name
+        if not name.startswith(which):
+            continue
+        if path.suffix == ".distcp":
+            assert sum(b - a for a, b in ranges) <= 2 * PAGE, (name, ranges)
+            checked += 1
+        elif path.suffix == ".pt" and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                for info in archive.infolist():
+                    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+                    first, last = -(-start // PAGE) * PAGE, (start + info.file_size) // PAGE * PAGE
+                    if "/data/" in info.filename and last - first >= PAGE and last <= path.stat().st_size - (64 << 10):
+                        assert not any(a < last and first < b for a, b in ranges), (name, info.filename, ranges)
+                        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("fixture", ["tp2_fp32_filtered", "dist_tp2pp2_fp32", "tied_pp2_llama_fp32",
+                                     "tp2pp2_bf16_unfiltered"])
+def test_megatron_checkpoints_from_urls_are_handed_back(s3, tmp_path, monkeypatch, fixture):
+    """Legacy rank files (a member per tensor) and torch_dist chunks: by the end of the merge, nothing of them is
+    left on the local disk, with the local bytes written. That includes what planning read and the merge does not:
+    the last pipeline stage's copy of a tied embedding (compared with the first's), an unfiltered LoRA checkpoint's
+    own base weights (compared with --base), pickles, zip directories."""
     root = FIXTURES / fixture
     url = upload(s3, root, f"handback-{fixture}")
     local = out_dir(tmp_path, "local", "merged")
@@ -217,19 +268,56 @@ def test_megatron_bases_from_s3_are_handed_back(s3, tmp_path, monkeypatch, fixtu
     got = out_dir(tmp_path, "got", "merged")
     lora_merge.merge(base=f"{url}/base", lora=f"{url}/lora", hf_ref=f"{url}/hf_ref", out=got, warn=quiet)
     assert files(got) == files(local)
-    base = {name: have for name, have in seen["have"].items() if name.startswith("base/")}
-    checked = 0
-    for name, have in base.items():
-        path = root / name
-        if path.suffix == ".distcp":  # chunks one after another: at most the pages at the file's ends
-            assert sum(b - a for a, b in have) <= 2 * PAGE, (name, have)
-            checked += 1
-            continue
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
-                first, last = -(-start // PAGE) * PAGE, (start + info.file_size) // PAGE * PAGE
-                if "/data/" in info.filename and last - first >= PAGE and last <= path.stat().st_size - (64 << 10):
-                    assert not any(a < last and first < b for a, b in have), (name, info.filename, have)
-                    checked += 1
-    assert checked >= 4
+    assert _no_whole_page_of_a_tensor_left(root, seen["have"]) >= 4
+    # nor any other byte of a file the merge reads: the pickles, headers and zip directories read while planning
+    # were handed back before it started, and the pages they share with tensors with those (common.pt, read while
+    # planning only, stays)
+    left = {name: ranges for name, ranges in seen["have"].items() if ranges and not name.endswith("common.pt")}
+    assert not left, left
+
+
+@pytest.mark.parametrize("fixture", ["dist_tp2pp2_fp32", "dist_singleton_tp2_fp32", "bridge_tp2_fp32"])
+def test_torch_dist_chunks_handed_back_are_fetched_again_when_verified(tmp_path, monkeypatch, fixture):
+    """`verify=True` reads a torch_dist base again after the merge handed its chunks back: a chunk opened once is
+    made readable again on every load (it read the hole's zeros, and verification failed, before)."""
+    root = FIXTURES / fixture
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=root / "base", lora=root / "lora", hf_ref=root / "hf_ref", out=local, warn=quiet)
+    _short_leads(monkeypatch, 0)
+    given = []
+    original = remote.hand_back
+    monkeypatch.setattr(remote, "hand_back", lambda *a: (given.append(a), original(*a))[1])
+    got = out_dir(tmp_path, "got", "merged")
+    lora_merge.merge(base=_url(root / "base"), lora=_url(root / "lora"), hf_ref=_url(root / "hf_ref"), out=got,
+                     warn=quiet, verify=True)
+    assert any(".distcp" in str(a[0]) for a in given)
+    assert files(got).keys() == files(local).keys()
+    assert all(files(got)[k] == v for k, v in files(local).items() if k != "README.md")  # (the card names the URLs)
+
+
+def test_several_adapters_from_urls_are_counted_and_handed_back(tmp_path, monkeypatch, llama):
+    """Several PEFT adapters summed into one change per tensor: their factors' reads are counted as theirs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    second = tmp_path / "second"
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_pretrained(llama / "base", dtype=torch.bfloat16)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+                   ).save_pretrained(second)
+    args = dict(lora_weights=[0.7, 0.3], warn=quiet)
+    local = out_dir(tmp_path, "local", "merged")
+    lora_merge.merge(base=llama / "base", lora=[llama / "adapter", second], hf_ref=llama / "base", out=local, **args)
+    seen = _watched(monkeypatch)
+    got = out_dir(tmp_path, "got", "merged")
+    lora_merge.merge(base=_url(llama / "base"), lora=[_url(llama / "adapter"), _url(second)],
+                     hf_ref=_url(llama / "base"), out=got, **args)
+    assert {k: v for k, v in files(got).items() if k != "README.md"} == \
+        {k: v for k, v in files(local).items() if k != "README.md"}
+    adapters = {name: ranges for name, ranges in seen["have"].items() if name.endswith("adapter_model.safetensors")}
+    assert len(adapters) == 2
+    for name, ranges in adapters.items():
+        header = 8 + int.from_bytes((llama / "adapter" / "adapter_model.safetensors").read_bytes()[:8], "little") \
+            if "second" not in name else 8 + int.from_bytes((second / "adapter_model.safetensors").read_bytes()[:8],
+                                                            "little")
+        assert sum(b - a for a, b in ranges) <= header + 4 * PAGE, (name, ranges)

@@ -8,9 +8,10 @@ When the last of a range's reads is done, the range's whole pages are punched ou
 thread of this module's own (a writer thread that finishes a piece never waits for it), and forgotten as
 fetched. The local disk then holds about the read-ahead distance, whatever the model's size.
 
-Only counted ranges are punched, and only once nothing counted is left to read them: what is read outside the
-count (headers read while planning, pickles, another run's verification afterwards) is never punched while in
-use, and a range read again later is fetched again (`remote.ensure` knows it is gone). The read-ahead thread
+Counted ranges are punched only once nothing counted is left to read them. What planning fetched that no counted
+read will read (a copy compared with its original, a LoRA checkpoint's own base, headers, pickles) is handed back
+before the merge starts (`release_unread`). A range read again later (a verification afterwards) is fetched again:
+every load makes its bytes readable first (`remote.ensure`, which knows what is gone). The read-ahead thread
 does not fetch a range again once it is handed back (`ahead=True`).
 """
 
@@ -59,6 +60,25 @@ class _Counts:
             b -= page
         return (a, b) if a < b else None
 
+    def settle(self, end: int) -> None:
+        """Count no read left for every byte of [0, end) that none was counted for (the merge does not read it)."""
+        self._split(0)
+        self._split(end)
+        for k, at in enumerate(self.points):
+            if at < end and self.counts[k] is None:
+                self.counts[k] = 0
+
+    def uncounted(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of [start, end) no read was counted for."""
+        found, at = [], start
+        k = bisect.bisect_right(self.points, start) - 1
+        while at < end:
+            stop = min(end, self.points[k + 1]) if k + 1 < len(self.points) else end
+            if k < 0 or self.counts[k] is None:
+                found.append((at, stop))
+            at, k = stop, k + 1
+        return found
+
     def _free(self, start: int, end: int) -> bool:
         """Whether every byte of [start, end) was counted and has no read left."""
         k = bisect.bisect_right(self.points, start) - 1
@@ -105,6 +125,21 @@ class Handback:
             for path, start, end in spans:
                 self._counts.setdefault(path, _Counts()).add(start, end, 1)
         return Reads(self, spans)
+
+    def release_unread(self) -> None:
+        """Hand back what was fetched while the run planned (a copy compared with its original, a LoRA checkpoint's
+        own base, headers and pickles) but no counted read of the merge will read, in the files the merge reads: to
+        be called once every read is counted, before any starts. (Another run's files at once in this process are
+        none of these: each run has a shadow of its own.)"""
+        with self._lock:
+            for path, counts in self._counts.items():
+                for start, end in remote.fetched(path):
+                    for gap in counts.uncounted(start, end):
+                        remote.hand_back(path, *gap)
+                # the rest of the file, read by nothing the merge does, no longer keeps a page it shares with a
+                # tensor from being handed back with the tensor (a legacy member's zip header, say)
+                size = remote.shadow_size(path)
+                counts.settle(-(-size // remote.PAGE) * remote.PAGE)
 
     def _done(self, spans) -> None:
         with self._lock:

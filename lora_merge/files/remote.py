@@ -224,6 +224,21 @@ def ensure(path, start: int, nbytes: int, ahead: bool = False) -> None:
         lazy.ensure(start, nbytes, ahead)
 
 
+def fetched(path) -> list[tuple[int, int]]:
+    """The ranges of a shadow file fetched and not handed back (none for any other file)."""
+    lazy = _lazy(path)
+    if lazy is None:
+        return []
+    with lazy.lock:
+        return [(a, b) for a, b in lazy.have]
+
+
+def shadow_size(path) -> int:
+    """The size of the object a shadow file stands for (0 for any other file)."""
+    lazy = _lazy(path)
+    return 0 if lazy is None else lazy.size
+
+
 def hand_back(path, start: int, end: int) -> None:
     """Free the local disk space of [start, end) of a shadow file, whose reads are done (files/handback.py); a
     later `ensure` fetches it again."""

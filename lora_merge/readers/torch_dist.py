@@ -34,6 +34,7 @@ from lora_merge.readers.checkpoint import GLOBAL, Checkpoint, LoraCollector, Pie
 from lora_merge.readers.experts import expert_layout
 from lora_merge.readers.iteration import TRACKER, resolve_iteration_dir
 from lora_merge.files.torch_archive import MappedFile, Record, TorchArchive
+from lora_merge.files import remote
 from lora_merge.files.safe_load import StandIn, load_archive, load_pt, stand_in_class
 from lora_merge.shown import shown
 from lora_merge.files.small_files import read_bytes
@@ -193,7 +194,12 @@ def chunk_opener(it_dir: Path, storage: dict, files: dict, key: str, offsets, si
                                      f"{tensor.dtype}, but the metadata says {list(sizes)} {dtype}")
                 cache["t"] = tensor, record
         return cache["t"]
-    return (lambda: opened()[0]), ChunkRecords(opened, (file.mapped, off, length)), rel, length
+    def get():
+        # each load makes the chunk readable first: at a URL its bytes may have been handed back since the chunk was
+        # opened (files/handback.py), and the view kept here would read zeros
+        remote.ensure(file.path, off, length)
+        return opened()[0]
+    return get, ChunkRecords(opened, (file.mapped, off, length)), rel, length
 
 
 class ChunkRecords:
