@@ -122,6 +122,26 @@ def test_optimizer_state_inside_a_legacy_rank_file_is_never_fetched(s3, tmp_path
     assert sum(b - a for _, (a, b) in base) < model_bytes + (1 << 20)
 
 
+def test_a_url_given_twice_is_one_input(tmp_path, monkeypatch, base_model):
+    """An adapter given twice as the same URL is refused as a local one is (each URL had a shadow of its own, so
+    the adapter was merged twice); --base and --hf-ref at one URL are listed and fetched once."""
+    from lora_merge.errors import UsageError
+
+    fixture = FIXTURES / "tp2_fp32_filtered"
+    hf, adapter = base_model("tp2_fp32_filtered"), tmp_path / "adapter"
+    lora_merge.export_adapter(lora=fixture / "lora", hf_ref=fixture / "hf_ref", out=adapter, warn=quiet)
+    with pytest.raises(UsageError, match="an adapter given twice"):
+        lora_merge.merge(base=f"file://{hf}", lora=[f"file://{adapter}", f"file://{adapter}/"], hf_ref=f"file://{hf}",
+                         out=tmp_path / "twice", warn=quiet)
+    listed = []
+    original = remote._objects
+    monkeypatch.setattr(remote, "_objects", lambda fs, rpath, url: (listed.append(url), original(fs, rpath, url))[1])
+    lora_merge.merge(base=f"file://{hf}", lora=f"file://{adapter}", hf_ref=f"file://{hf}", out=tmp_path / "once",
+                     warn=quiet)
+    # each listed when its shadow is made and again before publishing (check_inputs_unchanged): two inputs, not three
+    assert sorted(listed) == sorted([f"file://{hf}", f"file://{adapter}"] * 2)
+
+
 def test_a_failed_upload_leaves_no_object_and_says_so(s3, tmp_path, monkeypatch):
     fixture = FIXTURES / "tp2_fp32_filtered"
     import s3fs.core

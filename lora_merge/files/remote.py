@@ -146,7 +146,10 @@ class _Lazy:
         if a >= b:
             return
         with self.lock:
-            if not self.punches or not self._missing(a, b, self.gone):
+            if not self.punches:
+                return
+            if not any(x < b and a < y for x, y in self.have):  # nothing of it here (any more): only its reads are done
+                self.gone = _joined(self.gone, a, b)
                 return
             if not _punch_hole(self.path, a, b - a):
                 self.punches = False  # (a file system without holes: the bytes stay until the run ends)
@@ -419,6 +422,7 @@ class RemoteRun:
         _remove_abandoned_roots(self.root.parent)
         self._lazies: list[_Lazy] = []
         self._shadows: list[str] = []
+        self._inputs: dict[str, Path] = {}  # URL -> its shadow
         _OPEN.runs = [*getattr(_OPEN, "runs", ()), self]
         self._count = 0
         self.output: tuple | None = None  # (fs, remote root, url, local staging dir): staged whole, `publish`
@@ -442,6 +446,7 @@ class RemoteRun:
         for shadow in self._shadows:
             _SHADOWS.pop(shadow, None)
         self._shadows = []
+        self._inputs = {}
         if self.mirror is not None:
             self.mirror.close()
             _MIRRORS.pop(str(self.mirror.local), None)
@@ -454,7 +459,11 @@ class RemoteRun:
         return slot
 
     def input(self, url: str) -> Path:
-        """The local shadow of the objects under `url` (a directory of them)."""
+        """The local shadow of the objects under `url` (a directory of them): one per URL, however often it is given
+        (`--base` and `--hf-ref` alike, or an adapter twice, which is then refused as a local one is)."""
+        made = self._inputs.get(url.rstrip("/"))
+        if made is not None:
+            return made
         fs, remote = filesystem(url, self.storage_options)
         prefix = remote.rstrip("/") + "/"
         objects = _objects(fs, remote, url)
@@ -488,6 +497,7 @@ class RemoteRun:
         _SHADOWS[str(shadow)] = _Listing(fs, remote, url.rstrip("/"), {rel: _identity(info)
                                                                          for rel, info in objects.items()})
         self._shadows.append(str(shadow))
+        self._inputs[url.rstrip("/")] = shadow
         return shadow
 
     def output_dir(self, url: str) -> Path:

@@ -165,9 +165,10 @@ class Fp8Ref(TensorRef):
     def load(self) -> Fp8Weight:
         return Fp8Weight(self.loader(), self.scale.load(), self.block)
 
-    def release(self) -> None:
+    def release(self) -> None:  # (the views, not fetched again where the input is at a URL)
         if self.mapped:
-            release_pages(self.loader())
+            release_pages(self.unread())
+        self.scale.release()
 
 
 def _fp8_format(path: Path) -> Fp8Format | None:
@@ -196,7 +197,8 @@ def _pair_fp8_weights(model: HfModel) -> None:
         check_scales(scale.load(), scale.where, pow2=model.fp8.pow2)
         scale.release()
         model.tensors[name] = Fp8Ref(ref.where, ref.shape, torch.float32, ref.loader, ref.mapped, scale=scale,
-                                     block=block, spans=lambda r=ref, s=scale: r.byte_spans() + s.byte_spans())
+                                     block=block, spans=lambda r=ref, s=scale: r.byte_spans() + s.byte_spans(),
+                                     view=ref.view)
     strays = [n for n in model.tensors if n.endswith(SCALE_SUFFIX)]
     if strays:
         raise MergeError(f"{model.tensors[strays[0]].where}: FP8 scales without an FP8 weight {strays[0].removesuffix(SCALE_SUFFIX)}")
