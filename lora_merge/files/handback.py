@@ -3,7 +3,7 @@
 An input at a URL is read through a sparse local shadow file whose ranges are fetched on first use
 (files/remote.py). Without handing them back, the local disk would hold every byte the run reads: the model.
 Before the merge starts, each of its reads of an input range is counted: each task's reads (its tensors and
-LoRA factors), and the CRC32 checker's (the members it checks, the copies it compares), whichever comes first.
+LoRA factors), and the CRC32 checker's (the members it checks, the copies it compares).
 When the last of a range's reads is done, the range's whole pages are punched out of the shadow file, on a
 thread of this module's own (a writer thread that finishes a piece never waits for it), and forgotten as
 fetched. The local disk then holds about the read-ahead distance, whatever the model's size.
@@ -105,8 +105,8 @@ class Reads:
 
 
 class Handback:
-    """The counted reads of one run's inputs at a URL (see the module's docstring); `active` only where the run
-    reads a shadow file, else every call is a no-op."""
+    """The counted reads of one run's inputs at a URL (see the module's docstring); made only where the run reads a
+    shadow file (merge_pipeline.execute)."""
 
     def __init__(self):
         self._counts: dict[str, _Counts] = {}
